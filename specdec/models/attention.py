@@ -1,0 +1,109 @@
+"""Attention over the paged KV cache, behind a small interface.
+
+A backend turns the step's AttentionMetadata into whatever per-step state it
+needs once (`prepare`), then every layer calls `forward` with that state.
+Other backends (FlashAttention/FlashInfer on GPU) join by registering a
+class under a name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdec.models.kv_cache import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 sliding_window: int | None = None):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.sliding_window = sliding_window
+
+    @abstractmethod
+    def prepare(self, meta: AttentionMetadata) -> object:
+        """Per-step state shared by all layers."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                state: object) -> torch.Tensor:
+        """q: [T, H, D]; k_cache, v_cache: [slots, Hkv, D] of one layer, with this
+        step's keys and values already written. Returns [T, H, D]."""
+
+
+@dataclass(slots=True)
+class _SdpaState:
+    kv_slots: torch.Tensor  # [B, L] cache slot of each key position (L = max blocks * block_size)
+    pad_index: torch.Tensor  # [T] index of each token in the padded [B * Qmax] query layout
+    mask: torch.Tensor | None  # [B, 1, Qmax, L] bool, True = attend; None = attend to all
+    batch: int
+    max_query: int
+
+
+class SdpaBackend(AttentionBackend):
+    """torch scaled_dot_product_attention on a padded view of the ragged batch.
+
+    Keys are gathered per sequence from its blocks ([B, L, Hkv, D]); queries are
+    scattered into [B, Qmax]. The mask encodes causality at each query's true
+    position, the sequence's length and the sliding window, so padding never
+    leaks into real outputs.
+    """
+
+    def prepare(self, meta: AttentionMetadata) -> _SdpaState:
+        dev = meta.positions.device
+        bs = meta.block_size
+        batch, max_q = meta.batch_size, max(meta.query_lens)
+        num_blocks = -(-meta.max_seq_len // bs)
+        tables = meta.block_tables[:, :num_blocks]  # [B, nb]
+        kv_slots = (tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(batch, -1)
+        q_lens = meta.query_start[1:] - meta.query_start[:-1]  # [B]
+        seq_of_token = torch.repeat_interleave(torch.arange(batch, device=dev), q_lens)  # [T]
+        offset_in_seq = torch.arange(meta.num_tokens, device=dev) - meta.query_start[seq_of_token]
+        pad_index = seq_of_token * max_q + offset_in_seq
+        # Position of every padded query; padding rows look at key 0 only, so
+        # their softmax stays finite (their outputs are dropped).
+        q_pos = torch.zeros(batch * max_q, dtype=torch.int64, device=dev)
+        q_pos[pad_index] = meta.positions
+        q_pos = q_pos.view(batch, max_q, 1)
+        k_pos = torch.arange(kv_slots.shape[1], device=dev).view(1, 1, -1)
+        single_decode = max_q == 1 and self.sliding_window is None and batch == 1
+        if single_decode:
+            # One query at the end of one sequence: every gathered key up to
+            # the length is visible; trim the gather instead of masking.
+            kv_slots = kv_slots[:, : meta.max_seq_len]
+            mask = None
+        else:
+            mask = k_pos <= q_pos
+            if self.sliding_window is not None:
+                mask = mask & (k_pos > q_pos - self.sliding_window)
+            mask = mask[:, None]
+        return _SdpaState(kv_slots, pad_index, mask, batch, max_q)
+
+    def forward(self, q, k_cache, v_cache, state: _SdpaState) -> torch.Tensor:
+        b, max_q = state.batch, state.max_query
+        num_tokens, heads, dim = q.shape
+        flat = state.kv_slots.reshape(-1)
+        kv_shape = (*state.kv_slots.shape, *k_cache.shape[1:])  # [B, L, Hkv, D]
+        k = k_cache.index_select(0, flat).view(kv_shape).transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_cache.index_select(0, flat).view(kv_shape).transpose(1, 2)
+        if b * max_q == num_tokens:
+            qp = q.view(b, max_q, heads, dim)
+        else:
+            qp = q.new_zeros(b * max_q, heads, dim).index_copy_(0, state.pad_index, q)
+            qp = qp.view(b, max_q, heads, dim)
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), k, v, attn_mask=state.mask,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )  # [B, H, Qmax, D]
+        out = out.transpose(1, 2).reshape(b * max_q, heads, dim)
+        if b * max_q == num_tokens:
+            return out
+        return out.index_select(0, state.pad_index)
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"sdpa": SdpaBackend}

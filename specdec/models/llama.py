@@ -1,0 +1,200 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) over a
+ragged batch and a paged KV cache.
+
+Tokens of all sequences are flattened into one [T] batch for every
+projection and MLP; only attention sees sequences, through the backend.
+q/k/v and gate/up projections are fused into one matmul each (fewer, larger
+kernels: on CPU the step is bound by reading weights and by per-op
+overhead). Logits are computed only at the positions asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.models.attention import ATTENTION_BACKENDS, AttentionBackend
+from specdec.models.config import ModelConfig
+from specdec.models.kv_cache import AttentionMetadata, PagedKVCache
+from specdec.models.rope import RotaryEmbedding, apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalised in float32 whatever the model dtype, then scaled in the model
+    dtype, as the reference implementation does (the logit tests check it)."""
+    if x.dtype == torch.float32:
+        # Same arithmetic as below; one fused kernel instead of seven ops.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What every layer needs for one forward pass."""
+
+    meta: AttentionMetadata
+    cache: PagedKVCache
+    attn_state: object
+    cos: torch.Tensor  # [T, 1, head_dim]
+    sin: torch.Tensor  # [T, 1, head_dim], first half negated (see rope.apply_rotary)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, backend: AttentionBackend):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.backend = backend
+
+    def attend(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        # Called as a plain method, and projections through F.linear: on CPU
+        # at batch 1, module-call overhead is a visible share of a step.
+        t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = qkv.view(t, h + 2 * hkv, self.head_dim)  # [T, H + 2 Hkv, D]
+        v = qkv[:, h + hkv:]
+        if self.q_norm is not None:
+            q = apply_rotary(self.q_norm(qkv[:, :h]), ctx.cos, ctx.sin)
+            k = apply_rotary(self.k_norm(qkv[:, h:h + hkv]), ctx.cos, ctx.sin)
+        else:
+            # q and k share the rotation: one pass over [T, H + Hkv, D].
+            qk = apply_rotary(qkv[:, :h + hkv], ctx.cos, ctx.sin)
+            q, k = qk[:, :h], qk[:, h:]
+        ctx.cache.write(self.layer, ctx.meta.slot_mapping, k, v)
+        out = self.backend.forward(q, ctx.cache.k[self.layer], ctx.cache.v[self.layer], ctx.attn_state)
+        return F.linear(out.reshape(t, self.q_size), self.o_proj.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def apply_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj.weight).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        x = x + self.self_attn.attend(rms_norm(x, ln1.weight, ln1.eps), ctx)
+        return x + self.mlp.apply_mlp(rms_norm(x, ln2.weight, ln2.eps))
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: torch.Tensor | None  # [N, vocab] at the requested positions
+    # Hidden states of the requested layers at the requested positions:
+    # [num_requested_layers, M, hidden], or None when none were asked for.
+    hidden_states: torch.Tensor | None
+
+
+class LlamaForCausalLM(nn.Module):
+    """Hidden-state layer numbering follows Hugging Face's output_hidden_states:
+    0 is the embedding output, i the output of decoder layer i (1-based), and
+    num_layers the final-norm output."""
+
+    def __init__(self, cfg: ModelConfig, attention: str = "sdpa"):
+        super().__init__()
+        self.config = cfg
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {attention!r}; have {sorted(ATTENTION_BACKENDS)}")
+        self.attn_backend = ATTENTION_BACKENDS[attention](
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.attn_backend) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def make_kv_cache(self, num_blocks: int, block_size: int = 16,
+                      dtype: torch.dtype | None = None) -> PagedKVCache:
+        return PagedKVCache.for_model(self.config, num_blocks, block_size,
+                                      dtype or self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+        logits_indices: torch.Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
+        hidden_indices: torch.Tensor | None = None,
+    ) -> ForwardOutput:
+        """input_ids: [T] new tokens laid out as in `meta` (already planned in
+        `cache`). logits_indices: [N] token indices whose next-token logits are
+        wanted (default: each sequence's last token; empty tensor for none).
+        hidden_indices: [M] token indices for hidden_layers (default: all T)."""
+        if logits_indices is None:
+            logits_indices = meta.last_token_indices()
+        cos, sin = self.rotary.cos_sin(meta.positions, self.dtype)
+        ctx = StepContext(meta, cache, self.attn_backend.prepare(meta), cos, sin)
+        wanted = set(hidden_layers)
+        for i in wanted:
+            if not 0 <= i <= self.config.num_layers:
+                raise ValueError(f"hidden layer {i} outside 0..{self.config.num_layers}")
+        captured: dict[int, torch.Tensor] = {}
+
+        def capture(i: int, h: torch.Tensor) -> None:
+            if i in wanted:
+                captured[i] = h if hidden_indices is None else h.index_select(0, hidden_indices)
+
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        capture(0, x)
+        last = self.config.num_layers
+        for i, layer in enumerate(self.layers, start=1):
+            x = layer(x, ctx)
+            if i < last:
+                capture(i, x)
+        if last in wanted:
+            capture(last, self.norm(x))
+        logits = None
+        if logits_indices.numel():
+            logits = self.lm_head(self.norm(x.index_select(0, logits_indices)))
+        hidden = torch.stack([captured[i] for i in hidden_layers]) if hidden_layers else None
+        return ForwardOutput(logits, hidden)

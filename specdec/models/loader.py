@@ -1,0 +1,128 @@
+"""Load a Llama-family model from a Hugging Face directory (config.json plus
+model.safetensors, or shards listed in model.safetensors.index.json)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from specdec.models.config import ModelConfig
+from specdec.models.llama import LlamaForCausalLM
+from specdec.models.rope import inv_frequencies
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+# Hugging Face names of the projections we fuse: (our parameter, shard index).
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"{model_dir}: no safetensors weights")
+    return found
+
+
+def _shard_bounds(model: LlamaForCausalLM, fused: str, shard: int) -> tuple[int, int]:
+    cfg = model.config
+    if fused.endswith("qkv_proj"):
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        starts = [0, q, q + kv, q + 2 * kv]
+    else:
+        i = cfg.intermediate_size
+        starts = [0, i, 2 * i]
+    return starts[shard], starts[shard + 1]
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu", attention: str = "sdpa") -> LlamaForCausalLM:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    dtype = parse_dtype(dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, attention=attention)
+    model = model.to_empty(device=device).to(dtype)
+    # Built on the meta device, the RoPE table holds no values yet.
+    model.rotary.inv_freq = inv_frequencies(cfg).to(device)
+    if cfg.tie_word_embeddings:  # to_empty breaks parameter sharing
+        model.lm_head.weight = model.embed_tokens.weight
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: dict[str, int] = {}  # parameter -> rows written (fused ones fill in parts)
+    unexpected: list[str] = []
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                target, rows = _target(model, name)
+                if target is None or target not in params:
+                    unexpected.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                param = params[target]
+                dest = param.data if rows is None else param.data[rows[0]:rows[1]]
+                if tuple(dest.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"{model_dir}: tensor {name} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(dest.shape)} from config.json")
+                dest.copy_(tensor.to(dtype))
+                filled[target] = filled.get(target, 0) + tensor.shape[0]
+    if unexpected:
+        raise ValueError(f"{model_dir}: unexpected tensors {unexpected[:8]}"
+                         f"{' ...' if len(unexpected) > 8 else ''}")
+    missing = [n for n, p in params.items()
+               if filled.get(n, 0) != p.shape[0]
+               and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"{model_dir}: missing tensors for {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    return model.eval()
+
+
+def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str | None, tuple[int, int] | None]:
+    """Our parameter name for a Hugging Face tensor name, and the rows it fills
+    when the parameter is a fused projection."""
+    if hf_name == "model.embed_tokens.weight":
+        return "embed_tokens.weight", None
+    if hf_name == "model.norm.weight":
+        return "norm.weight", None
+    if hf_name == "lm_head.weight":
+        return "lm_head.weight", None
+    m = _LAYER.match(hf_name)
+    if not m:
+        return None, None
+    layer, module, kind = m.groups()
+    if module in _FUSED:
+        fused, shard = _FUSED[module]
+        return f"layers.{layer}.{fused}.{kind}", _shard_bounds(model, fused, shard)
+    return f"layers.{layer}.{module}.{kind}", None

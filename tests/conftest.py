@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _deterministic_threads():
+    # The machines this runs on have 2 cores; oversubscription only adds noise.
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The prepared default model; `make test` prepares it first."""
+    from specdec.models.prepare import default_model_dir
+
+    path = default_model_dir()
+    if not (path / "config.json").is_file():
+        pytest.fail(f"default model not prepared at {path}: run `make model`")
+    return path
