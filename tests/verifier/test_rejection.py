@@ -1,0 +1,373 @@
+"""Rejection sampler: greedy exactness, sampled outputs follow the target distribution,
+seeded reproducibility, the Triton kernel equals the torch reference bit for bit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verifier.sampling.params import SamplingMetadata, SamplingParams
+from verifier.sampling.rejection import (
+    PLACEHOLDER_TOKEN_ID,
+    apply_sampling,
+    draw_random,
+    rejection_sample,
+    rejection_sample_from_random,
+)
+from verifier.sampling.rejection_triton import (
+    HAS_TRITON,
+    rejection_sample_from_random_triton,
+)
+
+
+def ragged(num_draft_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row index of each request's first target row [B] and the K tensor [B]."""
+    k = torch.tensor(num_draft_tokens, dtype=torch.int64)
+    return k.cumsum(0) - k + torch.arange(len(k)), k
+
+
+# --- parameters --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+    ],
+)
+def test_invalid_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_valid_params_and_metadata():
+    for top_k in (-1, 0, 1, 50):
+        SamplingParams(temperature=0.0, top_k=top_k, top_p=1.0, min_p=1.0, seed=0)
+    params = [SamplingParams(temperature=0.0), SamplingParams(seed=3), SamplingParams(top_k=-1)]
+    shared = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="generators"):
+        SamplingMetadata.from_params(params, [None, None, None], shared)
+    own = params[1].make_generator()
+    meta = SamplingMetadata.from_params(params, [None, own, None], shared)
+    assert meta.is_greedy.tolist() == [True, False, False]
+    assert meta.generators[0] is shared and meta.generators[1] is own
+    assert meta.generators[2] is shared
+    assert meta.top_k is None and meta.top_p is None and meta.min_p is None  # -1 is off
+    assert not meta.all_greedy and SamplingMetadata.make_dummy(4, temperature=0).all_greedy
+
+
+def test_apply_sampling_filters_in_vllm_order():
+    probs = torch.tensor([0.45, 0.35, 0.15, 0.05])
+    logits = probs.log()[None]  # [1, 4]
+    one = torch.ones(1, dtype=torch.int64)
+
+    def filtered(**kwargs) -> list[float]:
+        meta = SamplingMetadata.make_dummy(1, **kwargs)
+        return apply_sampling(logits, meta, one)[0].tolist()
+
+    assert filtered() == pytest.approx(probs.tolist())
+    assert filtered(temperature=0.5) == pytest.approx((probs**2 / (probs**2).sum()).tolist())
+    assert filtered(top_k=2) == pytest.approx([0.5625, 0.4375, 0, 0])
+    assert filtered(top_p=0.75) == pytest.approx([0.5625, 0.4375, 0, 0])
+    assert filtered(top_p=0.82) == pytest.approx([0.45 / 0.95, 0.35 / 0.95, 0.15 / 0.95, 0])
+    assert filtered(min_p=0.2) == pytest.approx([0.45 / 0.95, 0.35 / 0.95, 0.15 / 0.95, 0])
+    # min-p comes before top-p: top-p then sees mass renormalised over the first three
+    # tokens and keeps two; the other order would keep three.
+    assert filtered(min_p=0.2, top_p=0.82) == pytest.approx([0.5625, 0.4375, 0, 0])
+
+
+# --- greedy ------------------------------------------------------------------------
+
+
+def argmax_walk(logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    """What greedy decoding emits given K drafts: accept while draft == argmax, then argmax."""
+    out = []
+    for j, x in enumerate(drafts):
+        best = int(logits[j].argmax())
+        out.append(best)
+        if best != x:
+            return out
+    return out + [int(logits[len(drafts)].argmax())]
+
+
+@pytest.mark.parametrize("dense_q", [False, True])
+def test_greedy_is_the_argmax_walk(dense_q):
+    gen = torch.Generator().manual_seed(0)
+    vocab_size = 50
+    counts = [3, 3, 0, 4, 1]
+    row_start, k = ragged(counts)
+    logits = torch.randn(int(k.sum()) + len(counts), vocab_size, generator=gen)
+    argmax = logits.argmax(-1)
+    drafts = []
+    for i, n in enumerate(counts):
+        right = argmax[row_start[i] : row_start[i] + n].tolist()
+        if i == 1:  # first draft right, second wrong
+            right[1] = (right[1] + 1) % vocab_size
+        if i == 4:  # the only draft wrong
+            right[0] = (right[0] + 7) % vocab_size
+        drafts.append(right)
+    draft_ids = torch.tensor(sum(drafts, []), dtype=torch.int64)
+    q = torch.rand(len(draft_ids), vocab_size, generator=gen).softmax(-1) if dense_q else None
+
+    out, num_accepted = rejection_sample(logits, draft_ids, q, k, SamplingMetadata.make_dummy(
+        len(counts), temperature=0.0))
+
+    assert out.shape == (len(counts), max(counts) + 1)
+    for i, n in enumerate(counts):
+        expected = argmax_walk(logits[row_start[i] : row_start[i] + n + 1], drafts[i])
+        row = out[i].tolist()
+        assert row == expected + [PLACEHOLDER_TOKEN_ID] * (out.shape[1] - len(expected))
+        assert int(num_accepted[i]) == len(expected) - 1
+    assert num_accepted.tolist() == [3, 1, 0, 4, 0]  # all right -> K + 1 tokens with the bonus
+
+
+def test_greedy_requests_ignore_sampled_neighbours():
+    gen = torch.Generator().manual_seed(1)
+    vocab_size, counts = 40, [2, 3, 2]
+    row_start, k = ragged(counts)
+    logits = torch.randn(int(k.sum()) + 3, vocab_size, generator=gen)
+    drafts = torch.randint(0, vocab_size, (int(k.sum()),), generator=gen)
+    drafts[0] = logits[0].argmax()  # request 0 gets its first draft right
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=5),
+              SamplingParams(temperature=0.0)]
+    meta = SamplingMetadata.from_params(params, [None] * 3, torch.Generator().manual_seed(0))
+    out, _ = rejection_sample(logits, drafts, None, k, meta)
+    for i in (0, 2):
+        expected = argmax_walk(logits[row_start[i] :], drafts[k[:i].sum() :][: counts[i]].tolist())
+        assert out[i, : len(expected)].tolist() == expected
+
+
+# --- distribution ------------------------------------------------------------------
+
+VOCAB = 6
+NUM_SAMPLES = 20_000
+
+
+def markov_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits [V, V] and draft probabilities [V, V]; row = previous token."""
+    gen = torch.Generator().manual_seed(1234)
+    target_logits = torch.randn(VOCAB, VOCAB, generator=gen)
+    # Near the target, as a useful draft is, so that drafts are often accepted.
+    draft_probs = (target_logits + torch.randn(VOCAB, VOCAB, generator=gen)).softmax(-1)
+    return target_logits, draft_probs
+
+
+def filtered_table(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                   min_p: float) -> torch.Tensor:
+    """The target distribution each row defines, written out independently of the sampler."""
+    table = torch.zeros_like(logits, dtype=torch.float64)
+    for prev, row in enumerate(logits.double()):
+        probs = (row / temperature).softmax(-1)
+        keep = [v for v in range(len(row)) if probs[v] >= min_p * probs.max()]
+        keep.sort(key=lambda v: -probs[v])
+        if top_k > 0:
+            keep = keep[:top_k]
+        mass = sum(probs[v] for v in keep)
+        kept_mass, top = 0.0, []
+        for v in keep:  # the smallest top set whose renormalised mass reaches top_p
+            if kept_mass >= top_p:
+                break
+            top.append(v)
+            kept_mass += probs[v] / mass
+        for v in top:
+            table[prev, v] = probs[v]
+        table[prev] /= table[prev].sum()
+    return table
+
+
+def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    stat = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor(len(observed) - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, stat / 2))  # the chi-square survival function
+
+
+@pytest.mark.parametrize("dense_q", [False, True], ids=["one_hot_q", "dense_q"])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p", "min_p"),
+    [(1.0, 0, 1.0, 0.0), (0.7, 4, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.3, 0, 1.0, 0.15)],
+    ids=["plain", "t0.7_topk4", "topp0.8", "t1.3_minp0.15"],
+)
+def test_two_tokens_follow_the_target(dense_q, temperature, top_k, top_p, min_p):
+    """One step with drafts from q; the first two tokens must be ~ p(t1) p(t2 | t1).
+
+    20,000 requests draft K=2; 10,000 more, interleaved, draft K=1, so that their second
+    token is the bonus token whenever the draft is accepted.
+    """
+    target_logits, q_table = markov_tables()
+    p_table = filtered_table(target_logits, temperature, top_k, top_p, min_p)  # [V, V]
+    gen = torch.Generator().manual_seed(7)
+    prev = 0
+    k = torch.tensor([2, 2, 1]).repeat(NUM_SAMPLES // 2)  # [n]
+    n = len(k)
+
+    x1 = torch.multinomial(q_table[prev], n, replacement=True, generator=gen)  # [n]
+    x2 = torch.multinomial(q_table[x1], 1, generator=gen)[:, 0]  # [n]
+    prevs = torch.full_like(x1, prev)
+    # Ragged: request i drafts x1 (and x2); its target rows follow prev, x1 (and x2).
+    is_draft = torch.arange(2) < k[:, None]  # [n, 2]
+    drafts = torch.stack([x1, x2], dim=1)[is_draft]  # [sum K]
+    draft_contexts = torch.stack([prevs, x1], dim=1)[is_draft]  # [sum K]
+    contexts = torch.stack([prevs, x1, x2], dim=1)[torch.arange(3) < k[:, None] + 1]  # [sum K + n]
+    meta = SamplingMetadata.make_dummy(n, temperature=temperature, top_k=top_k, top_p=top_p,
+                                       min_p=min_p, seed=11)
+    out, num_accepted = rejection_sample(
+        target_logits[contexts], drafts, q_table[draft_contexts] if dense_q else None, k, meta)
+
+    t1 = out[:, 0]
+    # A rejection at the first draft emits one token; the next plain step would sample t2.
+    next_plain = torch.multinomial(p_table[t1].float(), 1, generator=gen)[:, 0]
+    t2 = torch.where(num_accepted >= 1, out[:, 1], next_plain)
+    for num_drafts in (2, 1):
+        mine = k == num_drafts
+        pairs = t1[mine] * VOCAB + t2[mine]
+        observed = torch.bincount(pairs, minlength=VOCAB * VOCAB).double()  # [V * V]
+        expected = int(mine.sum()) * (p_table[prev][:, None] * p_table).reshape(-1)
+        possible = expected > 0
+        assert observed[~possible].sum() == 0, "emitted a token the target filters out"
+        assert expected[possible].min() > 5  # chi-square needs populated cells
+        p_value = chi_square_p_value(observed[possible], expected[possible])
+        assert p_value > 1e-3, f"K={num_drafts}: p-value {p_value:.2e}"
+    # Both acceptance and rejection happen, at both positions.
+    assert set(num_accepted[k == 2].tolist()) == {0, 1, 2}
+
+
+# --- seeds -------------------------------------------------------------------------
+
+
+def build_step(requests: list[dict]):
+    """Concatenate per-request (logits [K+1, V], drafts [K], q [K, V], params) into a batch."""
+    logits = torch.cat([r["logits"] for r in requests])
+    drafts = torch.cat([r["drafts"] for r in requests])
+    q = torch.cat([r["q"] for r in requests])
+    k = torch.tensor([len(r["drafts"]) for r in requests], dtype=torch.int64)
+    params = [r["params"] for r in requests]
+    meta = SamplingMetadata.from_params(params, [p.make_generator() for p in params],
+                                        torch.Generator().manual_seed(99))
+    return rejection_sample(logits, drafts, q, k, meta)
+
+
+def make_request(gen: torch.Generator, num_drafts: int, vocab_size: int, params) -> dict:
+    q = (torch.randn(num_drafts, vocab_size, generator=gen) * 2).softmax(-1)
+    drafts = torch.multinomial(q, 1, generator=gen)[:, 0] if num_drafts else q.new_zeros(0).long()
+    # A target close to the draft, so that acceptance and rejection both happen.
+    logits = torch.randn(num_drafts + 1, vocab_size, generator=gen) * 0.5
+    logits[:num_drafts] += q.log()
+    return {"logits": logits, "drafts": drafts, "q": q, "params": params}
+
+
+def test_seeded_request_is_independent_of_its_batch():
+    vocab_size = 64
+    outcomes = set()
+    for seed in range(12):
+        gen = torch.Generator().manual_seed(seed)
+        mine = make_request(gen, 3, vocab_size, SamplingParams(top_p=0.9, seed=1000 + seed))
+        others = [
+            make_request(gen, 1, vocab_size, SamplingParams()),
+            make_request(gen, 0, vocab_size, SamplingParams(temperature=0.8)),
+            make_request(gen, 4, vocab_size, SamplingParams(seed=5)),
+            make_request(gen, 2, vocab_size, SamplingParams(temperature=0.0)),
+        ]
+        alone, alone_accepted = build_step([mine])
+        batched, batched_accepted = build_step(others[:2] + [mine] + others[2:])
+        assert batched[2, :4].tolist() == alone[0].tolist()
+        assert int(batched_accepted[2]) == int(alone_accepted[0])
+        outcomes.add(tuple(alone[0].tolist()))
+    assert len(outcomes) > 6  # the seed, not the inputs alone, decides the output
+
+
+# --- Triton ------------------------------------------------------------------------
+
+
+def random_step(gen: torch.Generator, dense_q: bool, vocab_size: int = 2500):
+    """Inputs of rejection_sample_from_random covering its branches.
+
+    K_i includes 0; greedy and sampled requests mix; top-k leaves exact zeros in p; drafts
+    are often the target's favourite so that acceptance runs deep. With dense q, request 1
+    has q = p (always accepted) and request 2 has q = 2p (residual zero everywhere).
+    """
+    counts = [0, 3, 4, 1, 5, 2, 0, 3, 2, 4, 1, 3]
+    row_start, k = ragged(counts)
+    num_rows = int(k.sum()) + len(counts)
+    logits = torch.randn(num_rows, vocab_size, generator=gen) * 3
+    params = [
+        SamplingParams(temperature=0.0) if i % 4 == 3
+        else SamplingParams(temperature=0.9, top_k=20 if i % 3 == 0 else 0, seed=i)
+        for i in range(len(counts))
+    ]
+    meta = SamplingMetadata.from_params(params, [p.make_generator() for p in params],
+                                        torch.Generator().manual_seed(0))
+    target_probs = apply_sampling(logits, meta, k + 1)
+    draft_rows = torch.cat([torch.arange(s, s + n) for s, n in zip(row_start.tolist(), counts,
+                                                                     strict=True)])
+    drafts = torch.where(
+        torch.rand(len(draft_rows), generator=gen) < 0.8,
+        target_probs[draft_rows].argmax(-1),
+        torch.randint(0, vocab_size, (len(draft_rows),), generator=gen),
+    )
+    q = None
+    if dense_q:
+        q = (torch.randn(len(draft_rows), vocab_size, generator=gen) * 3).softmax(-1)
+        q = 0.5 * q + 0.5 * target_probs[draft_rows]
+        first = int(k[:1].sum())
+        q[first : first + counts[1]] = target_probs[draft_rows[first : first + counts[1]]]
+        first = int(k[:2].sum())
+        q[first : first + counts[2]] = 2 * target_probs[draft_rows[first : first + counts[2]]]
+    uniform, exp_noise = draw_random(k, vocab_size, meta)
+    return (target_probs, logits.argmax(-1), drafts, q, k, meta.is_greedy, uniform, exp_noise)
+
+
+# Triton decorates its own library (tl.max, ...) when first imported, so interpret mode
+# must be on before any `import triton` in the process, and in a full test run something
+# (torch._dynamo, via transformers) has imported it long before this module. Without CUDA
+# the comparison therefore runs in a child pytest that starts with TRITON_INTERPRET=1.
+TRITON_RUNS_HERE = HAS_TRITON and (
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the `gpu` extra)")
+def test_triton_kernel_equals_reference_interpreted():
+    if TRITON_RUNS_HERE:
+        pytest.skip("the kernel runs in this process: see test_triton_kernel_equals_reference")
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         f"{__file__}::test_triton_kernel_equals_reference"],
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True, text=True, timeout=300,
+    )
+    assert child.returncode == 0 and "2 passed" in child.stdout, child.stdout + child.stderr
+
+
+@pytest.mark.skipif(
+    not TRITON_RUNS_HERE, reason="no CUDA: runs in a child with TRITON_INTERPRET=1 (_interpreted)"
+)
+@pytest.mark.parametrize("dense_q", [False, True], ids=["one_hot_q", "dense_q"])
+def test_triton_kernel_equals_reference(dense_q):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    accepted, rejected = 0, 0
+    for _ in range(3):
+        inputs = [x.to(device) if x is not None else None for x in random_step(gen, dense_q)]
+        ref_out, ref_accepted = rejection_sample_from_random(*inputs)
+        out, num_accepted = rejection_sample_from_random_triton(*inputs)
+        assert torch.equal(out, ref_out)
+        assert torch.equal(num_accepted, ref_accepted)
+        accepted += int(ref_accepted.sum())
+        rejected += int((ref_accepted < inputs[4]).sum())
+    assert accepted > 0 and rejected > 0

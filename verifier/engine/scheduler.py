@@ -1,0 +1,109 @@
+"""Which sequences run in the next step, with how many tokens each.
+
+Running sequences come first (in admission order), then waiting ones are
+admitted while the KV cache and the token budget allow. A decoding sequence
+asks for 1 + K tokens; when the cache is short it drops to K = 0, and if
+even one token does not fit, the most recently admitted sequence is
+preempted (its KV freed, to be recomputed later). Requests wait, never
+fail, when the cache is full.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specdec.models import PagedKVCache
+from verifier.engine.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class Scheduled:
+    seq: Sequence
+    num_tokens: int  # prefill: chunk length; decode: 1 + K (upper bound; drafts may be fewer)
+    is_prefill: bool
+
+    @property
+    def k(self) -> int:
+        return 0 if self.is_prefill else self.num_tokens - 1
+
+
+class Scheduler:
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.free(seq.seq_id)
+
+    def wanted_k(self, seq: Sequence, k_max: int) -> int:
+        """K for a decoding sequence: never draft past max_tokens or the model length."""
+        room = min(seq.request.max_tokens - seq.num_output, self.max_model_len - len(seq.tokens))
+        return max(0, min(seq.request.num_speculative_tokens, k_max, room - 1))
+
+    def schedule(self, k_max: int) -> list[Scheduled]:
+        budget = self.max_num_batched_tokens
+        batch: list[Scheduled] = []
+        reserved = 0  # KV blocks promised to this batch; the cache allocates them at plan time
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or budget <= 0:
+                continue
+            if seq.in_prefill:
+                n = min(len(seq.tokens) - seq.num_computed, budget)
+                item = Scheduled(seq, n, True)
+            else:
+                item = Scheduled(seq, 1 + min(self.wanted_k(seq, k_max), budget - 1), False)
+            if not self._fit(item, batch, reserved):
+                continue
+            batch.append(item)
+            budget -= item.num_tokens
+            reserved += self.cache.blocks_needed(seq.seq_id, item.num_tokens)
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            need = self.cache.blocks_needed(seq.seq_id, n)
+            if need > self.cache.num_free_blocks - reserved:
+                break  # wait for room; never fail
+            self.waiting.popleft()
+            self.cache.add(seq.seq_id)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.append(Scheduled(seq, n, True))
+            budget -= n
+            reserved += need
+        return batch
+
+    def _fit(self, item: Scheduled, batch: list[Scheduled], reserved: int) -> bool:
+        """Make room in the cache for `item`: drop its K, then preempt the
+        newest other running sequence not already in this batch."""
+        seq = item.seq
+        while (self.cache.blocks_needed(seq.seq_id, item.num_tokens)
+               > self.cache.num_free_blocks - reserved):
+            if not item.is_prefill and item.num_tokens > 1:
+                item.num_tokens = 1
+                continue
+            in_batch = {s.seq.seq_id for s in batch}
+            victims = [s for s in self.running if s is not seq and s.seq_id not in in_batch]
+            if not victims:
+                return False
+            self._preempt(victims[-1])
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)

@@ -1,0 +1,74 @@
+"""A request as the engine sees it, and its per-sequence state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from verifier.sampling.params import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_tokens or max model length reached
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    CANCELLED = "cancelled"
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    num_speculative_tokens: int = 0  # K wanted; 0 = plain decoding
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        self.stop_token_ids = frozenset(self.stop_token_ids)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    request: Request
+    tokens: list[int]  # prompt + output so far
+    generator: torch.Generator | None  # the request's own RNG when seeded
+    status: Status = Status.WAITING
+    num_computed: int = 0  # leading tokens whose KV is in the cache
+    finish_reason: FinishReason | None = None
+    num_drafted: int = 0  # totals for statistics
+    num_accepted: int = 0
+    num_steps: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than the last token still lacks KV: the next step is a (chunked) prefill."""
+        return self.num_computed < len(self.tokens) - 1

@@ -1,0 +1,1 @@
+"""The verifier's sampling: per-request parameters and speculative rejection sampling."""

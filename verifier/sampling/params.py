@@ -1,0 +1,143 @@
+"""Sampling parameters: one request's (`SamplingParams`) and a batch's (`SamplingMetadata`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Temperatures below this are treated as greedy, as vLLM does: dividing logits by a
+# near-zero temperature only approaches argmax, at the risk of overflow.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request samples. Filters apply in vLLM's order: temperature, min-p, top-k, top-p."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 or -1 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int | None = None  # None = the engine's shared generator
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int, 0 or -1 (off) or >= 1, got {self.top_k!r}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 2**64
+        ):
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """The request's own generator, or None when it is unseeded.
+
+        The engine makes it once per request and keeps it across steps: re-seeding every
+        step would replay the same random numbers at every step.
+        """
+        if self.seed is None:
+            return None
+        return torch.Generator(device=device).manual_seed(self.seed)
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Sampling parameters of a batch of B requests, as tensors on the logits' device.
+
+    The optional filters are None when no request in the batch uses them, so the
+    sampler skips their sort without a device sync.
+    """
+
+    temperature: torch.Tensor  # [B] float32; meaningless where is_greedy
+    is_greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor | None  # [B] int64, 0 = off
+    top_p: torch.Tensor | None  # [B] float32, 1 = off
+    min_p: torch.Tensor | None  # [B] float32, 0 = off
+    # [B]: a seeded request's own generator; unseeded requests share one object.
+    generators: list[torch.Generator]
+    all_greedy: bool
+
+    def __post_init__(self) -> None:
+        batch_size = self.temperature.shape[0]
+        for name in ("is_greedy", "top_k", "top_p", "min_p"):
+            value = getattr(self, name)
+            if value is not None and value.shape != (batch_size,):
+                raise ValueError(f"{name} must have shape ({batch_size},), "
+                                 f"got {tuple(value.shape)}")
+        if len(self.generators) != batch_size:
+            raise ValueError(f"generators must have {batch_size} entries, "
+                             f"got {len(self.generators)}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        shared_generator: torch.Generator,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Batch per-request params.
+
+        `generators[i]` is request i's own generator (kept by the engine, made by
+        `SamplingParams.make_generator`) or None for an unseeded request, which then
+        draws from `shared_generator`.
+        """
+        if len(generators) != len(params):
+            raise ValueError(f"generators must have {len(params)} entries, got {len(generators)}")
+        for i, (p, g) in enumerate(zip(params, generators, strict=True)):
+            if p.seed is not None and g is None:
+                raise ValueError(f"generators[{i}] is None but request {i} has a seed")
+
+        greedy = [p.is_greedy for p in params]
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device)
+
+        def optional_column(values: list, dtype: torch.dtype, off: float) -> torch.Tensor | None:
+            # Greedy requests' filters never matter: their argmax is taken on raw logits.
+            used = any(v != off and not g for v, g in zip(values, greedy, strict=True))
+            return column(values, dtype) if used else None
+
+        return cls(
+            temperature=column([p.temperature for p in params], torch.float32),
+            is_greedy=column(greedy, torch.bool),
+            top_k=optional_column([max(p.top_k, 0) for p in params], torch.int64, 0),  # -1 -> 0
+            top_p=optional_column([p.top_p for p in params], torch.float32, 1.0),
+            min_p=optional_column([p.min_p for p in params], torch.float32, 0.0),
+            generators=[g if g is not None else shared_generator for g in generators],
+            all_greedy=all(greedy),
+        )
+
+    @classmethod
+    def make_dummy(
+        cls,
+        batch_size: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int = 0,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """B identical unseeded requests sharing one generator seeded with `seed` (for tests)."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        shared = torch.Generator(device=device).manual_seed(seed)
+        return cls.from_params([params] * batch_size, [None] * batch_size, shared, device)

@@ -1,0 +1,264 @@
+"""Rejection sampling for speculative decoding: the pure-torch reference.
+
+Speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding
+with Speculative Sampling") turns K drafted tokens and one target forward over them
+into 1..K+1 tokens distributed exactly as the target would have sampled them:
+
+- accepted tokens: draft x at position j is kept with probability min(1, p_j(x) / q_j(x))
+  (greedy: when x == argmax of the raw logits), provided every earlier draft was kept.
+- recovered token: at the first rejected position j, a token sampled instead from
+  norm(max(0, p_j - q_j)) (greedy: the argmax). Accepted prefix + recovered token are
+  distributed exactly as p.
+- bonus token: when all K drafts are accepted, one more token sampled from p at the last
+  row, which the forward computed anyway.
+- output tokens = accepted tokens + (recovered token or bonus token).
+
+p is the target distribution after temperature, min-p, top-k and top-p (vLLM's order).
+Drafts without probabilities (ngram, greedy draft models, EAGLE) are one-hot q: q(x) = 1,
+so x is accepted with probability p(x) and the recovered token comes from p with x
+removed. That is exact for any draft rule that does not look at the sampler's random
+numbers, since for every fixed draft the output is distributed as p.
+
+Layout is ragged, as in vLLM v1: request i has K_i >= 0 drafts (K_i = 0 is a plain
+decode step) and K_i + 1 target rows, for the positions of its last token and of each
+draft: row j of request i is p( . | prefix, x_1..x_j), and the rows of the batch are
+concatenated, [sum(K_i + 1), V]; the drafts are concatenated likewise, [sum K_i].
+
+Randomness is drawn up front by `draw_random`, so `rejection_sample_from_random` is
+deterministic and the Triton kernel (`rejection_triton.py`) can be checked against it
+exactly. At most one token per request is sampled (the recovered or the bonus token), so
+one exponential-noise row per request, [V], serves whichever position needs it:
+argmax_v r(v) / E(v) with E(v) ~ Exp(1) i.i.d. is an exact sample from norm(r) (the
+"exponential race"), and it needs no normalisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .params import SamplingMetadata
+
+# Pads `output_token_ids` after each request's last emitted token.
+PLACEHOLDER_TOKEN_ID = -1
+
+
+def apply_sampling(
+    logits: torch.Tensor,  # [N, V]
+    metadata: SamplingMetadata,
+    num_rows: torch.Tensor,  # [B] int64, rows per request; sums to N
+) -> torch.Tensor:  # [N, V] float32
+    """Target probabilities after temperature, min-p, top-k and top-p, in vLLM's order.
+
+    Rows of greedy requests come out as softmax(logits); the sampler never reads them,
+    since greedy requests use the argmax of the raw logits.
+    """
+    n = logits.shape[0]
+
+    def per_row(x: torch.Tensor) -> torch.Tensor:  # [B] -> [N]
+        return x.repeat_interleave(num_rows, output_size=n)
+
+    # Greedy temperatures are 0; divide those rows by 1 instead of by zero.
+    temperature = torch.where(metadata.is_greedy, 1.0, metadata.temperature)
+    logits = logits.float() / per_row(temperature)[:, None]  # a new tensor: masked in place below
+    if metadata.min_p is not None:
+        logits = _apply_min_p(logits, per_row(metadata.min_p))
+    if metadata.top_k is not None or metadata.top_p is not None:
+        logits = _apply_top_k_top_p(
+            logits,
+            per_row(metadata.top_k) if metadata.top_k is not None else None,
+            per_row(metadata.top_p) if metadata.top_p is not None else None,
+        )
+    return logits.softmax(dim=-1)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    # logits: [N, V], min_p: [N]. Drop tokens less likely than min_p times the top token.
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [N, 1]
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor,  # [N, V]
+    top_k: torch.Tensor | None,  # [N] int64, 0 = off
+    top_p: torch.Tensor | None,  # [N] float32, 1 = off
+) -> torch.Tensor:
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)  # ascending: [N, V]
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)  # [N]
+        kth_largest = sorted_logits.gather(-1, (vocab_size - k)[:, None])  # [N, 1]
+        # Ties with the k-th largest logit stay, as in vLLM.
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        # Drop the least likely tokens while their total mass stays <= 1 - top_p: what
+        # remains is the smallest top set with mass >= top_p. The top token always stays.
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
+        drop = cumulative <= 1 - top_p[:, None]
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(-1, order, sorted_logits)
+
+
+def draw_random(
+    num_draft_tokens: torch.Tensor,  # [B] int64
+    vocab_size: int,
+    metadata: SamplingMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:  # uniform [sum K] float32, exp_noise [B, V] float32
+    """All random numbers one rejection-sampling step needs, from each request's generator.
+
+    A non-greedy request i draws uniform [K_i] (acceptance), then exponential noise [V]
+    (its recovered or bonus token), from its own generator; greedy requests draw nothing.
+    A seeded request owns its generator, so its draws depend only on its own K_i and V,
+    whatever else is in the batch. Unseeded requests share one generator and draw together.
+    """
+    device = metadata.temperature.device
+    counts = num_draft_tokens.tolist()
+    uniform = torch.zeros(sum(counts), dtype=torch.float32, device=device)  # [sum K]
+    # Greedy requests' rows stay 1: never read, but keep the divisions finite.
+    exp_noise = torch.ones(len(counts), vocab_size, dtype=torch.float32, device=device)  # [B, V]
+    if metadata.all_greedy:
+        return uniform, exp_noise
+
+    # Group sampled requests by generator object, in batch order.
+    groups: dict[int, tuple[torch.Generator, list[int]]] = {}
+    for i, (generator, greedy) in enumerate(
+        zip(metadata.generators, metadata.is_greedy.tolist(), strict=True)
+    ):
+        if not greedy:
+            groups.setdefault(id(generator), (generator, []))[1].append(i)
+
+    starts = [0] * len(counts)  # index of each request's first draft
+    for i in range(1, len(counts)):
+        starts[i] = starts[i - 1] + counts[i - 1]
+    for generator, requests in groups.values():
+        drafts = [d for i in requests for d in range(starts[i], starts[i] + counts[i])]
+        if drafts:
+            uniform[torch.tensor(drafts, device=device)] = torch.rand(
+                len(drafts), generator=generator, dtype=torch.float32, device=device
+            )
+        noise = torch.empty(len(requests), vocab_size, dtype=torch.float32, device=device)
+        exp_noise[torch.tensor(requests, device=device)] = noise.exponential_(generator=generator)
+    # Exp(1) can round to 0; p / 0 would give inf or nan.
+    return uniform, exp_noise.clamp_(min=torch.finfo(torch.float32).tiny)
+
+
+def check_inputs(
+    target_probs: torch.Tensor,
+    target_argmax: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    num_draft_tokens: torch.Tensor,
+    is_greedy: torch.Tensor,
+    uniform: torch.Tensor,
+    exp_noise: torch.Tensor,
+) -> int:
+    """Assert the shapes and dtypes of `rejection_sample_from_random`; return max K_i."""
+    (batch_size,) = num_draft_tokens.shape
+    (total_drafts,) = draft_token_ids.shape
+    num_rows, vocab_size = target_probs.shape
+    assert int(num_draft_tokens.sum()) == total_drafts, "num_draft_tokens must sum to the drafts"
+    assert num_rows == total_drafts + batch_size, "target rows must be sum(K_i + 1)"
+    assert target_probs.dtype == torch.float32
+    assert target_argmax.shape == (num_rows,) and target_argmax.dtype == torch.int64
+    assert draft_token_ids.dtype == torch.int64 and num_draft_tokens.dtype == torch.int64
+    assert draft_probs is None or (
+        draft_probs.shape == (total_drafts, vocab_size) and draft_probs.dtype == torch.float32
+    )
+    assert is_greedy.shape == (batch_size,) and is_greedy.dtype == torch.bool
+    assert uniform.shape == (total_drafts,) and uniform.dtype == torch.float32
+    assert exp_noise.shape == (batch_size, vocab_size) and exp_noise.dtype == torch.float32
+    return int(num_draft_tokens.max()) if batch_size else 0
+
+
+def rejection_sample_from_random(
+    target_probs: torch.Tensor,  # [N, V] float32, N = sum(K_i + 1)
+    target_argmax: torch.Tensor,  # [N] int64, argmax of the raw logits
+    draft_token_ids: torch.Tensor,  # [sum K] int64
+    draft_probs: torch.Tensor | None,  # [sum K, V] float32; None = one-hot q
+    num_draft_tokens: torch.Tensor,  # [B] int64
+    is_greedy: torch.Tensor,  # [B] bool
+    uniform: torch.Tensor,  # [sum K] float32 in [0, 1)
+    exp_noise: torch.Tensor,  # [B, V] float32 > 0
+) -> tuple[torch.Tensor, torch.Tensor]:  # output_token_ids [B, max_K + 1], num_accepted [B]
+    """Accept, recover and add bonus tokens, given the random numbers: a pure function.
+
+    Row i of `output_token_ids` holds request i's accepted drafts, then its recovered or
+    bonus token, then PLACEHOLDER_TOKEN_ID; `num_accepted[i]` counts the accepted drafts.
+    """
+    max_k = check_inputs(target_probs, target_argmax, draft_token_ids, draft_probs,
+                         num_draft_tokens, is_greedy, uniform, exp_noise)
+    batch_size = num_draft_tokens.shape[0]
+    device = target_probs.device
+    draft_start = num_draft_tokens.cumsum(0) - num_draft_tokens  # [B]
+    row_start = draft_start + torch.arange(batch_size, device=device)  # [B]: K_i + 1 rows each
+    position = torch.arange(max_k, device=device)  # [max_K]
+
+    # Acceptance at every draft position, then keep the prefix before the first rejection.
+    is_draft = position < num_draft_tokens[:, None]  # [B, max_K]
+    draft_index = torch.where(is_draft, draft_start[:, None] + position, 0)  # [B, max_K]
+    row_index = torch.where(is_draft, row_start[:, None] + position, 0)  # [B, max_K]
+    if max_k > 0:
+        x = draft_token_ids[draft_index]  # [B, max_K]
+        p_x = target_probs[row_index, x]  # [B, max_K]
+        q_x = draft_probs[draft_index, x] if draft_probs is not None else 1.0
+        # u * q < p is u < p / q without a division (so the kernel matches bit for bit);
+        # strict, so a token the filters removed (p = 0) is never accepted.
+        accept_random = uniform[draft_index] * q_x < p_x
+        accept = torch.where(is_greedy[:, None], x == target_argmax[row_index], accept_random)
+        num_accepted = (accept & is_draft).long().cumprod(dim=1).sum(dim=1)  # [B]
+    else:
+        x = torch.empty(batch_size, 0, dtype=torch.int64, device=device)
+        num_accepted = torch.zeros(batch_size, dtype=torch.int64, device=device)
+    rejected = num_accepted < num_draft_tokens  # [B]; else every draft was accepted: bonus
+
+    # The one sampled token: recovered at the first rejection, else bonus at the last row.
+    final_row = row_start + num_accepted  # [B]
+    p = target_probs[final_row]  # [B, V]
+    residual = p
+    if max_k > 0:
+        rejected_draft = torch.where(rejected, draft_start + num_accepted, 0)  # [B]
+        if draft_probs is not None:
+            residual = (p - draft_probs[rejected_draft]).clamp_min(0.0)
+        else:
+            residual = p.scatter(1, draft_token_ids[rejected_draft][:, None], 0.0)
+    residual_score = residual / exp_noise  # [B, V]
+    # max(0, p - q) is zero everywhere only through rounding, when q ~ p; sample from p then.
+    use_residual = rejected & (residual_score.amax(dim=1) > 0)  # [B]
+    sampled = torch.where(use_residual, residual_score.argmax(dim=1), (p / exp_noise).argmax(dim=1))
+    final_token = torch.where(is_greedy, target_argmax[final_row], sampled)  # [B]
+
+    output_token_ids = torch.full(
+        (batch_size, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device
+    )
+    is_accepted = position < num_accepted[:, None]  # [B, max_K]
+    output_token_ids[:, :max_k] = torch.where(is_accepted, x, PLACEHOLDER_TOKEN_ID)
+    output_token_ids.scatter_(1, num_accepted[:, None], final_token[:, None])
+    return output_token_ids, num_accepted
+
+
+def rejection_sample(
+    target_logits: torch.Tensor,  # [sum(K_i + 1), V]
+    draft_token_ids: torch.Tensor,  # [sum K] int64
+    draft_probs: torch.Tensor | None,  # [sum K, V] float32; None = one-hot q
+    num_draft_tokens: torch.Tensor,  # [B] int64
+    metadata: SamplingMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:  # output_token_ids [B, max_K + 1], num_accepted [B]
+    """One verifier step's rejection sampling; the Triton kernel runs it on CUDA when present."""
+    target_argmax = target_logits.argmax(dim=-1)  # greedy reads the raw logits
+    if metadata.all_greedy:
+        target_probs = target_logits.float()  # never read: only greedy requests
+    else:
+        target_probs = apply_sampling(target_logits, metadata, num_draft_tokens + 1)
+    uniform, exp_noise = draw_random(num_draft_tokens, target_logits.shape[-1], metadata)
+
+    from_random = rejection_sample_from_random
+    if target_logits.is_cuda:
+        # Imported here: the kernel module imports this one, and CPU runs never need it.
+        from .rejection_triton import HAS_TRITON, rejection_sample_from_random_triton
+
+        if HAS_TRITON:
+            from_random = rejection_sample_from_random_triton
+    return from_random(target_probs, target_argmax, draft_token_ids, draft_probs,
+                       num_draft_tokens, metadata.is_greedy, uniform, exp_noise)
