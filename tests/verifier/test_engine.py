@@ -32,7 +32,9 @@ class ScriptedProposer(Proposer):
     """Drafts from the target's known greedy continuation, corrupted with
     probability `error_rate` per token (0 = oracle, 1 = random tokens)."""
 
-    def __init__(self, references: dict[int, list[int]], error_rate: float, seed: int = 0):
+    def __init__(self, references: dict[int, list[int]], error_rate: float, seed: int = 0,
+                 with_probs: bool = False):
+        self.with_probs = with_probs
         self.references = references  # seq_id -> prompt + greedy continuation
         self.error_rate = error_rate
         self.rng = random.Random(seed)
@@ -51,7 +53,12 @@ class ScriptedProposer(Proposer):
                 right = ref[n + i] if n + i < len(ref) else 0
                 wrong = self.rng.random() < self.error_rate
                 draft.append(self.rng.randrange(VOCAB) if wrong else right)
-            out[seq_id] = Proposal(draft)
+            probs = None
+            if self.with_probs:
+                # A smooth q that puts most mass on the drafted token.
+                probs = torch.full((k, VOCAB), 0.5 / (VOCAB - 1))
+                probs[torch.arange(k), torch.tensor(draft)] = 0.5
+            out[seq_id] = Proposal(draft, probs)
         return out
 
     def advance(self, seq_id, num_drafted, num_accepted, new_tokens):
@@ -114,6 +121,18 @@ def test_greedy_output_equals_plain_decoding(model, batch, k, error_rate):
             assert stats["steps"] == 1 + -(-(max_tokens - 1) // (k + 1))
     if error_rate == 1.0:
         assert stats["accepted"] < stats["drafted"]
+
+
+def test_drafts_with_probabilities_keep_greedy_exact(model):
+    reqs = make_requests(4, 4, 16, seed=11)
+    plain = greedy_generate(model, [r.prompt_token_ids for r in reqs], 16)
+    refs = {i: r.prompt_token_ids + p for i, (r, p) in enumerate(zip(reqs, plain, strict=True))}
+    proposer = ScriptedProposer(refs, 0.3, seed=3, with_probs=True)
+    engine = Engine(model, EngineConfig(max_model_len=128, block_size=4, num_kv_blocks=256), proposer)
+    stats: dict = {}
+    out = run(engine, reqs, stats)
+    assert [out[r.request_id] for r in reqs] == plain
+    assert 0 < stats["accepted"] < stats["drafted"]
 
 
 def test_no_drafter_and_small_cache_still_exact(model):

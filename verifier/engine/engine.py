@@ -128,7 +128,7 @@ class Engine:
         batch = self.scheduler.schedule(self.config.num_speculative_tokens_max)
         if not batch:
             return []
-        drafts = self._drafts(batch)
+        drafts, draft_probs = self._drafts(batch)
         feeds = [self._feed(item, drafts.get(item.seq.seq_id, [])) for item in batch]
         meta = self.cache.plan([(item.seq.seq_id, len(f)) for item, f in zip(batch, feeds, strict=True)])
 
@@ -155,26 +155,32 @@ class Engine:
 
         outputs: list[StepOutput] = []
         if sampled:
-            outputs = self._sample_and_advance(sampled, out.logits)
+            outputs = self._sample_and_advance(sampled, out.logits, draft_probs)
         dt = (time.perf_counter() - t0) * 1e3
         self.step_time_ema_ms = dt if not self.step_time_ema_ms else 0.9 * self.step_time_ema_ms + 0.1 * dt
         return outputs
 
-    def _drafts(self, batch: list[Scheduled]) -> dict[int, list[int]]:
+    def _drafts(self, batch: list[Scheduled]) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+        """Draft ids per sequence, and the draft distributions [K_i, V] of the
+        proposals that carry them (the others are one-hot)."""
         wanted = {item.seq.seq_id: item.k for item in batch if item.k > 0}
         if not wanted or self.proposer is None:
-            return {}
+            return {}, {}
         tokens = {item.seq.seq_id: item.seq.tokens for item in batch if item.k > 0}
         proposals = self.proposer.propose(wanted, tokens)
         vocab = self.model.config.vocab_size
-        drafts = {}
+        drafts, probs = {}, {}
         for seq_id, k in wanted.items():
             p = proposals.get(seq_id)
             if p is not None:
                 # A drafter can only lower K; out-of-vocabulary ids end the draft.
                 ids = list(itertools.takewhile(lambda t: 0 <= t < vocab, p.token_ids[:k]))
+                if p.probs is not None and ids:
+                    if p.probs.dim() != 2 or p.probs.shape[0] < len(ids) or p.probs.shape[1] != vocab:
+                        continue  # a malformed q can't be verified exactly: run K = 0
+                    probs[seq_id] = p.probs[: len(ids)]
                 drafts[seq_id] = ids
-        return drafts
+        return drafts, probs
 
     @staticmethod
     def _feed(item: Scheduled, draft: list[int]) -> list[int]:
@@ -184,13 +190,23 @@ class Engine:
         return [seq.tokens[-1], *draft]
 
     def _sample_and_advance(self, sampled: list[tuple[Scheduled, list[int]]],
-                            logits: torch.Tensor) -> list[StepOutput]:
+                            logits: torch.Tensor,
+                            draft_probs: dict[int, torch.Tensor]) -> list[StepOutput]:
         seqs = [item.seq for item, _ in sampled]
         num_drafts = torch.tensor([len(d) for _, d in sampled], dtype=torch.int64)
         draft_ids = torch.tensor([t for _, d in sampled for t in d], dtype=torch.int64)
+        q = None
+        if draft_probs:
+            # [sum K_i, V]: the drafter's q where it sent one, one-hot rows elsewhere.
+            q = torch.nn.functional.one_hot(draft_ids, logits.shape[-1]).float()
+            row = 0
+            for seq, (_, draft) in zip(seqs, sampled, strict=True):
+                if seq.seq_id in draft_probs:
+                    q[row: row + len(draft)] = draft_probs[seq.seq_id].float()
+                row += len(draft)
         metadata = SamplingMetadata.from_params(
             [s.request.sampling for s in seqs], [s.generator for s in seqs], self.shared_generator)
-        out_ids, num_accepted = rejection_sample(logits, draft_ids, None, num_drafts, metadata)
+        out_ids, num_accepted = rejection_sample(logits, draft_ids, q, num_drafts, metadata)
         out_ids, num_accepted = out_ids.tolist(), num_accepted.tolist()
         outputs = []
         for (item, draft), row, accepted in zip(sampled, out_ids, num_accepted, strict=True):
