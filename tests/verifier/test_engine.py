@@ -39,7 +39,6 @@ class ScriptedProposer(Proposer):
         self.error_rate = error_rate
         self.rng = random.Random(seed)
         self.live: set[int] = set()
-        self.advanced: dict[int, int] = {}
 
     def start(self, seq_id, prompt_ids, max_k):
         self.live.add(seq_id)
@@ -62,7 +61,7 @@ class ScriptedProposer(Proposer):
         return out
 
     def advance(self, seq_id, num_drafted, num_accepted, new_tokens):
-        self.advanced[seq_id] = self.advanced.get(seq_id, 0) + len(new_tokens)
+        pass
 
     def free(self, seq_id):
         self.live.discard(seq_id)

@@ -136,7 +136,7 @@ class Engine:
         # of a prefill chunk that reaches the end of its sequence.
         sampled: list[tuple[Scheduled, list[int]]] = []
         logit_rows: list[int] = []
-        for item, feed, start in zip(batch, feeds, meta.query_start.tolist(), strict=False):
+        for item, feed, start in zip(batch, feeds, meta.query_start[:-1].tolist(), strict=True):
             if item.is_prefill:
                 if item.seq.num_computed + len(feed) == len(item.seq.tokens):
                     sampled.append((item, []))
@@ -220,7 +220,6 @@ class Engine:
             seq.num_computed = len(seq.tokens) - 1
             seq.num_drafted += len(draft)
             seq.num_accepted += min(accepted, len(appended))
-            seq.num_steps += 1
             if self.proposer is not None and reason is None:
                 self.proposer.advance(seq.seq_id, len(draft), accepted, appended)
             if reason is not None:

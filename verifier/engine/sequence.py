@@ -54,7 +54,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_drafted: int = 0  # totals for statistics
     num_accepted: int = 0
-    num_steps: int = 0
 
     @property
     def prompt_len(self) -> int:
