@@ -1,14 +1,117 @@
-"""`specdec-drafter` / `python -m drafter`."""
+"""`specdec-drafter` / `python -m drafter`: serve one draft method over gRPC."""
 
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
 import sys
+from pathlib import Path
+from typing import Any
+
+from drafter import registry
+from drafter.method import DraftMethod
+from drafter.service import serve
+from specdec.server import serve_until_signal
+
+log = logging.getLogger("drafter")
+
+# Method options of the command line -> the constructor keyword they set. Each method
+# takes the keywords its constructor names; giving it another one is an error.
+_METHOD_OPTIONS = {
+    "model": "model_dir",
+    "max_num_speculative_tokens": "max_num_speculative_tokens",
+    "ngram_min": "min_n",
+    "ngram_max": "max_n",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec-drafter", description=__doc__)
+    parser.add_argument("--method", required=True, choices=registry.method_names(),
+                        help="draft method")
+    parser.add_argument("--model", metavar="DIR",
+                        help="draft model or head (Hugging Face directory), for methods with one")
+    parser.add_argument("--target", metavar="DIR",
+                        help="target model directory: its tokenizer fingerprint is reported to "
+                             "verifiers (without it, ngram matches any tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    parser.add_argument("--port", type=int, default=50061,
+                        help="port to bind, 0 = any free port (default %(default)s)")
+    parser.add_argument("--max-num-speculative-tokens", type=int, metavar="K",
+                        help="largest K a proposal can have (method default: 8)")
+    parser.add_argument("--ngram-min", type=int, metavar="N", help="shortest n-gram to match")
+    parser.add_argument("--ngram-max", type=int, metavar="N", help="longest n-gram to match")
+    parser.add_argument("--grace-s", type=float, default=5.0,
+                        help="on SIGTERM, seconds open streams get to finish (default %(default)s)")
+    return parser
+
+
+def build_method(args: argparse.Namespace) -> DraftMethod:
+    """The chosen method with the options given; ValueError says which option is wrong."""
+    accepted = set(registry.method_options(args.method))
+    kwargs: dict[str, Any] = {}
+    for option, keyword in _METHOD_OPTIONS.items():
+        value = getattr(args, option)
+        if value is None:
+            continue
+        if keyword not in accepted:
+            flag = "--" + option.replace("_", "-")
+            raise ValueError(f"{flag} does not apply to method {args.method!r}")
+        kwargs[keyword] = value
+    if args.target is not None:
+        if not Path(args.target).is_dir():
+            raise ValueError(f"--target {args.target}: not a directory")
+        # Imported here: transformers is slow to import and only --target needs it.
+        from specdec.tokenizer import Tokenizer
+
+        try:
+            vocab_size, tokenizer_hash = Tokenizer.from_dir(args.target).fingerprint()
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--target {args.target}: cannot load its tokenizer: {e}") from None
+        kwargs.update(vocab_size=vocab_size, tokenizer_hash=tokenizer_hash)
+    return registry.create(args.method, **kwargs)
+
+
+async def _run(method: DraftMethod, address: str, grace_s: float) -> None:
+    service = await serve(method, address)
+    host = address.rsplit(":", 1)[0]
+    log.info("drafter %s serving on %s:%d", method.name, host, service.port)
+    await serve_until_signal(service, grace_s)
+    log.info("drafter stopped")
 
 
 def main(argv: list[str] | None = None) -> int:
-    # The entry point is part of the package layout from the start; the
-    # service itself is built in issue 4.
-    print("specdec-drafter: the drafter service is not built yet (issue 4); "
-          "use `specdec chat` for a greedy reply from the target model", file=sys.stderr)
-    return 2
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse has printed the usage and the error
+        return e.code if isinstance(e.code, int) else 2
+    if not 0 <= args.port <= 65535:
+        parser.print_usage(sys.stderr)
+        print(f"specdec-drafter: error: --port {args.port} is not in 0..65535", file=sys.stderr)
+        return 2
+    try:
+        method = build_method(args)
+    except ValueError as e:
+        parser.print_usage(sys.stderr)
+        print(f"specdec-drafter: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host = f"[{args.host}]" if ":" in args.host else args.host  # IPv6 literal
+    try:
+        import uvloop
+    except ImportError:
+        run = asyncio.run
+    else:
+        run = uvloop.run
+    try:
+        run(_run(method, f"{host}:{args.port}", args.grace_s))
+    except OSError as e:  # the address is taken or cannot be bound
+        log.error("%s", e)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -30,6 +30,20 @@ _DTYPE_ENUM: dict[torch.dtype, int] = {
 _BITS_DTYPE: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
 
 
+def dtype_to_proto(dtype: torch.dtype) -> int:
+    """The DType enum value of a torch dtype the wire supports (ValueError otherwise)."""
+    if dtype not in _DTYPE_ENUM:
+        raise ValueError(f"dtype {dtype} cannot travel as a Tensor; use one of {list(_DTYPE_ENUM)}")
+    return _DTYPE_ENUM[dtype]
+
+
+def dtype_from_proto(value: int) -> torch.dtype:
+    """The torch dtype of a DType enum value (ValueError for UNSPECIFIED or unknown)."""
+    if value not in _WIRE_FORMATS:
+        raise ValueError(f"unsupported tensor dtype enum {value}")
+    return _WIRE_FORMATS[value][0]
+
+
 def encode_tensor(t: torch.Tensor) -> common_pb2.Tensor:
     """Serialize a float32/float16/bfloat16/float64 tensor (any device, any strides)."""
     if t.dtype not in _DTYPE_ENUM:

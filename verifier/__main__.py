@@ -1,14 +1,103 @@
-"""`specdec-verifier` / `python -m verifier`."""
+"""`specdec-verifier` / `python -m verifier`: the target model behind the Verifier gRPC API."""
 
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
 import sys
+from pathlib import Path
+
+from specdec.server import host_port, serve_until_signal
+
+log = logging.getLogger("verifier")
+
+
+def parse_drafter(spec: str) -> tuple[str, str]:
+    """NAME=HOST:PORT (NAME conventionally the method, e.g. ngram=127.0.0.1:50061)."""
+    name, sep, address = spec.partition("=")
+    if not sep or not name or ":" not in address:
+        raise argparse.ArgumentTypeError(f"--drafter wants NAME=HOST:PORT, got {spec!r}")
+    return name, address
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdec-verifier", description=__doc__)
+    p.add_argument("--model", help="Hugging Face model directory (default: the prepared default model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--drafter", action="append", type=parse_drafter, default=[],
+                   metavar="NAME=HOST:PORT", help="a drafter service; repeat for several")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-speculative-tokens-max", type=int, default=8)
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="K for requests that do not choose one")
+    p.add_argument("--draft-deadline-ms", type=float, default=100.0,
+                   help="a proposal later than this runs the step with K=0")
+    p.add_argument("--kv-cache-tokens", type=int, default=0,
+                   help="KV cache capacity in tokens (default: max-num-seqs x max-model-len / 2)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--attention", default="sdpa")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grace-s", type=float, default=10.0, help="shutdown grace period")
+    return p
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdec.models import load_model
+    from specdec.models.prepare import prepare_default_model
+    from specdec.tokenizer import Tokenizer
+    from verifier.drafter_client import DrafterClient, TargetInfo
+    from verifier.drafting import DrafterPool
+    from verifier.engine import Engine, EngineConfig
+    from verifier.service import VerifierServicer, serve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir = Path(args.model) if args.model else prepare_default_model()
+    model = load_model(model_dir, dtype=args.dtype, device=args.device, attention=args.attention)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    vocab, digest = tokenizer.fingerprint()
+    cfg = model.config
+    kv_tokens = args.kv_cache_tokens or max(args.max_num_seqs * args.max_model_len // 2,
+                                            args.max_model_len)
+    engine_cfg = EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        block_size=args.block_size, num_kv_blocks=math.ceil(kv_tokens / args.block_size),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_speculative_tokens_max=args.num_speculative_tokens_max, seed=args.seed)
+    target = TargetInfo(cfg.vocab_size, digest if vocab == cfg.vocab_size else "",
+                        cfg.hidden_size, cfg.num_layers)
+    pool = DrafterPool([DrafterClient(name, addr, target) for name, addr in args.drafter],
+                       args.num_speculative_tokens_max, args.draft_deadline_ms)
+    engine = Engine(model, engine_cfg, pool, tokenizer.eos_token_ids)
+    servicer = VerifierServicer(engine, pool, target, model_name=model_dir.name,
+                                default_k=args.num_speculative_tokens)
+    service = await serve(servicer, f"{args.host}:{args.port}")
+    log.info("verifier serving %s on %s (drafters: %s)", model_dir.name,
+             host_port(f"{args.host}:{service.port}"),
+             ", ".join(f"{n}={a}" for n, a in args.drafter) or "none")
+    await serve_until_signal(service.grpc, args.grace_s, drain=lambda: servicer.drain(args.grace_s * 0.6))
+    await asyncio.to_thread(servicer.close)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    # The entry point is part of the package layout from the start; the
-    # service itself is built in issue 3.
-    print("specdec-verifier: the verifier service is not built yet (issue 3); "
-          "use `specdec chat` for a greedy reply from the target model", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(_serve(args))
+    return uvloop.run(_serve(args))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ class ScriptedProposer(Proposer):
         self.rng = random.Random(seed)
         self.live: set[int] = set()
 
-    def start(self, seq_id, prompt_ids, max_k):
+    def start(self, seq_id, request):
         self.live.add(seq_id)
 
     def propose(self, wanted, tokens):
@@ -60,7 +60,7 @@ class ScriptedProposer(Proposer):
             out[seq_id] = Proposal(draft, probs)
         return out
 
-    def advance(self, seq_id, num_drafted, num_accepted, new_tokens):
+    def advance(self, seq_id, outcome):
         pass
 
     def free(self, seq_id):
@@ -185,3 +185,70 @@ def test_bad_requests_name_the_field(model, field, kwargs):
     with pytest.raises(ValueError, match=field):
         engine.add_request(Request(**{**base, **kwargs}))
     assert engine.num_waiting == 0
+
+
+class HiddenRecorder(ScriptedProposer):
+    """Asks for two layers' hidden states and records every outcome."""
+
+    LAYERS = (2, 0)
+
+    def __init__(self, references):
+        super().__init__(references, error_rate=0.3, seed=4)
+        self.rows: dict[int, dict[int, torch.Tensor]] = {}  # seq_id -> position -> [L, H]
+
+    def hidden_layers(self, seq_id):
+        return self.LAYERS
+
+    def advance(self, seq_id, outcome):
+        assert outcome.hidden_states is not None
+        n = outcome.hidden_states.shape[0]
+        if outcome.num_drafted:  # a verify step keeps the last token plus the accepted drafts
+            assert n == outcome.num_accepted + 1
+        for i in range(n):
+            self.rows.setdefault(seq_id, {})[outcome.hidden_start + i] = outcome.hidden_states[i]
+
+
+def test_hidden_states_of_kept_positions_reach_the_proposer(model):
+    """Chunked prefill and verify steps hand the drafter the target's hidden
+    states of exactly the positions kept, equal to one full forward's."""
+    reqs = make_requests(3, 4, 20, seed=11)
+    for r in reqs:
+        r.num_speculative_tokens = 4
+    refs = {i: r.prompt_token_ids + g for i, (r, g) in enumerate(
+        zip(reqs, greedy_generate(model, [r.prompt_token_ids for r in reqs], 20), strict=True))}
+    proposer = HiddenRecorder(refs)
+    engine = Engine(model, EngineConfig(max_num_batched_tokens=16, num_speculative_tokens_max=8),
+                    proposer)
+    out = run(engine, reqs)
+    for seq_id, r in enumerate(reqs):
+        tokens = r.prompt_token_ids + out[r.request_id]
+        cache = model.make_kv_cache(64, 16)
+        cache.add(0)
+        full = model(torch.tensor(tokens[:-1]), cache.plan([(0, len(tokens) - 1)]), cache,
+                     hidden_layers=HiddenRecorder.LAYERS).hidden_states  # [2, T-1, H]
+        rows = proposer.rows[seq_id]
+        # Every position but the last two (the finishing step sends no outcome) was reported.
+        assert set(range(len(tokens) - 1 - 4)) <= set(rows)
+        for pos, h in rows.items():
+            torch.testing.assert_close(h, full[:, pos], atol=1e-9, rtol=0)
+
+
+def test_logprobs_match_log_softmax_of_the_target(model):
+    req = Request("lp", [5, 6, 7], 6, GREEDY, num_speculative_tokens=3, num_logprobs=4)
+    refs = {0: [5, 6, 7] + greedy_generate(model, [[5, 6, 7]], 6)[0]}
+    engine = Engine(model, EngineConfig(), ScriptedProposer(refs, error_rate=0.0))
+    engine.add_request(req)
+    lps = []
+    while engine.has_work():
+        for o in engine.step():
+            assert len(o.logprobs) == len(o.new_token_ids)
+            lps += o.logprobs
+    ctx = [5, 6, 7]
+    for lp in lps:
+        cache = model.make_kv_cache(16, 16)
+        cache.add(0)
+        ref = torch.log_softmax(model(torch.tensor(ctx), cache.plan([(0, len(ctx))]), cache).logits[0].float(), -1)
+        assert lp.token_id == ref.argmax().item() and lp.rank == 1
+        assert lp.logprob == pytest.approx(ref[lp.token_id].item(), abs=1e-6)
+        assert [t for t, _ in lp.top] == ref.topk(4).indices.tolist()
+        ctx.append(lp.token_id)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.models import LlamaForCausalLM
-from verifier.engine.proposer import Proposer
+from verifier.engine.proposer import Outcome, Proposer
 from verifier.engine.scheduler import Scheduled, Scheduler
 from verifier.engine.sequence import FinishReason, Request, Sequence, Status
 from verifier.sampling.params import SamplingMetadata
@@ -49,12 +49,30 @@ class EngineConfig:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """Raw log_softmax of the target logits (before temperature and filters)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1-based rank of token_id among all tokens
+    top: list[tuple[int, float]]  # the request's num_logprobs most likely (id, logprob)
+
+
+@dataclass(slots=True)
 class StepOutput:
     request_id: str
     new_token_ids: list[int]
     num_drafted: int  # drafts the target scored for this sequence this step
     num_accepted: int
     finish_reason: FinishReason | None = None
+    num_speculative_tokens: int = 0  # K the scheduler gave the sequence this step
+    miss_reason: str | None = None  # why no draft arrived although K > 0 (see Proposer.miss_reason)
+    logprobs: list[TokenLogprob] | None = None  # one per new token when the request asked
+    # The step as a whole, the same for every output of one step.
+    step: int = 0
+    batch_size: int = 0
+    step_time_ms: float = 0.0
+    draft_wait_ms: float = 0.0
 
 
 class Engine:
@@ -71,13 +89,14 @@ class Engine:
         self._by_request: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.step_time_ema_ms = 0.0
+        self.num_steps = 0
 
     # -- requests ----------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def validate(self, request: Request) -> None:
+        """Raise ValueError, naming the field, for a request this engine cannot run.
+        Reads only configuration, so any thread may call it."""
         vocab = self.model.config.vocab_size
-        if request.request_id in self._by_request:
-            raise ValueError(f"request_id {request.request_id!r} is already running")
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab})")
         if len(request.prompt_token_ids) + request.max_tokens > self.config.max_model_len:
@@ -88,13 +107,17 @@ class Engine:
             raise ValueError(
                 f"num_speculative_tokens: {request.num_speculative_tokens} exceeds the maximum "
                 f"{self.config.num_speculative_tokens_max}")
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._by_request:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        self.validate(request)
         seq = Sequence(next(self._ids), request, list(request.prompt_token_ids),
                        request.sampling.make_generator())
         self._by_request[request.request_id] = seq
         self.scheduler.add(seq)
         if self.proposer is not None:
-            self.proposer.start(seq.seq_id, list(request.prompt_token_ids),
-                                self.config.num_speculative_tokens_max)
+            self.proposer.start(seq.seq_id, request)
 
     def cancel(self, request_id: str) -> StepOutput | None:
         """Stop a request now; its KV is freed at once."""
@@ -128,45 +151,80 @@ class Engine:
         batch = self.scheduler.schedule(self.config.num_speculative_tokens_max)
         if not batch:
             return []
+        self.num_steps += 1
         drafts, draft_probs = self._drafts(batch)
+        draft_wait_ms = (time.perf_counter() - t0) * 1e3
         feeds = [self._feed(item, drafts.get(item.seq.seq_id, [])) for item in batch]
         meta = self.cache.plan([(item.seq.seq_id, len(f)) for item, f in zip(batch, feeds, strict=True)])
+        starts = meta.query_start[:-1].tolist()
 
         # Rows to sample: every position of a verify block; the last position
         # of a prefill chunk that reaches the end of its sequence.
         sampled: list[tuple[Scheduled, list[int]]] = []
         logit_rows: list[int] = []
-        for item, feed, start in zip(batch, feeds, meta.query_start[:-1].tolist(), strict=True):
+        for item, feed, start in zip(batch, feeds, starts, strict=True):
             if item.is_prefill:
                 if item.seq.num_computed + len(feed) == len(item.seq.tokens):
                     sampled.append((item, []))
                     logit_rows.append(start + len(feed) - 1)
             else:
-                draft = feed[1:]
-                sampled.append((item, draft))
+                sampled.append((item, feed[1:]))
                 logit_rows.extend(range(start, start + len(feed)))
 
+        # Hidden states for drafters that read them (EAGLE): every fed row of
+        # their sequences; the rows kept are chosen after sampling.
+        hidden_layers = self._hidden_layers(batch)
+        hidden_rows: dict[int, int] = {}  # seq_id -> first row in the hidden output
+        hidden_indices: list[int] = []
+        for item, feed, start in zip(batch, feeds, starts, strict=True):
+            if hidden_layers and self.proposer.hidden_layers(item.seq.seq_id):
+                hidden_rows[item.seq.seq_id] = len(hidden_indices)
+                hidden_indices.extend(range(start, start + len(feed)))
+
         ids = torch.tensor([t for f in feeds for t in f], device=self.model.device)
+        dev = ids.device
         out = self.model(ids, meta, self.cache,
-                         logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=ids.device))
+                         logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+                         hidden_layers=hidden_layers,
+                         hidden_indices=torch.tensor(hidden_indices, dtype=torch.int64, device=dev))
+        hidden = _Hidden(out.hidden_states, hidden_layers, hidden_rows)
         for item, feed in zip(batch, feeds, strict=True):
             if item.is_prefill:
+                start_pos = item.seq.num_computed
                 item.seq.num_computed += len(feed)
+                if item.seq.in_prefill and item.seq.seq_id in hidden_rows:
+                    # A partial chunk emits no token but its hidden states are the
+                    # drafter's features for these positions.
+                    self.proposer.advance(item.seq.seq_id, Outcome(
+                        0, 0, [], hidden.take(item.seq.seq_id, self.proposer, len(feed)), start_pos))
 
         outputs: list[StepOutput] = []
         if sampled:
-            outputs = self._sample_and_advance(sampled, out.logits, draft_probs)
+            outputs = self._sample_and_advance(sampled, out.logits, draft_probs, hidden)
         dt = (time.perf_counter() - t0) * 1e3
         self.step_time_ema_ms = dt if not self.step_time_ema_ms else 0.9 * self.step_time_ema_ms + 0.1 * dt
+        for o in outputs:
+            o.step, o.batch_size, o.step_time_ms, o.draft_wait_ms = self.num_steps, len(batch), dt, draft_wait_ms
         return outputs
+
+    def _hidden_layers(self, batch: list[Scheduled]) -> tuple[int, ...]:
+        if self.proposer is None:
+            return ()
+        layers: list[int] = []
+        for item in batch:
+            for layer in self.proposer.hidden_layers(item.seq.seq_id):
+                if layer not in layers:
+                    layers.append(layer)
+        return tuple(layers)
 
     def _drafts(self, batch: list[Scheduled]) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Draft ids per sequence, and the draft distributions [K_i, V] of the
         proposals that carry them (the others are one-hot)."""
-        wanted = {item.seq.seq_id: item.k for item in batch if item.k > 0}
-        if not wanted or self.proposer is None:
+        if self.proposer is None:
             return {}, {}
+        wanted = {item.seq.seq_id: item.k for item in batch if item.k > 0}
         tokens = {item.seq.seq_id: item.seq.tokens for item in batch if item.k > 0}
+        # Called even when nobody speculates: the proposer forwards pending outcomes.
         proposals = self.proposer.propose(wanted, tokens)
         vocab = self.model.config.vocab_size
         drafts, probs = {}, {}
@@ -190,8 +248,8 @@ class Engine:
         return [seq.tokens[-1], *draft]
 
     def _sample_and_advance(self, sampled: list[tuple[Scheduled, list[int]]],
-                            logits: torch.Tensor,
-                            draft_probs: dict[int, torch.Tensor]) -> list[StepOutput]:
+                            logits: torch.Tensor, draft_probs: dict[int, torch.Tensor],
+                            hidden: _Hidden) -> list[StepOutput]:
         seqs = [item.seq for item, _ in sampled]
         num_drafts = torch.tensor([len(d) for _, d in sampled], dtype=torch.int64)
         draft_ids = torch.tensor([t for _, d in sampled for t in d], dtype=torch.int64)
@@ -209,9 +267,11 @@ class Engine:
         out_ids, num_accepted = rejection_sample(logits, draft_ids, q, num_drafts, metadata)
         out_ids, num_accepted = out_ids.tolist(), num_accepted.tolist()
         outputs = []
+        logit_row = 0  # first row of this sequence's block in `logits`
         for (item, draft), row, accepted in zip(sampled, out_ids, num_accepted, strict=True):
             seq = item.seq
             new = row[: accepted + 1]
+            start_pos = seq.num_computed if not item.is_prefill else seq.num_computed - item.num_tokens
             if not item.is_prefill:
                 # KV was written for the last token and every draft; keep the
                 # accepted ones (the sampled token has none yet).
@@ -220,11 +280,24 @@ class Engine:
             seq.num_computed = len(seq.tokens) - 1
             seq.num_drafted += len(draft)
             seq.num_accepted += min(accepted, len(appended))
+            logprobs = None
+            if seq.request.num_logprobs:
+                logprobs = _logprobs(logits[logit_row: logit_row + len(appended)], appended,
+                                     seq.request.num_logprobs)
+            logit_row += len(draft) + 1
             if self.proposer is not None and reason is None:
-                self.proposer.advance(seq.seq_id, len(draft), accepted, appended)
+                # Hidden rows kept: a whole prefill chunk, or the last token plus the accepted drafts.
+                kept = item.num_tokens if item.is_prefill else accepted + 1
+                self.proposer.advance(seq.seq_id, Outcome(
+                    len(draft), accepted, appended, hidden.take(seq.seq_id, self.proposer, kept),
+                    start_pos))
+            miss = None
+            if item.k and not draft and self.proposer is not None:
+                miss = self.proposer.miss_reason(seq.seq_id)
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(StepOutput(seq.request.request_id, appended, len(draft), accepted, reason))
+            outputs.append(StepOutput(seq.request.request_id, appended, len(draft), accepted, reason,
+                                      item.k, miss, logprobs))
         return outputs
 
     def _append(self, seq: Sequence, new: list[int]) -> tuple[list[int], FinishReason | None]:
@@ -249,3 +322,36 @@ class Engine:
         self._by_request.pop(seq.request.request_id, None)
         if self.proposer is not None:
             self.proposer.free(seq.seq_id)
+
+
+@dataclass(slots=True)
+class _Hidden:
+    """The step's hidden-state output and where each sequence's rows start in it."""
+
+    states: torch.Tensor | None  # [len(layers), M, hidden]
+    layers: tuple[int, ...]
+    first_row: dict[int, int]  # seq_id -> first of its rows (one per fed token)
+
+    def take(self, seq_id: int, proposer: Proposer, num_rows: int) -> torch.Tensor | None:
+        """[num_rows, L_seq, hidden]: the sequence's first num_rows rows, layers in the
+        order its drafter asked for."""
+        if self.states is None or seq_id not in self.first_row:
+            return None
+        index = [self.layers.index(layer) for layer in proposer.hidden_layers(seq_id)]
+        first = self.first_row[seq_id]
+        rows = self.states[index, first: first + num_rows]  # [L_seq, P, hidden]
+        return rows.transpose(0, 1).contiguous()
+
+
+def _logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """logits: [N, V] raw target logits of the rows that emitted token_ids (N = len(token_ids))."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])  # [N, 1]
+    ranks = (lp > chosen).sum(dim=1) + 1  # [N]
+    top_lp, top_ids = lp.topk(min(num_top, lp.shape[-1]), dim=-1)  # [N, num_top]
+    return [
+        TokenLogprob(t, c, r, list(zip(ti, tl, strict=True)))
+        for t, c, r, ti, tl in zip(token_ids, chosen[:, 0].tolist(), ranks.tolist(),
+                                   top_ids.tolist(), top_lp.tolist(), strict=True)
+    ]

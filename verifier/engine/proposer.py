@@ -1,16 +1,22 @@
 """Where draft tokens come from, as the engine sees it.
 
-The engine asks for proposals before a step and reports every step's
-outcome after it, K = 0 steps included, so a drafter's state never lags.
-The gRPC drafter client and in-process test drafters implement this.
+The engine calls `propose` once per step (with an empty `wanted` when no
+sequence speculates, so pending outcomes still reach the drafters) and
+reports every step's outcome after it, K = 0 steps included, so a drafter's
+state never lags. The gRPC drafter pool and in-process test drafters
+implement this.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from verifier.engine.sequence import Request
 
 
 @dataclass(slots=True)
@@ -19,21 +25,49 @@ class Proposal:
     probs: torch.Tensor | None = None  # [K, V] draft distribution; None = one-hot (greedy)
 
 
+@dataclass(slots=True)
+class Outcome:
+    """One step's result for one sequence, as its drafter needs it."""
+
+    num_drafted: int  # draft tokens of the last proposal the target scored
+    num_accepted: int  # leading ones accepted
+    new_token_ids: list[int]  # accepted drafts + the sampled token; [] for a partial prefill chunk
+    # [P, len(hidden_layers(seq)), hidden] for positions hidden_start.. that the
+    # target computed and kept; None unless the sequence's drafter wants them.
+    hidden_states: torch.Tensor | None = None
+    hidden_start: int = 0
+
+
 class Proposer(ABC):
     @abstractmethod
-    def start(self, seq_id: int, prompt_ids: list[int], max_k: int) -> None:
-        """Begin tracking a sequence."""
+    def start(self, seq_id: int, request: Request) -> None:
+        """Begin tracking a sequence (its prompt, sampling and drafter choice are in `request`)."""
 
     @abstractmethod
     def propose(self, wanted: dict[int, int], tokens: dict[int, list[int]]) -> dict[int, Proposal]:
-        """wanted: seq_id -> K for this step; tokens: seq_id -> all tokens so far.
-        Returns proposals for the sequences it could serve in time; a missing
-        or shorter proposal only lowers that sequence's K this step."""
+        """wanted: seq_id -> K for this step (may be empty); tokens: seq_id -> all
+        tokens so far of the wanted sequences. Returns proposals for the sequences
+        it could serve in time; a missing or shorter proposal only lowers that
+        sequence's K this step."""
 
     @abstractmethod
-    def advance(self, seq_id: int, num_drafted: int, num_accepted: int, new_tokens: list[int]) -> None:
-        """Outcome of one step: new_tokens = accepted drafts + the sampled token."""
+    def advance(self, seq_id: int, outcome: Outcome) -> None:
+        """Outcome of one step for a sequence that goes on running."""
 
     @abstractmethod
     def free(self, seq_id: int) -> None:
         """Forget a finished or cancelled sequence."""
+
+    def flush(self) -> None:
+        """Deliver pending outcomes and frees now; the engine calls it when it goes
+        idle, since no further step would carry them. In-process proposers have none."""
+        return None
+
+    def hidden_layers(self, seq_id: int) -> tuple[int, ...]:
+        """Target layers (HF numbering) whose hidden states the sequence's drafter wants."""
+        return ()
+
+    def miss_reason(self, seq_id: int) -> str | None:
+        """Why the last `propose` returned nothing for a sequence that wanted K > 0:
+        "deadline" or "drafter_unavailable"; None when it did propose."""
+        return None

@@ -26,6 +26,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     num_speculative_tokens: int = 0  # K wanted; 0 = plain decoding
+    drafter: str | None = None  # the proposer's name for this request's drafter; None = none
+    num_logprobs: int = 0  # > 0: return each token's logprob and this many top alternatives
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -34,6 +36,8 @@ class Request:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.num_logprobs < 0:
+            raise ValueError(f"num_logprobs must be >= 0, got {self.num_logprobs}")
         self.stop_token_ids = frozenset(self.stop_token_ids)
 
 

@@ -1,0 +1,141 @@
+"""The one interface every draft method implements.
+
+The servicer (drafter/service.py) translates the Draft stream into these
+calls and nothing else. Sequence keys are opaque and hashable: the servicer
+makes them unique per stream, so a method never sees two verifiers'
+sequences collide, and it frees every key of a stream that ends.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.pb import common_pb2
+
+# Element types hidden states can travel in (specdec/tensor_codec.py).
+_WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# What a drafter can be; NONE and UNSPECIFIED are choices of the gateway, not methods.
+_DRAFT_METHODS = (common_pb2.SPEC_METHOD_NGRAM, common_pb2.SPEC_METHOD_DRAFT_MODEL,
+                  common_pb2.SPEC_METHOD_EAGLE, common_pb2.SPEC_METHOD_EAGLE3)
+
+
+@dataclass(slots=True)
+class DrafterInfo:
+    """What Drafter.Info reports (see InfoResponse in drafter.proto)."""
+
+    method: int  # common_pb2.SpecMethod value
+    vocab_size: int
+    tokenizer_hash: str = ""  # "" = unknown: the verifier then compares vocab_size only
+    model_name: str = ""
+    max_num_speculative_tokens: int = 8
+    needs_hidden_states: bool = False
+    hidden_state_layers: list[int] = field(default_factory=list)  # HF numbering
+    hidden_size: int = 0
+    hidden_state_dtype: torch.dtype = torch.float32
+    target_model_name: str = ""
+    returns_probs: bool = False
+    supports_pipelining: bool = False
+    max_model_len: int = 0  # 0 = unbounded
+
+    def __post_init__(self) -> None:
+        if self.method not in _DRAFT_METHODS:
+            raise ValueError(f"method {self.method} is not a drafting SpecMethod")
+        if self.vocab_size < 0:
+            raise ValueError(f"vocab_size must be >= 0, got {self.vocab_size}")
+        if self.max_num_speculative_tokens < 1:
+            raise ValueError(
+                f"max_num_speculative_tokens must be >= 1, got {self.max_num_speculative_tokens}")
+        if self.hidden_state_dtype not in _WIRE_DTYPES:
+            raise ValueError(f"hidden_state_dtype {self.hidden_state_dtype} cannot travel on the "
+                             f"wire; use one of {_WIRE_DTYPES}")
+        if self.needs_hidden_states and (not self.hidden_state_layers or self.hidden_size < 1):
+            raise ValueError("a drafter that needs hidden states must name hidden_state_layers "
+                             "and a hidden_size >= 1")
+        if any(layer < 0 for layer in self.hidden_state_layers):
+            raise ValueError(f"hidden_state_layers must be >= 0, got {self.hidden_state_layers}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+
+
+@dataclass(slots=True)
+class DraftSampling:
+    """The request's sampling, as a sampling drafter needs it to shape q."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.SamplingParams) -> DraftSampling:
+        return cls(
+            temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+            top_k=msg.top_k,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            min_p=msg.min_p,
+            seed=msg.seed if msg.HasField("seed") else None,
+        )
+
+
+@dataclass(slots=True)
+class Draft:
+    token_ids: list[int]  # [k] with k <= the K asked for
+    probs: torch.Tensor | None = None  # [k, V] q at each drafted position; None = one-hot
+
+    def __post_init__(self) -> None:
+        if self.probs is not None and (
+                self.probs.dim() != 2 or self.probs.shape[0] != len(self.token_ids)):
+            raise ValueError(f"probs must be [k={len(self.token_ids)}, V], "
+                             f"got {list(self.probs.shape)}")
+
+
+class DraftMethod(ABC):
+    """A draft method. Calls come from one thread at a time (the servicer locks)."""
+
+    #: Registry name (`specdec-drafter --method NAME`).
+    name: str = ""
+
+    @abstractmethod
+    def info(self) -> DrafterInfo: ...
+
+    @abstractmethod
+    def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
+              sampling: DraftSampling, max_k: int) -> None:
+        """Begin tracking a sequence whose context is prompt_ids + output_ids."""
+
+    @abstractmethod
+    def advance(self, key: Hashable, num_drafted: int, num_accepted: int, new_token_ids: list[int],
+                num_rollback_tokens: int, hidden_states: torch.Tensor | None,
+                hidden_start_position: int) -> None:
+        """One verifier step's outcome: drop num_rollback_tokens committed tokens, then
+        append new_token_ids (the first num_accepted of them were this method's drafts).
+        hidden_states: [P, len(info.hidden_state_layers), hidden_size] for positions
+        hidden_start_position.. (None unless info.needs_hidden_states)."""
+
+    @abstractmethod
+    def propose(self, wanted: dict[Hashable, int]) -> dict[Hashable, Draft]:
+        """Drafts continuing each sequence's context, at most K tokens each, for the
+        whole batch at once. A key may be missing from the result (nothing to propose)."""
+
+    @abstractmethod
+    def free(self, key: Hashable) -> None:
+        """Forget a sequence; unknown keys are ignored."""
+
+    def has(self, key: Hashable) -> bool:
+        """Whether the method holds state for `key` (the servicer reports others as unknown)."""
+        return True

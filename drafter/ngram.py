@@ -1,0 +1,131 @@
+"""Prompt lookup (n-gram) drafting.
+
+The draft for a context copies what followed the latest earlier occurrence
+of the context's own last n tokens, trying the longest n first (max_n down
+to min_n), as vLLM's ngram proposer and Hugging Face's prompt lookup
+decoding do. It needs no model and no hidden states, and it is
+deterministic, so its drafts carry no probabilities (one-hot q, exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import numpy as np
+import torch
+
+from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
+from drafter.registry import register
+from specdec.pb import common_pb2
+
+
+def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """Up to k tokens that followed the latest earlier match of the longest suffix n-gram.
+
+    tokens: [L] int. Returns [<= k], empty when no n-gram of at least min_n tokens
+    recurs. Linear in L: one comparison over the whole context finds the earlier
+    positions holding the last token, then each further step back only checks the
+    candidates still matching.
+    """
+    length = tokens.shape[0]
+    if k < 1 or length < 2:
+        return tokens[:0]
+    # ends: [C] ascending positions j <= L-2 whose token equals the last one; a match
+    # ending at j is followed by at least one token (j + 1 <= L - 1) to propose.
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    if ends.size == 0:
+        return tokens[:0]
+    best_end, matched = ends[-1], 1
+    for back in range(1, min(max_n, length - 1)):
+        ends = ends[ends >= back]
+        ends = ends[tokens[ends - back] == tokens[length - 1 - back]]
+        if ends.size == 0:
+            break
+        # Every survivor matches back + 1 tokens; the last one is the latest match.
+        best_end, matched = ends[-1], back + 1
+    if matched < min_n:
+        return tokens[:0]
+    return tokens[best_end + 1:best_end + 1 + k]
+
+
+class _TokenBuffer:
+    """A sequence's committed tokens: amortised O(1) append, O(1) rollback."""
+
+    def __init__(self, tokens: list[int]):
+        self._data = np.empty(max(16, 2 * len(tokens)), dtype=np.int32)
+        self._len = 0
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        end = self._len + len(tokens)
+        if end > self._data.shape[0]:
+            grown = np.empty(2 * end, dtype=np.int32)
+            grown[:self._len] = self._data[:self._len]
+            self._data = grown
+        self._data[self._len:end] = tokens
+        self._len = end
+
+    def drop(self, n: int) -> None:
+        if n > self._len:
+            raise ValueError(f"num_rollback_tokens {n} exceeds the context's {self._len} tokens")
+        self._len -= n
+
+    def view(self) -> np.ndarray:
+        return self._data[:self._len]  # [L] int32, valid until the next extend
+
+
+@register
+class NgramMethod(DraftMethod):
+    name = "ngram"
+
+    def __init__(self, min_n: int = 1, max_n: int = 4, max_num_speculative_tokens: int = 8,
+                 vocab_size: int = 0, tokenizer_hash: str = ""):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n}, "
+                             f"max_n={max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+        # Ngram works on ids alone; vocab_size 0 and hash "" say it fits any tokenizer.
+        self._info = DrafterInfo(
+            method=common_pb2.SPEC_METHOD_NGRAM,
+            vocab_size=vocab_size,
+            tokenizer_hash=tokenizer_hash,
+            max_num_speculative_tokens=max_num_speculative_tokens,
+        )
+        self._contexts: dict[Hashable, _TokenBuffer] = {}
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._contexts)
+
+    def info(self) -> DrafterInfo:
+        return self._info
+
+    def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
+              sampling: DraftSampling, max_k: int) -> None:
+        # Lookup is deterministic whatever the sampling, and reserves nothing per K.
+        self._contexts[key] = _TokenBuffer(list(prompt_ids) + list(output_ids))
+
+    def advance(self, key: Hashable, num_drafted: int, num_accepted: int, new_token_ids: list[int],
+                num_rollback_tokens: int, hidden_states: torch.Tensor | None,
+                hidden_start_position: int) -> None:
+        # Only the committed tokens matter: accepted drafts arrive in new_token_ids.
+        context = self._contexts[key]
+        context.drop(num_rollback_tokens)
+        context.extend(new_token_ids)
+
+    def propose(self, wanted: dict[Hashable, int]) -> dict[Hashable, Draft]:
+        drafts: dict[Hashable, Draft] = {}
+        cap = self._info.max_num_speculative_tokens
+        for key, k in wanted.items():
+            tokens = find_continuation(self._contexts[key].view(), self.min_n, self.max_n,
+                                       min(k, cap))
+            if tokens.size:
+                drafts[key] = Draft(token_ids=tokens.tolist())
+        return drafts
+
+    def free(self, key: Hashable) -> None:
+        self._contexts.pop(key, None)
+
+    def has(self, key: Hashable) -> bool:
+        return key in self._contexts

@@ -1,0 +1,250 @@
+"""The Drafter gRPC service: a thin translation of the Draft stream onto one DraftMethod.
+
+Each Draft stream gets a number; the method sees sequence keys
+(stream number, seq_id), so two verifiers' sequence ids never meet, and a
+stream that ends, however it ends, frees every key it held. The servicer
+checks each sequence's round (Start sets it, each Advance is the previous
+round + 1) and reports sequences it holds no state for in unknown_seq_ids,
+so the verifier re-starts them instead of drafting from a stale context.
+
+Method calls are synchronous (torch on CPU or GPU), so each request runs in a
+worker thread, under one lock: streams take turns inside the method, and the
+event loop stays free to read and write other streams meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from drafter.method import DrafterInfo, DraftMethod, DraftSampling
+from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specdec.server import GrpcService, start_server
+from specdec.tensor_codec import decode_tensor, dtype_to_proto, encode_tensor
+
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name  # specdec.v1.Drafter
+
+
+Key = tuple[int, int]  # (stream number, seq_id)
+
+
+class InvalidRequest(ValueError):
+    """A request the verifier should never have sent; the message names the field."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    number: int
+    rounds: dict[int, int] = field(default_factory=dict)  # seq_id -> round of its last entry
+    last_step: int | None = None
+    closed: bool = False  # set once its keys are freed; later work must not start any
+
+
+def info_to_proto(info: DrafterInfo) -> drafter_pb2.InfoResponse:
+    return drafter_pb2.InfoResponse(
+        method=info.method,
+        model_name=info.model_name,
+        tokenizer=common_pb2.TokenizerFingerprint(vocab_size=info.vocab_size,
+                                                  hash=info.tokenizer_hash),
+        max_num_speculative_tokens=info.max_num_speculative_tokens,
+        needs_hidden_states=info.needs_hidden_states,
+        hidden_state_layers=info.hidden_state_layers,
+        hidden_size=info.hidden_size,
+        hidden_state_dtype=dtype_to_proto(info.hidden_state_dtype),
+        target_model_name=info.target_model_name,
+        returns_probs=info.returns_probs,
+        supports_pipelining=info.supports_pipelining,
+        max_model_len=info.max_model_len,
+    )
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, method: DraftMethod):
+        self._method = method
+        self._info = method.info()
+        self._info_response = info_to_proto(self._info)
+        self._lock = threading.Lock()
+        self._stream_numbers = itertools.count()
+        self._entry_handlers: dict[str, Callable[..., int | None]] = {
+            "start": self._start, "advance": self._advance, "free": self._free,
+        }
+
+    async def Info(self, request: drafter_pb2.InfoRequest,
+                   context: grpc.aio.ServicerContext) -> drafter_pb2.InfoResponse:
+        return self._info_response
+
+    async def Draft(self, request_iterator: AsyncIterator[drafter_pb2.DraftRequest],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[drafter_pb2.DraftResponse]:
+        stream = _Stream(next(self._stream_numbers))
+        try:
+            async for request in request_iterator:
+                received = time.perf_counter()
+                try:
+                    response = await asyncio.to_thread(self._handle, stream, request)
+                except InvalidRequest as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                response.draft_time_ms = (time.perf_counter() - received) * 1e3
+                yield response
+        finally:
+            # Shielded: a second cancellation (server shutdown) must not leave keys behind.
+            await asyncio.shield(asyncio.to_thread(self._close, stream))
+
+    def _close(self, stream: _Stream) -> None:
+        with self._lock:
+            stream.closed = True
+            for seq_id in stream.rounds:
+                self._method.free((stream.number, seq_id))
+            stream.rounds.clear()
+
+    def _handle(self, stream: _Stream,
+                request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
+        if stream.last_step is not None and request.step <= stream.last_step:
+            raise InvalidRequest(f"step: {request.step} is not greater than the stream's "
+                                 f"previous step {stream.last_step}")
+        stream.last_step = request.step
+        response = drafter_pb2.DraftResponse(step=request.step)
+        # key -> K. The proto allows one entry per sequence; should a request carry more
+        # (say Free then Start), they apply in order and the last one decides the K.
+        wanted: dict[Key, int] = {}
+        with self._lock:
+            if stream.closed:  # the client left while this request waited for the lock
+                return response
+            for i, entry in enumerate(request.entries):
+                where = f"entries[{i}]"
+                kind = entry.WhichOneof("kind")
+                if kind is None:
+                    raise InvalidRequest(f"{where}: no kind set (start, advance or free)")
+                k = self._entry_handlers[kind](stream, entry, where)
+                key = (stream.number, entry.seq_id)
+                wanted.pop(key, None)
+                if k is None:
+                    response.unknown_seq_ids.append(entry.seq_id)
+                elif k > 0:
+                    wanted[key] = min(k, self._info.max_num_speculative_tokens)
+            if wanted:
+                self._add_proposals(response, stream, wanted)
+        return response
+
+    # Entry handlers: apply one entry and return the K it asks for, or None when the
+    # stream holds no (valid) state for the sequence.
+
+    def _start(self, stream: _Stream, entry: drafter_pb2.DraftEntry, where: str) -> int | None:
+        start = entry.start
+        self._check_token_ids(start.prompt_token_ids, f"{where}.start.prompt_token_ids")
+        self._check_token_ids(start.output_token_ids, f"{where}.start.output_token_ids")
+        try:
+            sampling = DraftSampling.from_proto(start.sampling)
+        except ValueError as e:
+            raise InvalidRequest(f"{where}.start.sampling: {e}") from None
+        key = (stream.number, entry.seq_id)
+        if entry.seq_id in stream.rounds:
+            self._method.free(key)  # a re-Start replaces the sequence's state
+        # Recorded before the method runs, so the stream frees it even if start fails.
+        stream.rounds[entry.seq_id] = entry.round
+        cap = self._info.max_num_speculative_tokens
+        max_k = min(start.max_num_speculative_tokens or cap, cap)
+        try:
+            self._method.start(key, list(start.prompt_token_ids), list(start.output_token_ids),
+                               sampling, max_k)
+        except ValueError as e:
+            raise InvalidRequest(f"{where}.start: {e}") from None
+        return start.num_speculative_tokens
+
+    def _advance(self, stream: _Stream, entry: drafter_pb2.DraftEntry, where: str) -> int | None:
+        adv = entry.advance
+        if adv.num_accepted > adv.num_drafted or adv.num_accepted > len(adv.new_token_ids):
+            raise InvalidRequest(
+                f"{where}.advance.num_accepted: {adv.num_accepted} exceeds num_drafted "
+                f"({adv.num_drafted}) or new_token_ids ({len(adv.new_token_ids)} tokens)")
+        self._check_token_ids(adv.new_token_ids, f"{where}.advance.new_token_ids")
+        hidden = self._hidden_states(adv, f"{where}.advance.hidden_states")
+        key = (stream.number, entry.seq_id)
+        previous = stream.rounds.get(entry.seq_id)
+        if previous is None:
+            return None
+        if entry.round != previous + 1 or not self._method.has(key):
+            # Out of sync (a lost or repeated step) or evicted: drafting from this state
+            # would propose for the wrong context, so drop it and let the verifier re-start.
+            del stream.rounds[entry.seq_id]
+            self._method.free(key)
+            return None
+        stream.rounds[entry.seq_id] = entry.round
+        try:
+            self._method.advance(key, adv.num_drafted, adv.num_accepted, list(adv.new_token_ids),
+                                 adv.num_rollback_tokens, hidden,
+                                 adv.hidden_states.start_position)
+        except ValueError as e:
+            raise InvalidRequest(f"{where}.advance: {e}") from None
+        return adv.num_speculative_tokens
+
+    def _free(self, stream: _Stream, entry: drafter_pb2.DraftEntry, where: str) -> int | None:
+        # Freeing a sequence the stream does not hold is harmless: nothing to report.
+        if stream.rounds.pop(entry.seq_id, None) is not None:
+            self._method.free((stream.number, entry.seq_id))
+        return 0
+
+    def _hidden_states(self, adv: drafter_pb2.DraftEntry.Advance,
+                       where: str) -> torch.Tensor | None:
+        """[P, len(layers), hidden_size] in the dtype Info asked for, or None if not needed."""
+        info = self._info
+        if not info.needs_hidden_states:
+            return None
+        if not adv.HasField("hidden_states"):
+            if adv.new_token_ids:
+                raise InvalidRequest(f"{where}: missing; this drafter needs hidden states of "
+                                     f"layers {info.hidden_state_layers}")
+            return None  # an Advance that only asks for a proposal carries no positions
+        msg = adv.hidden_states
+        if list(msg.layers) != info.hidden_state_layers:
+            raise InvalidRequest(f"{where}.layers: {list(msg.layers)} differ from the "
+                                 f"drafter's hidden_state_layers {info.hidden_state_layers}")
+        try:
+            return decode_tensor(
+                msg.tensor, expected_dtype=info.hidden_state_dtype,
+                expected_shape=[-1, len(info.hidden_state_layers), info.hidden_size])
+        except ValueError as e:
+            raise InvalidRequest(f"{where}.tensor: {e}") from None
+
+    def _check_token_ids(self, ids, where: str) -> None:
+        if not ids:
+            return
+        low, high = min(ids), max(ids)
+        vocab = self._info.vocab_size  # 0 = any tokenizer
+        if low < 0 or (vocab and high >= vocab):
+            raise InvalidRequest(f"{where}: token ids must be in [0, {vocab or 'vocab_size'}), "
+                                 f"got {low if low < 0 else high}")
+
+    def _add_proposals(self, response: drafter_pb2.DraftResponse, stream: _Stream,
+                       wanted: dict[Key, int]) -> None:
+        drafts = self._method.propose(wanted)
+        for key, k in wanted.items():
+            draft = drafts.get(key)
+            if draft is None or not draft.token_ids:
+                continue  # nothing to propose: the verifier runs the sequence with K = 0
+            if len(draft.token_ids) > k:
+                raise RuntimeError(f"{type(self._method).__name__} drafted "
+                                   f"{len(draft.token_ids)} tokens for K = {k}")
+            seq_id = key[1]
+            proposal = response.proposals.add(seq_id=seq_id, round=stream.rounds[seq_id],
+                                              token_ids=draft.token_ids)
+            if draft.probs is not None:
+                # [k, V] float32, as the proto prefers.
+                proposal.probs.dense.CopyFrom(encode_tensor(draft.probs.to(torch.float32)))
+
+
+async def serve(method: DraftMethod, address: str) -> GrpcService:
+    """Start a Drafter service for `method` on `address` ("host:port", port 0 = any free
+    port) with health reporting SERVING; stop it with the returned service's `stop`."""
+    servicer = DrafterServicer(method)
+
+    def register(server: grpc.aio.Server) -> None:
+        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+
+    return await start_server(address, register, [SERVICE_NAME])

@@ -1,0 +1,115 @@
+"""gRPC server bootstrap shared by the drafter, verifier and gateway services.
+
+Every service answers the standard health service (overall "" and its own
+service name), accepts large messages (hidden states and dense draft
+probabilities are big), and stops gracefully: health flips to NOT_SERVING
+first so routers stop sending, then the service drains its own work, then
+the server stops with a grace period for streams still open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Hidden states of a long prefill chunk, or dense q over a 128k vocabulary at
+# K = 8, exceed gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+GRPC_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Find dead peers on long-lived streams (drafter streams idle between requests).
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+# Servers must accept the clients' keepalive pings.
+SERVER_OPTIONS: list[tuple[str, int]] = GRPC_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+]
+
+
+class GrpcService:
+    """A started grpc.aio server with its health servicer."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
+                 port: int, service_names: list[str]):
+        self.server = server
+        self.health = health_servicer
+        self.port = port
+        self.service_names = service_names
+        self._stopped = asyncio.Event()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float = 5.0,
+                   drain: Callable[[], Awaitable[None]] | None = None) -> None:
+        """NOT_SERVING, then `drain` (the service finishes or cancels its work), then stop."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        await self.set_serving(False)
+        if drain is not None:
+            try:
+                await asyncio.wait_for(drain(), timeout=grace_s)
+            except TimeoutError:
+                log.warning("drain did not finish within %.1f s", grace_s)
+        await self.server.stop(grace_s)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_server(address: str, register: Callable[[grpc.aio.Server], None],
+                       service_names: Iterable[str]) -> GrpcService:
+    """Bind `address` ("host:port", port 0 = any free port), register the service's
+    servicers and health, start, and report SERVING."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    await server.start()
+    service = GrpcService(server, health_servicer, port, list(service_names))
+    await service.set_serving(True)
+    return service
+
+
+async def serve_until_signal(service: GrpcService, grace_s: float = 5.0,
+                             drain: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Run until SIGINT or SIGTERM, then stop gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(service.wait_for_termination())
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    await service.stop(grace_s, drain)
+    waiter.cancel()
+    stopper.cancel()
+
+
+def host_port(address: str) -> str:
+    """Accept "PORT", ":PORT" or "HOST:PORT"; default host is loopback."""
+    if address.isdigit():
+        return f"127.0.0.1:{address}"
+    if address.startswith(":"):
+        return f"127.0.0.1{address}"
+    return address

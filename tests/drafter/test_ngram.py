@@ -1,0 +1,132 @@
+"""Prompt lookup: the continuation of the longest, then latest, matching n-gram."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from drafter.method import DraftSampling
+from drafter.ngram import NgramMethod, find_continuation
+from specdec.pb import common_pb2
+
+
+def _find(tokens: list[int], min_n: int = 1, max_n: int = 4, k: int = 8) -> list[int]:
+    return find_continuation(np.array(tokens, dtype=np.int32), min_n, max_n, k).tolist()
+
+
+def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, quadratic: longest n first, then the latest earlier match."""
+    length = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if n >= length:
+            continue
+        suffix = tokens[length - n:]
+        for i in range(length - n - 1, -1, -1):  # a match must leave a token after it
+            if tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def test_repeated_pattern_proposes_its_continuation():
+    assert _find([1, 2, 3, 4, 1, 2, 3]) == [4, 1, 2, 3]
+    assert _find([5, 6, 7, 5, 6, 7, 5, 6], k=3) == [7, 5, 6]
+
+
+def test_longest_ngram_wins_over_a_later_shorter_one():
+    # Last token 6: its latest earlier occurrence (index 4, followed by 8) matches one
+    # token; the one at index 1 also matches the 5 before it, so 7 follows.
+    tokens = [5, 6, 7, 9, 6, 8, 5, 6]
+    assert _find(tokens, max_n=4) == [7, 9, 6, 8, 5, 6]
+    assert _find(tokens, max_n=1) == [8, 5, 6]
+
+
+def test_latest_match_wins_among_equally_long_ones():
+    assert _find([7, 1, 7, 2, 7]) == [2, 7]
+    assert _find([3, 4, 10, 3, 4, 11, 3, 4]) == [11, 3, 4]
+
+
+def test_no_match_proposes_nothing():
+    assert _find([1, 2, 3, 4]) == []
+    assert _find([9]) == []
+    assert _find([]) == []
+
+
+def test_min_n_rejects_short_matches():
+    tokens = [1, 2, 9, 2]  # only the single token 2 recurs
+    assert _find(tokens, min_n=1) == [9, 2]
+    assert _find(tokens, min_n=2) == []
+
+
+def test_k_caps_the_draft():
+    tokens = [1, 2, 3, 4, 5, 6, 1]
+    assert _find(tokens, k=2) == [2, 3]
+    assert _find(tokens, k=0) == []
+
+
+def test_matches_the_quadratic_definition_on_random_contexts():
+    rng = random.Random(0)
+    for _ in range(500):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(0, 40))]
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        k = rng.randint(1, 6)
+        assert _find(tokens, min_n, max_n, k) == _reference(tokens, min_n, max_n, k), (
+            tokens, min_n, max_n, k)
+
+
+GREEDY = DraftSampling(temperature=0.0)
+
+
+def test_method_tracks_context_through_advance_and_rollback():
+    m = NgramMethod()
+    m.start("a", [1, 2, 3, 4, 1, 2], [], GREEDY, max_k=8)
+    assert m.propose({"a": 8})["a"].token_ids == [3, 4, 1, 2]
+
+    # Two accepted drafts + a bonus token: context [1 2 3 4 1 2 3 4 9].
+    m.advance("a", num_drafted=3, num_accepted=2, new_token_ids=[3, 4, 9],
+              num_rollback_tokens=0, hidden_states=None, hidden_start_position=0)
+    assert "a" not in m.propose({"a": 8})  # 9 never occurred before
+
+    # The verifier rewinds the 9 and the 4: context [1 2 3 4 1 2 3] + [5].
+    m.advance("a", num_drafted=0, num_accepted=0, new_token_ids=[5],
+              num_rollback_tokens=2, hidden_states=None, hidden_start_position=0)
+    m.advance("a", num_drafted=0, num_accepted=0, new_token_ids=[1, 2],
+              num_rollback_tokens=0, hidden_states=None, hidden_start_position=0)
+    # [1 2 3 4 1 2 3 5 1 2]: "5 1 2" never occurred before; "1 2" last did at 4..5.
+    assert m.propose({"a": 8})["a"].token_ids == [3, 5, 1, 2]
+
+
+def test_rollback_past_the_context_is_an_error():
+    m = NgramMethod()
+    m.start("a", [1, 2], [3], GREEDY, max_k=4)
+    with pytest.raises(ValueError, match="num_rollback_tokens 4"):
+        m.advance("a", 0, 0, [], 4, None, 0)
+
+
+def test_method_caps_k_and_keeps_sequences_apart():
+    m = NgramMethod(max_num_speculative_tokens=2)
+    m.start("a", [1, 2, 3, 4, 1], [], GREEDY, max_k=2)
+    m.start("b", [7, 8, 9], [7], GREEDY, max_k=2)  # output ids count as context too
+    drafts = m.propose({"a": 8, "b": 1})
+    assert drafts["a"].token_ids == [2, 3]
+    assert drafts["b"].token_ids == [8]
+    assert drafts["a"].probs is None  # one-hot: exact without probabilities
+
+    m.free("a")
+    m.free("a")  # unknown keys are ignored
+    assert not m.has("a") and m.has("b") and m.num_sequences == 1
+
+
+def test_info_and_constructor_checks():
+    info = NgramMethod(max_num_speculative_tokens=5, vocab_size=100, tokenizer_hash="h").info()
+    assert info.method == common_pb2.SPEC_METHOD_NGRAM
+    assert (info.vocab_size, info.tokenizer_hash, info.max_num_speculative_tokens) == (100, "h", 5)
+    assert not info.needs_hidden_states and not info.returns_probs
+    with pytest.raises(ValueError, match="min_n"):
+        NgramMethod(min_n=3, max_n=2)
+    with pytest.raises(ValueError, match="min_n"):
+        NgramMethod(min_n=0)
+    with pytest.raises(ValueError, match="max_num_speculative_tokens"):
+        NgramMethod(max_num_speculative_tokens=0)

@@ -1,0 +1,420 @@
+"""The Verifier gRPC service with real drafter services on loopback: output
+equals plain greedy decoding whatever the drafters do (exact, correct,
+random, slow, down, dying), bad input fails only its own stream, cancel
+frees everything, and the CLI serves and shuts down cleanly."""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from drafter.method import Draft, DrafterInfo, DraftMethod
+from drafter.service import serve as serve_drafter
+from specdec.generate import greedy_generate
+from specdec.models import LlamaForCausalLM, ModelConfig
+from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
+from tests.loop_thread import LoopThread
+from verifier.drafter_client import DrafterClient, TargetInfo
+from verifier.drafting import DrafterPool
+from verifier.engine import Engine, EngineConfig
+from verifier.service import VerifierServicer, serve
+
+VOCAB = 97
+K_MAX = 8
+MAX_LEN = 512
+GREEDY = common_pb2.SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=MAX_LEN)
+    m = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(4.0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+class ContextMethod(DraftMethod):
+    """Test drafter: mirrors each sequence's context; subclasses draft from it."""
+
+    name = "test"
+
+    def __init__(self, delay_s: float = 0.0):
+        self.ctx: dict = {}
+        self.starts: list[tuple[object, int]] = []  # (key, len(output_ids)) per Start
+        self.freed: list = []
+        self.delay_s = delay_s
+
+    def info(self) -> DrafterInfo:
+        return DrafterInfo(method=common_pb2.SPEC_METHOD_NGRAM, vocab_size=VOCAB,
+                           max_num_speculative_tokens=K_MAX)
+
+    def start(self, key, prompt_ids, output_ids, sampling, max_k):
+        self.ctx[key] = list(prompt_ids) + list(output_ids)
+        self.starts.append((key, len(output_ids)))
+
+    def advance(self, key, num_drafted, num_accepted, new_token_ids, num_rollback_tokens,
+                hidden_states, hidden_start_position):
+        ctx = self.ctx[key]
+        del ctx[len(ctx) - num_rollback_tokens:]
+        ctx.extend(new_token_ids)
+
+    def propose(self, wanted):
+        time.sleep(self.delay_s)
+        return {key: Draft(self.draft(self.ctx[key], k)) for key, k in wanted.items() if key in self.ctx}
+
+    def draft(self, ctx: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def free(self, key):
+        if self.ctx.pop(key, None) is not None:
+            self.freed.append(key)
+
+    def has(self, key):
+        return key in self.ctx
+
+
+class OracleMethod(ContextMethod):
+    """Drafts the target's own greedy continuation (every draft accepted)."""
+
+    def __init__(self, model, **kw):
+        super().__init__(**kw)
+        self.model = model
+
+    def draft(self, ctx, k):
+        return greedy_generate(self.model, [ctx], k)[0]
+
+
+class RandomMethod(ContextMethod):
+    def __init__(self, seed: int = 0, **kw):
+        super().__init__(**kw)
+        self.rng = random.Random(seed)
+
+    def draft(self, ctx, k):
+        return [self.rng.randrange(VOCAB) for _ in range(k)]
+
+
+class Stack:
+    """A verifier and its drafters, in-process on loopback."""
+
+    def __init__(self, loop: LoopThread, model: LlamaForCausalLM, drafters: dict[str, DraftMethod],
+                 down: tuple[str, ...] = (), deadline_ms: float = 2000.0):
+        self.loop = loop
+        self.model = model
+        self.methods = drafters
+        self.drafter_services = {name: loop.run(serve_drafter(m, "127.0.0.1:0"))
+                                 for name, m in drafters.items()}
+        ports = {name: s.port for name, s in self.drafter_services.items()}
+        ports.update({name: _free_port() for name in down})
+        cfg = model.config
+        self.target = TargetInfo(VOCAB, "", cfg.hidden_size, cfg.num_layers)
+        clients = [DrafterClient(name, f"127.0.0.1:{port}", self.target, backoff_s=(0.05, 0.2))
+                   for name, port in ports.items()]
+        self.pool = DrafterPool(clients, K_MAX, deadline_ms)
+        engine = Engine(model, EngineConfig(max_num_seqs=16, max_model_len=MAX_LEN, block_size=16,
+                                            num_kv_blocks=600, num_speculative_tokens_max=K_MAX),
+                        self.pool)
+        self.servicer = VerifierServicer(engine, self.pool, self.target, model_name="tiny", default_k=4)
+        self.service = loop.run(serve(self.servicer, "127.0.0.1:0"))
+        for name in drafters:
+            assert self.pool.clients[name].wait_available(10), self.pool.clients[name].error
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.service.port}")
+        self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.loop.run(self.service.stop(2.0))
+        for s in self.drafter_services.values():
+            self.loop.run(s.stop(0.5))
+
+    def load(self) -> verifier_pb2.LoadReport:
+        return self.stub.Load(verifier_pb2.LoadRequest(), timeout=5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_msg(prompt, max_tokens, *, k=0, drafter="", method=common_pb2.SPEC_METHOD_UNSPECIFIED,
+              sampling=None, request_id="") -> verifier_pb2.GenerateRequest:
+    s = common_pb2.SamplingParams()
+    s.CopyFrom(sampling or GREEDY)
+    s.max_tokens = max_tokens
+    return verifier_pb2.GenerateRequest(start=verifier_pb2.GenerateRequest.Start(
+        request_id=request_id, prompt_token_ids=prompt, sampling=s,
+        speculation=common_pb2.SpeculationPolicy(method=method, drafter=drafter,
+                                                 num_speculative_tokens=k)))
+
+
+def generate(stub, msg, timeout=60) -> tuple[list[int], list[verifier_pb2.GenerateResponse]]:
+    responses = list(stub.Generate(iter([msg]), timeout=timeout))
+    return [t for r in responses for t in r.token_ids], responses
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 25))] for _ in range(n)]
+
+
+def run_concurrently(fn, args_list):
+    results: list = [None] * len(args_list)
+    errors: list = []
+
+    def work(i, args):
+        try:
+            results[i] = fn(*args)
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("drafter", ["none", "oracle", "random"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_output_equals_plain_greedy(loop, model, drafter, batch):
+    stack = Stack(loop, model, {"oracle": OracleMethod(model), "random": RandomMethod()})
+    try:
+        ps = prompts(batch, seed=batch)
+        expected = greedy_generate(model, ps, 40)
+        method = common_pb2.SPEC_METHOD_NONE if drafter == "none" else common_pb2.SPEC_METHOD_UNSPECIFIED
+        name = "" if drafter == "none" else drafter
+        msgs = [start_msg(p, 40, k=1 + i % K_MAX, drafter=name, method=method) for i, p in enumerate(ps)]
+        results = run_concurrently(lambda m: generate(stack.stub, m), [(m,) for m in msgs])
+        for (tokens, responses), want in zip(results, expected, strict=True):
+            assert tokens == want
+            last = responses[-1]
+            assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert last.usage.completion_tokens == 40
+            spec = last.spec_decode
+            if drafter == "none":
+                assert spec.num_drafts == 0
+                assert spec.disabled_reason == common_pb2.DISABLED_REASON_REQUEST
+            else:
+                assert spec.num_draft_tokens > 0
+                assert spec.disabled_reason == common_pb2.DISABLED_REASON_NONE
+            if drafter == "oracle":  # every draft is the target's own choice
+                assert spec.num_accepted_tokens == spec.num_draft_tokens
+                assert len(responses) < 40
+        assert stack.load().num_running == 0
+    finally:
+        stack.close()
+
+
+def test_slow_drafter_hits_the_deadline_without_changing_output(loop, model):
+    slow = OracleMethod(model, delay_s=0.15)
+    stack = Stack(loop, model, {"slow": slow}, deadline_ms=20)
+    try:
+        p = prompts(1, seed=5)[0]
+        tokens, responses = generate(stack.stub, start_msg(p, 30, k=4, drafter="slow"))
+        assert tokens == greedy_generate(model, [p], 30)[0]
+        reasons = {r.step_stats.disabled_reason for r in responses}
+        assert common_pb2.DISABLED_REASON_DEADLINE in reasons
+        # The verifier never waited for the drafter much past the deadline.
+        assert max(r.step_stats.draft_wait_ms for r in responses) < 150
+    finally:
+        stack.close()
+
+
+def test_unreachable_drafter_runs_plain(loop, model):
+    stack = Stack(loop, model, {}, down=("ngram",))
+    try:
+        p = prompts(1, seed=6)[0]
+        tokens, responses = generate(stack.stub, start_msg(p, 20, k=3, drafter="ngram"))
+        assert tokens == greedy_generate(model, [p], 20)[0]
+        assert responses[-1].spec_decode.num_drafts == 0
+        assert responses[-1].spec_decode.disabled_reason == common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE
+        (report,) = stack.load().drafters
+        assert report.name == "ngram" and not report.available
+    finally:
+        stack.close()
+
+
+def test_drafter_dies_mid_request_and_is_restarted(loop, model):
+    # Random drafts with a delay pace the verifier at about one token per
+    # 10 ms while the drafter is up, so the request outlives its restart.
+    method = RandomMethod(seed=3, delay_s=0.01)
+    stack = Stack(loop, model, {"rnd": method})
+    try:
+        p = prompts(1, seed=7)[0]
+        port = stack.drafter_services["rnd"].port
+        stream = stack.stub.Generate(iter([start_msg(p, 400, k=2, drafter="rnd")]), timeout=120)
+        tokens, after_restart = [], []
+        restarted = False
+        for r in stream:
+            tokens += r.token_ids
+            if not restarted and len(tokens) >= 30:
+                loop.run(stack.drafter_services["rnd"].stop(0))  # abrupt: streams cancelled
+                stack.drafter_services["rnd"] = loop.run(serve_drafter(method, f"127.0.0.1:{port}"))
+                restarted = True
+            elif restarted:
+                after_restart.append(r)
+        assert tokens == greedy_generate(model, [p], 400)[0]
+        # The client re-started the live sequence on the new stream with the
+        # tokens generated so far, and drafting resumed.
+        assert any(n_out > 0 for _, n_out in method.starts)
+        assert any(r.step_stats.num_drafted > 0 for r in after_restart[len(after_restart) // 2:])
+    finally:
+        stack.close()
+
+
+BAD = {
+    "token id >= vocab": (dict(prompt=[1, VOCAB]), "prompt_token_ids"),
+    "empty prompt": (dict(prompt=[]), "prompt_token_ids"),
+    "too long": (dict(max_tokens=MAX_LEN), "max_tokens"),
+    "K over K_max": (dict(k=K_MAX + 1), "num_speculative_tokens"),
+    "negative temperature": (dict(sampling=common_pb2.SamplingParams(temperature=-1.0)), "temperature"),
+    "top_p zero": (dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=0.0)), "top_p"),
+    "top_p over 1": (dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.5)), "top_p"),
+    "unknown drafter": (dict(drafter="nope"), "drafter"),
+}
+
+
+def test_bad_input_is_invalid_argument_and_others_go_on(loop, model):
+    stack = Stack(loop, model, {"oracle": OracleMethod(model, delay_s=0.005)})
+    try:
+        p = prompts(1, seed=8)[0]
+        long_run = stack.stub.Generate(iter([start_msg(p, 200, k=3, drafter="oracle")]), timeout=60)
+        first = next(long_run)
+        for name, (kw, field) in BAD.items():
+            args = dict(prompt=[1, 2, 3], max_tokens=5)
+            args.update(kw)
+            with pytest.raises(grpc.RpcError) as err:
+                generate(stack.stub, start_msg(args.pop("prompt"), args.pop("max_tokens"), **args))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert field in err.value.details(), (name, err.value.details())
+        tokens = list(first.token_ids) + [t for r in long_run for t in r.token_ids]
+        assert tokens == greedy_generate(model, [p], 200)[0]
+    finally:
+        stack.close()
+
+
+def test_cancel_frees_the_sequence_and_tells_the_drafter(loop, model):
+    method = OracleMethod(model, delay_s=0.01)
+    stack = Stack(loop, model, {"oracle": method})
+    try:
+        p = prompts(1, seed=9)[0]
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        requests.put(start_msg(p, 400, k=1, drafter="oracle"))
+        stream = stack.stub.Generate(iter(requests.get, None), timeout=60)
+        responses = [next(stream) for _ in range(3)]
+        assert stack.load().num_running == 1
+        requests.put(verifier_pb2.GenerateRequest(cancel=verifier_pb2.GenerateRequest.Cancel()))
+        responses += list(stream)
+        requests.put(None)
+        assert responses[-1].finish_reason == common_pb2.FINISH_REASON_CANCELLED
+        assert sum(len(r.token_ids) for r in responses) < 400
+        report = stack.load()
+        assert report.num_running == 0 and report.num_free_kv_tokens == report.num_total_kv_tokens
+        _wait_for(lambda: len(method.freed) == 1 and not method.ctx)
+
+        # A client that just goes away is cancelled the same way.
+        stream = stack.stub.Generate(iter([start_msg(p, 400, k=1, drafter="oracle")]), timeout=60)
+        next(stream)
+        stream.cancel()
+        _wait_for(lambda: stack.load().num_running == 0 and len(method.freed) == 2)
+    finally:
+        stack.close()
+
+
+def test_logprobs_are_the_raw_target_log_softmax(loop, model):
+    stack = Stack(loop, model, {"oracle": OracleMethod(model)})
+    try:
+        p = prompts(1, seed=10)[0]
+        s = common_pb2.SamplingParams(temperature=0.0, logprobs=3)
+        tokens, responses = generate(stack.stub, start_msg(p, 6, k=2, drafter="oracle", sampling=s))
+        lps = [lp for r in responses for lp in r.logprobs]
+        assert [lp.token_id for lp in lps] == tokens
+        ctx = list(p)
+        for tok, lp in zip(tokens, lps, strict=True):
+            meta_cache = model.make_kv_cache(64, 16)
+            meta_cache.add(0)
+            meta = meta_cache.plan([(0, len(ctx))])
+            logits = model(torch.tensor(ctx), meta, meta_cache).logits[0]
+            ref = torch.log_softmax(logits.float(), -1)
+            assert lp.logprob == pytest.approx(ref[tok].item(), abs=1e-5)
+            assert lp.rank == 1  # greedy picks the top token
+            assert [t.token_id for t in lp.top_logprobs] == ref.topk(3).indices.tolist()
+            ctx.append(tok)
+    finally:
+        stack.close()
+
+
+def _wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    assert cond()
+
+
+@pytest.mark.model
+def test_cli_serves_health_and_generate_then_stops_on_sigterm(smollm2_dir):
+    port = _free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "verifier", "--model", str(smollm2_dir), "--port", str(port),
+         "--max-num-seqs", "4", "--max-model-len", "256", "--threads", "1",
+         "--drafter", f"ngram=127.0.0.1:{_free_port()}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(service="specdec.v1.Verifier"),
+                                      timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        from specdec.models import load_model
+        from specdec.tokenizer import Tokenizer
+        tok = Tokenizer.from_dir(smollm2_dir)
+        prompt = tok.apply_chat_template([{"role": "user", "content": "Name a colour."}])
+        tokens, responses = generate(stub, start_msg(prompt, 12, method=common_pb2.SPEC_METHOD_NONE))
+        ref = greedy_generate(load_model(smollm2_dir), [prompt], 12, tok.eos_token_ids)[0]
+        assert tokens == ref
+        report = stub.Load(verifier_pb2.LoadRequest(), timeout=5)
+        assert report.tokenizer.vocab_size == tok.vocab_size and report.tokenizer.hash
+        assert [d.name for d in report.drafters] == ["ngram"]
+        channel.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

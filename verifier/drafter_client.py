@@ -1,0 +1,329 @@
+"""The verifier's end of one drafter's `Drafter.Draft` stream.
+
+One long-lived stream per drafter carries one DraftRequest per verifier
+step for the whole batch. The engine thread calls `send` (the step's
+entries: starts, outcomes, frees, and the K wanted) and `collect` (the
+proposals, waiting no longer than the draft deadline). A connection thread
+owns the stream: it checks Info against the target, reads responses, and
+when the drafter is unreachable or the stream breaks, marks the drafter
+down (its sequences run with K = 0), reconnects with exponential backoff
+and re-starts every live sequence from its prompt and the tokens so far.
+
+A drafter that is slower than the deadline is never asked for a new
+proposal while its previous one is still outstanding: the step's outcomes
+are still sent (K = 0), so it catches up instead of building a backlog.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specdec.server import GRPC_OPTIONS
+from specdec.tensor_codec import decode_tensor, dtype_from_proto, encode_tensor
+from verifier.engine.proposer import Outcome, Proposal
+from verifier.sampling.params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_CLOSE = object()  # ends a request iterator
+
+
+@dataclass(frozen=True, slots=True)
+class TargetInfo:
+    """What a drafter must agree with."""
+
+    vocab_size: int
+    tokenizer_hash: str  # "" = unknown (tiny test models): compare vocab_size only
+    hidden_size: int
+    num_layers: int
+
+
+def check_info(info: drafter_pb2.InfoResponse, target: TargetInfo) -> str | None:
+    """Why this drafter cannot serve the target, or None when it can."""
+    tok = info.tokenizer
+    if tok.vocab_size and tok.vocab_size != target.vocab_size:
+        return (f"tokenizer mismatch: drafter vocab_size {tok.vocab_size}, "
+                f"target {target.vocab_size}")
+    if tok.hash and target.tokenizer_hash and tok.hash != target.tokenizer_hash:
+        return (f"tokenizer mismatch: drafter fingerprint {tok.hash[:12]}..., "
+                f"target {target.tokenizer_hash[:12]}...")
+    if info.needs_hidden_states:
+        if info.hidden_size != target.hidden_size:
+            return f"hidden_size mismatch: drafter {info.hidden_size}, target {target.hidden_size}"
+        bad = [x for x in info.hidden_state_layers if not 0 <= x <= target.num_layers]
+        if bad or not info.hidden_state_layers:
+            return (f"hidden_state_layers {list(info.hidden_state_layers)} not within "
+                    f"0..{target.num_layers}")
+        try:
+            dtype_from_proto(info.hidden_state_dtype)
+        except ValueError as e:
+            return f"hidden_state_dtype: {e}"
+    return None
+
+
+def _sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=max(p.top_k, 0),
+                                    top_p=p.top_p, min_p=p.min_p)
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+@dataclass(slots=True)
+class _Seq:
+    prompt: list[int]
+    sampling: SamplingParams
+    max_k: int
+    output: list[int] = field(default_factory=list)
+    round: int = 0
+    generation: int = -1  # stream generation its Start went out on; -1 = not yet
+    pending: drafter_pb2.DraftEntry | None = None  # outcome waiting for the next send
+
+
+class DrafterClient:
+    def __init__(self, name: str, address: str, target: TargetInfo, *,
+                 backoff_s: tuple[float, float] = (0.1, 5.0), rpc_timeout_s: float = 5.0):
+        self.name = name
+        self.address = address
+        self.target = target
+        self.backoff_s = backoff_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self.info: drafter_pb2.InfoResponse | None = None
+        self.error = "not connected yet"
+        self._lock = threading.Condition()
+        self._seqs: dict[int, _Seq] = {}
+        self._freed: list[int] = []  # sequences to Free on the current stream
+        self._outq: queue.SimpleQueue | None = None  # requests of the live stream; None = down
+        self._generation = 0
+        self._responses: dict[int, drafter_pb2.DraftResponse] = {}
+        self._outstanding: int | None = None  # step whose proposals have not arrived
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"drafter-{name}", daemon=True)
+        self.misses: dict[int, str] = {}  # seq_id -> reason, for the last send/collect
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def start(self) -> DrafterClient:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            if self._outq is not None:
+                self._outq.put(_CLOSE)
+            self._lock.notify_all()
+        self._thread.join(timeout=5)
+
+    @property
+    def available(self) -> bool:
+        return self._outq is not None
+
+    @property
+    def method(self) -> int:
+        return self.info.method if self.info is not None else common_pb2.SPEC_METHOD_UNSPECIFIED
+
+    @property
+    def max_k(self) -> int:
+        return self.info.max_num_speculative_tokens if self.info is not None else 0
+
+    def hidden_layers(self) -> tuple[int, ...]:
+        if self.info is None or not self.info.needs_hidden_states:
+            return ()
+        return tuple(self.info.hidden_state_layers)
+
+    def wait_available(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while not self.available and time.monotonic() < deadline:
+                self._lock.wait(timeout=deadline - time.monotonic())
+            return self.available
+
+    # -- engine thread -----------------------------------------------------------
+
+    def track(self, seq_id: int, prompt: list[int], sampling: SamplingParams, max_k: int) -> None:
+        with self._lock:
+            self._seqs[seq_id] = _Seq(list(prompt), sampling, max_k)
+
+    def record(self, seq_id: int, outcome: Outcome) -> None:
+        with self._lock:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                return
+            seq.output.extend(outcome.new_token_ids)
+            if seq.generation != self._generation or seq.pending is not None:
+                # Not started on this stream, or an outcome is still unsent (a
+                # skipped send): the next send re-starts it from the mirror.
+                seq.generation = -1
+                seq.pending = None
+                return
+            adv = drafter_pb2.DraftEntry.Advance(
+                num_drafted=outcome.num_drafted, num_accepted=outcome.num_accepted,
+                new_token_ids=outcome.new_token_ids)
+            if outcome.hidden_states is not None and self.info is not None:
+                dtype = dtype_from_proto(self.info.hidden_state_dtype)
+                adv.hidden_states.tensor.CopyFrom(encode_tensor(outcome.hidden_states.to(dtype)))
+                adv.hidden_states.layers.extend(self.info.hidden_state_layers)
+                adv.hidden_states.start_position = outcome.hidden_start
+            seq.pending = drafter_pb2.DraftEntry(seq_id=seq_id, advance=adv)
+
+    def forget(self, seq_id: int) -> None:
+        with self._lock:
+            seq = self._seqs.pop(seq_id, None)
+            if seq is not None and seq.generation == self._generation:
+                self._freed.append(seq_id)
+
+    def send(self, step: int, wanted: dict[int, int]) -> bool:
+        """Send the step's request. Returns whether a response with proposals is due."""
+        self.misses = {}
+        with self._lock:
+            self._responses = {s: r for s, r in self._responses.items() if s >= step}
+            outq = self._outq
+            if outq is None:
+                for seq in self._seqs.values():
+                    seq.pending = None
+                self._freed.clear()
+                self.misses = dict.fromkeys(wanted, "drafter_unavailable")
+                return False
+            if self._outstanding is not None:
+                # Still waiting for an older answer: outcomes only, no new proposals.
+                self.misses = dict.fromkeys(wanted, "deadline")
+                wanted = {}
+            entries = [drafter_pb2.DraftEntry(seq_id=s, free=drafter_pb2.DraftEntry.Free())
+                       for s in self._freed]
+            self._freed.clear()
+            for seq_id, seq in self._seqs.items():
+                k = min(wanted.get(seq_id, 0), seq.max_k)
+                if seq.generation != self._generation:
+                    entries.append(drafter_pb2.DraftEntry(
+                        seq_id=seq_id, round=seq.round, start=drafter_pb2.DraftEntry.Start(
+                            prompt_token_ids=seq.prompt, sampling=_sampling_proto(seq.sampling),
+                            max_num_speculative_tokens=seq.max_k, output_token_ids=seq.output,
+                            num_speculative_tokens=k)))
+                    seq.generation = self._generation
+                elif seq.pending is not None or k:
+                    entry = seq.pending or drafter_pb2.DraftEntry(
+                        seq_id=seq_id, advance=drafter_pb2.DraftEntry.Advance())
+                    seq.round += 1
+                    entry.round = seq.round
+                    entry.advance.num_speculative_tokens = k
+                    entries.append(entry)
+                seq.pending = None
+            if not entries:
+                return False
+            due = any(wanted.values())
+            if due:
+                self._outstanding = step
+            outq.put(drafter_pb2.DraftRequest(step=step, entries=entries))
+            return due
+
+    def collect(self, step: int, deadline: float, wanted: dict[int, int]) -> dict[int, Proposal]:
+        """Proposals answering `step`, waiting until `deadline` (time.monotonic())."""
+        with self._lock:
+            generation = self._generation
+            while (step not in self._responses and self._generation == generation
+                   and self._outq is not None):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(timeout=left)
+            resp = self._responses.pop(step, None)
+            if resp is None:
+                reason = "deadline" if self._outq is not None else "drafter_unavailable"
+                self.misses.update(dict.fromkeys(wanted, reason))
+                return {}
+            for seq_id in resp.unknown_seq_ids:
+                if seq_id in self._seqs:
+                    self._seqs[seq_id].generation = -1  # re-start it next step
+            rounds = {s: seq.round for s, seq in self._seqs.items()}
+        out: dict[int, Proposal] = {}
+        for prop in resp.proposals:
+            if prop.seq_id not in wanted or rounds.get(prop.seq_id) != prop.round:
+                continue  # stale or unasked
+            out[prop.seq_id] = Proposal(list(prop.token_ids), self._probs(prop))
+        self.misses.update({s: "deadline" for s in wanted if s not in out})
+        return out
+
+    def _probs(self, prop: drafter_pb2.DraftProposal) -> torch.Tensor | None:
+        """[k, V] float32 q, or a zero-row tensor (which the engine refuses, so the
+        sequence runs with K = 0) when the drafter sent something unusable."""
+        kind = prop.probs.WhichOneof("layout")
+        k, vocab = len(prop.token_ids), self.target.vocab_size
+        try:
+            if kind == "dense":
+                return decode_tensor(prop.probs.dense, expected_shape=(k, vocab)).float()
+            if kind == "sparse":
+                sp = prop.probs.sparse
+                lengths = list(sp.row_lengths)
+                if len(lengths) != k or sum(lengths) != len(sp.token_ids) or len(sp.probs) != len(sp.token_ids):
+                    raise ValueError("sparse probs do not line up with token_ids")
+                q = torch.zeros(k, vocab)
+                rows = torch.repeat_interleave(torch.arange(k), torch.tensor(lengths, dtype=torch.int64))
+                cols = torch.tensor(list(sp.token_ids), dtype=torch.int64)
+                if cols.numel() and (cols.min() < 0 or cols.max() >= vocab):
+                    raise ValueError("sparse probs name tokens outside the vocabulary")
+                q[rows, cols] = torch.tensor(list(sp.probs))
+                return q
+        except ValueError as e:
+            log.warning("drafter %s sent unusable probabilities: %s", self.name, e)
+            return torch.zeros(0, vocab)
+        return None
+
+    # -- connection thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = self.backoff_s[0]
+        while not self._closed.is_set():
+            channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
+            outq: queue.SimpleQueue = queue.SimpleQueue()
+            try:
+                stub = drafter_pb2_grpc.DrafterStub(channel)
+                info = stub.Info(drafter_pb2.InfoRequest(), timeout=self.rpc_timeout_s)
+                problem = check_info(info, self.target)
+                if problem is not None:
+                    self.error = problem
+                    log.error("drafter %s at %s refused: %s", self.name, self.address, problem)
+                    self.info = None
+                else:
+                    self.info = info
+                    responses = stub.Draft(iter(outq.get, _CLOSE))
+                    with self._lock:
+                        self._outq = outq
+                        self._generation += 1  # every live sequence re-starts on this stream
+                        self._outstanding = None
+                        self._freed.clear()
+                        self._lock.notify_all()
+                    self.error = ""
+                    log.info("drafter %s connected at %s", self.name, self.address)
+                    delay = self.backoff_s[0]
+                    for resp in responses:
+                        with self._lock:
+                            self._responses[resp.step] = resp
+                            if self._outstanding is not None and resp.step >= self._outstanding:
+                                self._outstanding = None
+                            self._lock.notify_all()
+                    self.error = "stream ended by the drafter"
+            except grpc.RpcError as e:
+                self.error = f"{e.code().name}: {e.details()}"
+            finally:
+                with self._lock:
+                    was_up = self._outq is outq
+                    self._outq = None
+                    self._outstanding = None
+                    self._lock.notify_all()
+                outq.put(_CLOSE)
+                channel.close()
+            if self._closed.is_set():
+                break
+            if was_up:
+                log.warning("drafter %s stream lost (%s); reconnecting", self.name, self.error)
+            self._closed.wait(delay)
+            delay = min(delay * 2, self.backoff_s[1])

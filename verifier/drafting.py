@@ -1,0 +1,118 @@
+"""The engine's proposer in the service: routes each sequence to its drafter's stream.
+
+Every step sends one message per drafter stream (outcomes of all its
+sequences, K = 0 ones included, and the K wanted next), then waits for the
+proposals of all streams together, up to one draft deadline.
+"""
+
+from __future__ import annotations
+
+import time
+
+from specdec.pb import common_pb2
+from verifier.drafter_client import DrafterClient
+from verifier.engine.proposer import Outcome, Proposal, Proposer
+from verifier.engine.sequence import Request
+
+# Method names as the CLI and `--drafter NAME=...` conventions spell them.
+METHOD_NAMES = {
+    common_pb2.SPEC_METHOD_NGRAM: "ngram",
+    common_pb2.SPEC_METHOD_DRAFT_MODEL: "draft_model",
+    common_pb2.SPEC_METHOD_EAGLE: "eagle",
+    common_pb2.SPEC_METHOD_EAGLE3: "eagle3",
+}
+
+
+class DrafterPool(Proposer):
+    def __init__(self, clients: list[DrafterClient], num_speculative_tokens_max: int,
+                 draft_deadline_ms: float):
+        self.clients = {c.name: c for c in clients}
+        self.k_max = num_speculative_tokens_max
+        self.deadline_s = draft_deadline_ms / 1e3
+        self._owner: dict[int, DrafterClient] = {}
+        self._misses: dict[int, str] = {}
+        self._step = 0
+
+    def start_all(self) -> None:
+        for c in self.clients.values():
+            c.start()
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+
+    def resolve(self, method: int, name: str) -> DrafterClient | None:
+        """The drafter a request gets: by name (ValueError if unknown), else the first
+        configured drafter of `method` (by its Info, or named after the method)."""
+        if name:
+            if name not in self.clients:
+                raise ValueError(f"speculation.drafter: unknown drafter {name!r}; "
+                                 f"configured: {sorted(self.clients) or 'none'}")
+            return self.clients[name]
+        for c in self.clients.values():
+            if c.method == method or (c.info is None and c.name == METHOD_NAMES.get(method)):
+                return c
+        return None
+
+    def default_method(self) -> int:
+        """The deployment's method: the first configured drafter's."""
+        for c in self.clients.values():
+            if c.method != common_pb2.SPEC_METHOD_UNSPECIFIED:
+                return c.method
+            for method, name in METHOD_NAMES.items():
+                if c.name == name:
+                    return method
+        return common_pb2.SPEC_METHOD_NONE
+
+    # -- Proposer -------------------------------------------------------------
+
+    def start(self, seq_id: int, request: Request) -> None:
+        client = self.clients.get(request.drafter) if request.drafter else None
+        if client is None:
+            return
+        self._owner[seq_id] = client
+        client.track(seq_id, request.prompt_token_ids, request.sampling, self.k_max)
+
+    def propose(self, wanted: dict[int, int], tokens: dict[int, list[int]]) -> dict[int, Proposal]:
+        self._step += 1
+        per_client: dict[str, dict[int, int]] = {name: {} for name in self.clients}
+        self._misses = {}
+        for seq_id, k in wanted.items():
+            owner = self._owner.get(seq_id)
+            if owner is None:
+                self._misses[seq_id] = "drafter_unavailable"
+            else:
+                per_client[owner.name][seq_id] = k
+        due = {name: c.send(self._step, per_client[name]) for name, c in self.clients.items()}
+        deadline = time.monotonic() + self.deadline_s
+        out: dict[int, Proposal] = {}
+        for name, c in self.clients.items():
+            if due[name]:
+                out.update(c.collect(self._step, deadline, per_client[name]))
+            self._misses.update(c.misses)
+        return out
+
+    def flush(self) -> None:
+        self.propose({}, {})
+
+    def advance(self, seq_id: int, outcome: Outcome) -> None:
+        owner = self._owner.get(seq_id)
+        if owner is not None:
+            owner.record(seq_id, outcome)
+
+    def free(self, seq_id: int) -> None:
+        owner = self._owner.pop(seq_id, None)
+        if owner is not None:
+            owner.forget(seq_id)
+
+    def hidden_layers(self, seq_id: int) -> tuple[int, ...]:
+        owner = self._owner.get(seq_id)
+        if owner is None or not owner.available:
+            return ()
+        return owner.hidden_layers()
+
+    def miss_reason(self, seq_id: int) -> str | None:
+        return self._misses.get(seq_id)
+
+    def num_tracked(self, name: str) -> int:
+        return sum(1 for c in self._owner.values() if c.name == name)

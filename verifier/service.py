@@ -1,0 +1,344 @@
+"""The Verifier gRPC service: translates protobuf to the engine's dataclasses and back.
+
+`Generate` is one bidi stream per request: a Start, then optional policy
+updates and a cancel; the verifier streams every step's tokens with step
+statistics. Bad input ends only that stream, with INVALID_ARGUMENT naming
+the field. A client that goes away cancels its request, which frees its KV
+and tells its drafter. Shutdown stops admitting, lets requests in flight
+finish for a grace period, aborts the rest and closes the drafter streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specdec.server import GrpcService, start_server
+from verifier.drafter_client import TargetInfo
+from verifier.drafting import DrafterPool
+from verifier.engine import Engine, FinishReason, Request, StepOutput
+from verifier.sampling.params import SamplingParams
+from verifier.worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20
+
+_FINISH = {
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
+    FinishReason.STOP_TOKEN: common_pb2.FINISH_REASON_STOP_TOKEN,
+    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+}
+_MISS = {
+    "deadline": common_pb2.DISABLED_REASON_DEADLINE,
+    "drafter_unavailable": common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE,
+}
+
+
+@dataclass(slots=True)
+class Policy:
+    """A running request's speculation, as the gateway last set it."""
+
+    method: int  # SpecMethod; NONE = no drafter at all
+    drafter: str | None
+    k: int
+    enabled: bool
+    auto_k: bool
+    disabled_reason: int  # DisabledReason while not enabled
+
+    @property
+    def effective_k(self) -> int:
+        return self.k if self.enabled and self.drafter is not None else 0
+
+
+@dataclass(slots=True)
+class _Stats:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+def _field_error(prefix: str, e: ValueError) -> ValueError:
+    return ValueError(f"{prefix}.{e}" if not str(e).startswith(prefix) else str(e))
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, engine: Engine, pool: DrafterPool, target: TargetInfo, *,
+                 model_name: str = "", default_k: int = 4):
+        self.engine = engine
+        self.pool = pool
+        self.target = target
+        self.model_name = model_name
+        self.default_k = min(default_k, engine.config.num_speculative_tokens_max)
+        self.worker = EngineWorker(engine)
+        self._active: dict[str, asyncio.Task | None] = {}
+        self._aborting: set[str] = set()
+        self._accepting = True
+
+    # -- translation -------------------------------------------------------------
+
+    def to_request(self, start: verifier_pb2.GenerateRequest.Start) -> tuple[Request, Policy]:
+        """Raise ValueError naming the field for anything the engine cannot run."""
+        cfg = self.engine.config
+        s = start.sampling
+        try:
+            sampling = SamplingParams(
+                temperature=s.temperature if s.HasField("temperature") else 1.0,
+                top_k=s.top_k, top_p=s.top_p if s.HasField("top_p") else 1.0, min_p=s.min_p,
+                seed=s.seed if s.HasField("seed") else None)
+        except ValueError as e:
+            raise _field_error("start.sampling", e) from None
+        if s.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"start.sampling.logprobs: at most {MAX_LOGPROBS}, got {s.logprobs}")
+        prompt = list(start.prompt_token_ids)
+        if not prompt:
+            raise ValueError("start.prompt_token_ids: must not be empty")
+        max_tokens = s.max_tokens or cfg.max_model_len - len(prompt)
+        if max_tokens <= 0:
+            raise ValueError(f"start.prompt_token_ids: {len(prompt)} tokens leave no room "
+                             f"under max_model_len {cfg.max_model_len}")
+        bad_stop = [t for t in s.stop_token_ids if not 0 <= t < self.target.vocab_size]
+        if bad_stop:
+            raise ValueError(f"start.sampling.stop_token_ids: {bad_stop[:3]} outside the vocabulary")
+
+        spec = start.speculation
+        method = spec.method or self.pool.default_method()
+        if spec.num_speculative_tokens > cfg.num_speculative_tokens_max:
+            raise ValueError(f"start.speculation.num_speculative_tokens: "
+                             f"{spec.num_speculative_tokens} exceeds the maximum "
+                             f"{cfg.num_speculative_tokens_max}")
+        client = None
+        if method != common_pb2.SPEC_METHOD_NONE or spec.drafter:
+            try:
+                client = self.pool.resolve(method, spec.drafter)
+            except ValueError as e:
+                raise _field_error("start", e) from None
+        k = spec.num_speculative_tokens or self.default_k
+        if client is not None and client.max_k:
+            k = min(k, client.max_k)
+        if client is not None and spec.drafter and method == common_pb2.SPEC_METHOD_UNSPECIFIED:
+            method = client.method
+        if method == common_pb2.SPEC_METHOD_NONE:
+            policy = Policy(method, None, 0, False, False, common_pb2.DISABLED_REASON_REQUEST)
+        elif client is None:
+            policy = Policy(method, None, k, False, spec.auto_k,
+                            common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE)
+        else:
+            reason = start.disabled_reason
+            policy = Policy(client.method or method, client.name, k,
+                            reason == common_pb2.DISABLED_REASON_NONE, spec.auto_k, reason)
+
+        request = Request(
+            request_id=start.request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
+            max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(s.stop_token_ids),
+            ignore_eos=s.ignore_eos, num_speculative_tokens=policy.effective_k,
+            drafter=policy.drafter, num_logprobs=s.logprobs)
+        try:
+            self.engine.validate(request)
+        except ValueError as e:
+            raise _field_error("start", e) from None
+        return request, policy
+
+    def _apply_update(self, request_id: str, policy: Policy,
+                      update: verifier_pb2.GenerateRequest.PolicyUpdate) -> None:
+        k_max = self.engine.config.num_speculative_tokens_max
+        if update.HasField("num_speculative_tokens"):
+            if update.num_speculative_tokens > k_max:
+                raise ValueError(f"policy_update.num_speculative_tokens: "
+                                 f"{update.num_speculative_tokens} exceeds the maximum {k_max}")
+            policy.k = update.num_speculative_tokens
+        if update.HasField("enabled"):
+            if update.enabled and policy.method == common_pb2.SPEC_METHOD_NONE:
+                raise ValueError("policy_update.enabled: the request's method is NONE")
+            policy.enabled = update.enabled
+            policy.disabled_reason = (common_pb2.DISABLED_REASON_NONE if update.enabled
+                                      else update.disabled_reason or common_pb2.DISABLED_REASON_REQUEST)
+        if update.HasField("auto_k"):
+            policy.auto_k = update.auto_k
+        self.worker.set_num_speculative_tokens(request_id, policy.effective_k)
+
+    def _response(self, out: StepOutput, policy: Policy, stats: _Stats) -> verifier_pb2.GenerateResponse:
+        stats.completion_tokens += len(out.new_token_ids)
+        if out.num_drafted:
+            stats.num_drafts += 1
+            stats.num_draft_tokens += out.num_drafted
+            stats.num_accepted_tokens += out.num_accepted
+        step_reason = common_pb2.DISABLED_REASON_NONE
+        if out.num_speculative_tokens and not out.num_drafted and out.miss_reason:
+            step_reason = _MISS.get(out.miss_reason, common_pb2.DISABLED_REASON_NONE)
+        elif not out.num_speculative_tokens and not policy.enabled:
+            step_reason = policy.disabled_reason
+        request_reason = common_pb2.DISABLED_REASON_NONE
+        if not policy.enabled or policy.drafter is None:
+            request_reason = policy.disabled_reason
+        elif not self.pool.clients[policy.drafter].available:
+            request_reason = common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE
+        resp = verifier_pb2.GenerateResponse(
+            request_id=out.request_id, token_ids=out.new_token_ids,
+            step_stats=common_pb2.StepStats(
+                step=out.step, num_speculative_tokens=out.num_speculative_tokens,
+                num_drafted=out.num_drafted, num_accepted=out.num_accepted,
+                batch_size=out.batch_size, step_time_ms=out.step_time_ms,
+                draft_wait_ms=out.draft_wait_ms, disabled_reason=step_reason),
+            usage=common_pb2.Usage(prompt_tokens=stats.prompt_tokens,
+                                   completion_tokens=stats.completion_tokens),
+            spec_decode=common_pb2.SpecDecodeStats(
+                method=policy.method if policy.drafter is not None else common_pb2.SPEC_METHOD_NONE,
+                num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
+                num_accepted_tokens=stats.num_accepted_tokens,
+                acceptance_length=(1 + stats.num_accepted_tokens / stats.num_drafts
+                                   if stats.num_drafts else 0.0),
+                disabled_reason=request_reason))
+        if out.finish_reason is not None:
+            resp.finish_reason = (common_pb2.FINISH_REASON_ABORTED if out.request_id in self._aborting
+                                  else _FINISH[out.finish_reason])
+        for lp in out.logprobs or ():
+            resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top_logprobs=[
+                common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+        return resp
+
+    # -- RPCs --------------------------------------------------------------------
+
+    async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
+        messages = request_iterator.__aiter__()
+        try:
+            first = await messages.__anext__()
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("kind") != "start":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "kind: the first message of Generate must be a start")
+        if not self._accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is shutting down")
+        try:
+            request, policy = self.to_request(first.start)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id
+        if rid in self._active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"start.request_id: {rid!r} is already running")
+
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
+        self._active[rid] = None
+        self.worker.add(request, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
+        errors: asyncio.Queue[ValueError] = asyncio.Queue()
+
+        async def read_updates() -> None:
+            async for msg in messages:
+                kind = msg.WhichOneof("kind")
+                if kind == "cancel":
+                    self.worker.cancel(rid)
+                elif kind == "policy_update":
+                    try:
+                        self._apply_update(rid, policy, msg.policy_update)
+                    except ValueError as e:
+                        await errors.put(e)
+                        self.worker.cancel(rid)
+                        return
+                else:
+                    await errors.put(ValueError(f"kind: {kind or 'nothing'} after start"))
+                    self.worker.cancel(rid)
+                    return
+
+        reader = asyncio.create_task(read_updates())
+        self._active[rid] = reader
+        stats = _Stats(len(request.prompt_token_ids))
+        finished = False
+        try:
+            while True:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(out, ValueError)
+                            else grpc.StatusCode.INTERNAL)
+                    await context.abort(code, str(out))
+                if out.finish_reason is not None:
+                    finished = True
+                    if not errors.empty():
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(errors.get_nowait()))
+                yield self._response(out, policy, stats)
+                if finished:
+                    break
+            if rid in self._aborting:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is shutting down")
+        finally:
+            reader.cancel()
+            if not finished:  # the client went away: free its sequence and drafter state
+                self.worker.cancel(rid)
+            self._active.pop(rid, None)
+            self._aborting.discard(rid)
+
+    async def Load(self, request, context) -> verifier_pb2.LoadReport:
+        cfg = self.engine.config
+        load = self.worker.load
+        report = verifier_pb2.LoadReport(
+            num_running=load.num_running, num_waiting=load.num_waiting,
+            num_free_kv_blocks=load.num_free_kv_blocks, kv_block_size=cfg.block_size,
+            num_free_kv_tokens=load.num_free_kv_blocks * cfg.block_size,
+            num_total_kv_tokens=cfg.num_kv_blocks * cfg.block_size,
+            step_time_ema_ms=load.step_time_ema_ms, max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            max_num_speculative_tokens=cfg.num_speculative_tokens_max, model_name=self.model_name,
+            tokenizer=common_pb2.TokenizerFingerprint(vocab_size=self.target.vocab_size,
+                                                      hash=self.target.tokenizer_hash))
+        for c in self.pool.clients.values():
+            report.drafters.add(name=c.name, method=c.method, available=c.available,
+                                max_num_speculative_tokens=min(c.max_k, cfg.num_speculative_tokens_max))
+        return report
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> None:
+        self.pool.start_all()
+        self.worker.start()
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting; wait for requests in flight, then abort what is left."""
+        self._accepting = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self._active):
+            self._aborting.add(rid)
+            self.worker.cancel(rid)
+        while self._active and loop.time() < deadline + 1.0:
+            await asyncio.sleep(0.02)
+
+    def close(self) -> None:
+        self.worker.stop()
+        self.pool.close()
+
+
+@dataclass(slots=True)
+class VerifierService:
+    servicer: VerifierServicer
+    grpc: GrpcService
+
+    @property
+    def port(self) -> int:
+        return self.grpc.port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        # Requests get most of the grace; the server's own stop the rest.
+        await self.grpc.stop(grace_s, drain=lambda: self.servicer.drain(grace_s * 0.6))
+        # Joins threads: off the event loop, which may be serving other things.
+        await asyncio.to_thread(self.servicer.close)
+
+
+async def serve(servicer: VerifierServicer, address: str) -> VerifierService:
+    servicer.start()
+    service = await start_server(
+        address, lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server),
+        ["specdec.v1.Verifier"])
+    return VerifierService(servicer, service)

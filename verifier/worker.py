@@ -1,0 +1,119 @@
+"""Runs the engine on its own thread and talks to asyncio through queues.
+
+The engine is single-threaded by design. Commands (add, cancel, K updates)
+queue up and run between steps, in order; every StepOutput goes to the
+sink its request registered. A step that raises aborts the requests in
+flight (their sinks get the exception) instead of killing the service.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from verifier.engine import Engine, Request, StepOutput
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[StepOutput | BaseException], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    step_time_ema_ms: float
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.load = self._snapshot()
+
+    def start(self) -> EngineWorker:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    # -- commands (any thread) ---------------------------------------------------
+
+    def add(self, request: Request, sink: Sink) -> None:
+        def add() -> None:
+            try:
+                self.engine.add_request(request)
+            except ValueError as e:  # validated before, but the engine has the last word
+                sink(e)
+                return
+            self._sinks[request.request_id] = sink
+        self._commands.put(add)
+
+    def cancel(self, request_id: str) -> None:
+        def cancel() -> None:
+            out = self.engine.cancel(request_id)
+            sink = self._sinks.pop(request_id, None)
+            if out is not None and sink is not None:
+                sink(out)
+        self._commands.put(cancel)
+
+    def set_num_speculative_tokens(self, request_id: str, k: int) -> None:
+        def update() -> None:
+            if request_id in self._sinks:
+                self.engine.set_num_speculative_tokens(request_id, k)
+        self._commands.put(update)
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run fn on the engine thread between steps."""
+        self._commands.put(fn)
+
+    # -- engine thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            # Block for commands only while idle; otherwise take what is queued.
+            block = not self.engine.has_work()
+            while True:
+                try:
+                    cmd = self._commands.get(block=block)
+                except queue.Empty:
+                    break
+                if cmd is None:
+                    return
+                cmd()
+                block = False
+            if not self.engine.has_work():
+                if self.engine.proposer is not None:
+                    self.engine.proposer.flush()
+                self.load = self._snapshot()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - one bad step must not end the service
+                log.exception("engine step failed; aborting the requests in flight")
+                for request_id, sink in list(self._sinks.items()):
+                    self.engine.cancel(request_id)
+                    sink(e)
+                self._sinks.clear()
+                outputs = []
+            self.load = self._snapshot()  # before the outputs: a finished client sees itself gone
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if out.finish_reason is not None:
+                    self._sinks.pop(out.request_id, None)
+                if sink is not None:
+                    sink(out)
+
+    def _snapshot(self) -> LoadSnapshot:
+        return LoadSnapshot(self.engine.num_running, self.engine.num_waiting,
+                            self.engine.cache.num_free_blocks, self.engine.step_time_ema_ms)
