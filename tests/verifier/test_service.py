@@ -39,6 +39,11 @@ GREEDY = common_pb2.SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
+    return tiny_target()
+
+
+def tiny_target() -> LlamaForCausalLM:
+    """A float64 random Llama: verify and decode agree exactly, so outputs compare with ==."""
     torch.manual_seed(1)
     cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=MAX_LEN)

@@ -1,0 +1,202 @@
+"""Engine-level losslessness: through the whole engine (scheduler, paged KV,
+one ragged forward, rejection sampler, rollback), sampled tokens follow the
+target model's distribution, with one-hot drafts and with drafts that carry
+their probabilities.
+
+The engine samples a request's first token at the end of its prefill, with
+no drafts; drafts are verified from the second token on. So each request
+asks for K = 2 drafts and max_tokens = 4 (the scheduler caps K at
+max_tokens - 1 - generated, so the first verify step gets both drafts), and
+the test checks the joint law of the first three tokens x1, x2, x3: x1 from
+the prefill row, x2 and x3 from the first verify block (accepted drafts,
+recovered tokens, the bonus token) or, after an early rejection, from a
+K = 1 step. The exact law comes from the float64 model itself:
+p(x1 | prompt) p(x2 | prompt, x1) p(x3 | prompt, x1, x2), filtered as the
+request asks.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache
+from tests.verifier.test_rejection import filtered_table
+from verifier.engine import Engine, EngineConfig, Proposal, Proposer, Request
+from verifier.sampling.params import SamplingParams
+
+VOCAB = 8  # x1, x2, x3 make VOCAB**3 = 512 cells per prompt
+K = 2
+NUM_TOKENS = 3  # tokens whose joint law is checked
+NUM_PROMPTS = 4
+NUM_REQUESTS = 20_000
+P_MIN = 1e-3
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    m = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    with torch.no_grad():  # entropy ~1.7 nats of 2.1: top-k and top-p cut real mass
+        m.lm_head.weight.mul_(2.0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(NUM_PROMPTS)]
+
+
+def draft_table() -> torch.Tensor:
+    """q[prev] [V, V]: a skewed draft distribution given the previous token,
+    unrelated to the target, so drafts are accepted about half the time."""
+    gen = torch.Generator().manual_seed(42)
+    return (torch.randn(VOCAB, VOCAB, generator=gen, dtype=torch.float64) * 1.5).softmax(-1)
+
+
+class MarkovDrafter(Proposer):
+    """Drafts each token from q[previous token] with its own RNG; with_probs
+    sends those q rows along, else the drafts are one-hot."""
+
+    def __init__(self, q: torch.Tensor, with_probs: bool, seed: int):
+        self.q = q
+        self.with_probs = with_probs
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def start(self, seq_id, request):
+        pass
+
+    def propose(self, wanted, tokens):
+        out = {}
+        for seq_id, k in wanted.items():
+            prev, draft = tokens[seq_id][-1], []
+            for _ in range(k):
+                prev = int(torch.multinomial(self.q[prev], 1, generator=self.gen))
+                draft.append(prev)
+            rows = self.q[[tokens[seq_id][-1], *draft[:-1]]] if self.with_probs else None
+            out[seq_id] = Proposal(draft, rows)
+        return out
+
+    def advance(self, seq_id, outcome):
+        pass
+
+    def free(self, seq_id):
+        pass
+
+
+def next_token_logits(model: LlamaForCausalLM, contexts: list[list[int]]) -> torch.Tensor:
+    """[n, V] float64 logits after each context, in one ragged forward."""
+    bs = 16
+    cache = PagedKVCache.for_model(model.config, sum(-(-len(c) // bs) for c in contexts), bs,
+                                   model.dtype)
+    for i in range(len(contexts)):
+        cache.add(i)
+    meta = cache.plan([(i, len(c)) for i, c in enumerate(contexts)])
+    return model(torch.tensor([t for c in contexts for t in c]), meta, cache).logits
+
+
+def target_law(model: LlamaForCausalLM, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """[V, V, V] float64: p(x1, x2, x3 | prompt) after the request's filters."""
+    v = range(VOCAB)
+    contexts = [prompt] + [prompt + [a] for a in v] + [prompt + [a, b] for a in v for b in v]
+    table = filtered_table(next_token_logits(model, contexts), params.temperature, params.top_k,
+                           params.top_p, params.min_p)
+    p1, p2, p3 = table[0], table[1:1 + VOCAB], table[1 + VOCAB:].view(VOCAB, VOCAB, VOCAB)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """observed, expected: [G, C] counts in G groups whose totals are fixed
+    (one per prompt). Cells with expected < 5 are pooled per group (with the
+    smallest other cell if the pool is still under 5). An observation in a
+    cell of expected 0 (a token the filters remove) gives p = 0."""
+    if observed[expected == 0].sum() > 0:
+        return 0.0
+    stat, dof = torch.zeros((), dtype=torch.float64), 0
+    for obs, exp in zip(observed.double(), expected, strict=True):
+        obs, exp = obs[exp > 0], exp[exp > 0]
+        order = exp.argsort()
+        obs, exp = obs[order], exp[order]
+        n_sparse = int((exp < 5).sum())
+        while n_sparse and n_sparse < len(exp) and exp[:n_sparse].sum() < 5:
+            n_sparse += 1
+        if n_sparse:
+            obs = torch.cat([obs[:n_sparse].sum()[None], obs[n_sparse:]])
+            exp = torch.cat([exp[:n_sparse].sum()[None], exp[n_sparse:]])
+        stat += ((obs - exp) ** 2 / exp).sum()
+        dof += len(exp) - 1
+    # The chi-square survival function, without scipy.
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+def cell_counts(prompt_index: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """prompt_index [N], tokens [N, 3] -> counts [NUM_PROMPTS, V**3]."""
+    cell = ((prompt_index * VOCAB + tokens[:, 0]) * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]
+    return torch.bincount(cell, minlength=NUM_PROMPTS * VOCAB**3).view(NUM_PROMPTS, -1)
+
+
+def run_engine(model, prompts, params: SamplingParams, with_probs: bool):
+    """Returns prompt index [N], the first three tokens [N, 3], and the
+    accepted counts seen in steps that verified K = 2 drafts."""
+    engine = Engine(
+        model,
+        EngineConfig(max_num_seqs=512, max_model_len=32, block_size=16, num_kv_blocks=1024,
+                     max_num_batched_tokens=8192, num_speculative_tokens_max=K, seed=2024),
+        MarkovDrafter(draft_table(), with_probs, seed=7),
+    )
+    for i in range(NUM_REQUESTS):
+        engine.add_request(Request(f"r{i}", prompts[i % NUM_PROMPTS], NUM_TOKENS + 1, params,
+                                   ignore_eos=True, num_speculative_tokens=K))
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(NUM_REQUESTS)}
+    accepted_at_k2: set[int] = set()
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            if o.num_drafted == K:
+                accepted_at_k2.add(o.num_accepted)
+    tokens = torch.tensor([out[f"r{i}"][:NUM_TOKENS] for i in range(NUM_REQUESTS)])
+    return torch.arange(NUM_REQUESTS) % NUM_PROMPTS, tokens, accepted_at_k2
+
+
+SAMPLING = {
+    "plain": SamplingParams(temperature=1.0),
+    "t0.8_topk5": SamplingParams(temperature=0.8, top_k=5),
+    "topp0.9": SamplingParams(top_p=0.9),
+}
+
+
+@pytest.mark.parametrize("with_probs", [False, True], ids=["one_hot", "draft_probs"])
+@pytest.mark.parametrize("name", list(SAMPLING))
+def test_first_tokens_follow_the_target(model, prompts, name, with_probs):
+    params = SAMPLING[name]
+    prompt_index, tokens, accepted_at_k2 = run_engine(model, prompts, params, with_probs)
+    law = torch.stack([target_law(model, p, params).reshape(-1) for p in prompts])  # [G, V**3]
+    expected = law * (NUM_REQUESTS // NUM_PROMPTS)
+    p_value = chi_square_p_value(cell_counts(prompt_index, tokens), expected)
+    assert p_value > P_MIN, f"{name}: p-value {p_value:.2e}"
+    # Both drafts accepted, the second rejected, the first rejected: all paths ran.
+    assert accepted_at_k2 == {0, 1, 2}
+
+
+def test_the_check_rejects_a_wrong_law(model, prompts):
+    """Negative control: the same check passes exact samples from p and fails
+    tokens that an engine accepting every draft would emit (x1 ~ p, then
+    x2 ~ q[x1], x3 ~ q[x2])."""
+    gen = torch.Generator().manual_seed(3)
+    q = draft_table()
+    law = torch.stack([target_law(model, p, SAMPLING["plain"]).reshape(-1) for p in prompts])
+    n = NUM_REQUESTS // NUM_PROMPTS
+    prompt_index = torch.arange(NUM_PROMPTS).repeat_interleave(n)
+    cells = torch.cat([torch.multinomial(row, n, replacement=True, generator=gen) for row in law])
+    exact = torch.stack([cells // VOCAB**2, cells // VOCAB % VOCAB, cells % VOCAB], dim=1)
+    assert chi_square_p_value(cell_counts(prompt_index, exact), law * n) > P_MIN
+
+    x2 = torch.multinomial(q[exact[:, 0]], 1, generator=gen)[:, 0]
+    x3 = torch.multinomial(q[x2], 1, generator=gen)[:, 0]
+    all_accepted = torch.stack([exact[:, 0], x2, x3], dim=1)
+    assert chi_square_p_value(cell_counts(prompt_index, all_accepted), law * n) < P_MIN
