@@ -23,6 +23,11 @@ _METHOD_OPTIONS = {
     "max_num_speculative_tokens": "max_num_speculative_tokens",
     "ngram_min": "min_n",
     "ngram_max": "max_n",
+    "dtype": "dtype",
+    "device": "device",
+    "num_kv_blocks": "num_kv_blocks",
+    "max_model_len": "max_model_len",
+    "sample_drafts": "sample",
 }
 
 
@@ -42,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest K a proposal can have (method default: 8)")
     parser.add_argument("--ngram-min", type=int, metavar="N", help="shortest n-gram to match")
     parser.add_argument("--ngram-max", type=int, metavar="N", help="longest n-gram to match")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
+                        help="dtype of the draft model's weights (method default: float32)")
+    parser.add_argument("--device", help="torch device of the draft model, e.g. cuda:1 "
+                                         "(method default: cpu)")
+    parser.add_argument("--num-kv-blocks", type=int, metavar="N",
+                        help="draft model KV cache size in blocks of 16 tokens")
+    parser.add_argument("--max-model-len", type=int, metavar="N",
+                        help="longest context to draft for (default: the draft model's)")
+    parser.add_argument("--sample-drafts", action="store_true", default=None,
+                        help="sample drafts from q for requests with temperature > 0 and send "
+                             "q along (default: greedy drafts)")
     parser.add_argument("--grace-s", type=float, default=5.0,
                         help="on SIGTERM, seconds open streams get to finish (default %(default)s)")
     return parser
@@ -62,15 +78,22 @@ def build_method(args: argparse.Namespace) -> DraftMethod:
     if args.target is not None:
         if not Path(args.target).is_dir():
             raise ValueError(f"--target {args.target}: not a directory")
-        # Imported here: transformers is slow to import and only --target needs it.
-        from specdec.tokenizer import Tokenizer
-
-        try:
-            vocab_size, tokenizer_hash = Tokenizer.from_dir(args.target).fingerprint()
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--target {args.target}: cannot load its tokenizer: {e}") from None
-        kwargs.update(vocab_size=vocab_size, tokenizer_hash=tokenizer_hash)
+        if "target_dir" in accepted:  # the method checks its own model against the target
+            kwargs["target_dir"] = args.target
+        else:
+            kwargs.update(_target_fingerprint(args.target))
     return registry.create(args.method, **kwargs)
+
+
+def _target_fingerprint(target: str) -> dict[str, Any]:
+    # Imported here: transformers is slow to import and only --target needs it.
+    from specdec.tokenizer import model_fingerprint
+
+    try:
+        vocab_size, tokenizer_hash = model_fingerprint(target)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--target {target}: cannot load its tokenizer: {e}") from None
+    return {"vocab_size": vocab_size, "tokenizer_hash": tokenizer_hash}
 
 
 async def _run(method: DraftMethod, address: str, grace_s: float) -> None:

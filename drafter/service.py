@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from drafter.method import DrafterInfo, DraftMethod, DraftSampling
+from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
+from drafter.pipeline import Guess, PipelineStats, predraft, resolve
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.server import GrpcService, start_server
 from specdec.tensor_codec import decode_tensor, dtype_to_proto, encode_tensor
@@ -45,6 +46,15 @@ class _Stream:
     rounds: dict[int, int] = field(default_factory=dict)  # seq_id -> round of its last entry
     last_step: int | None = None
     closed: bool = False  # set once its keys are freed; later work must not start any
+    # Pipelining (drafter/pipeline.py): open bets, blocks won by a hit, the pass in flight.
+    guesses: dict[int, Guess] = field(default_factory=dict)
+    ready: dict[int, Draft] = field(default_factory=dict)
+    wanted: dict[int, int] = field(default_factory=dict)  # seq_id -> K of the last request
+    predraft: asyncio.Future | None = None
+
+    def forget(self, seq_id: int) -> None:
+        self.guesses.pop(seq_id, None)
+        self.ready.pop(seq_id, None)
 
 
 def info_to_proto(info: DrafterInfo) -> drafter_pb2.InfoResponse:
@@ -71,6 +81,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._info = method.info()
         self._info_response = info_to_proto(self._info)
         self._lock = threading.Lock()
+        self.pipelining = self._info.supports_pipelining
+        self.pipeline_stats = PipelineStats()
         self._stream_numbers = itertools.count()
         self._entry_handlers: dict[str, Callable[..., int | None]] = {
             "start": self._start, "advance": self._advance, "free": self._free,
@@ -86,15 +98,34 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         try:
             async for request in request_iterator:
                 received = time.perf_counter()
+                if stream.predraft is not None:
+                    await stream.predraft  # its bets must be placed before they are settled
+                    stream.predraft = None
                 try:
                     response = await asyncio.to_thread(self._handle, stream, request)
                 except InvalidRequest as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 response.draft_time_ms = (time.perf_counter() - received) * 1e3
                 yield response
+                if self.pipelining:
+                    bets = {(stream.number, p.seq_id): (p.round, list(p.token_ids),
+                                                        stream.wanted[p.seq_id])
+                            for p in response.proposals if not p.HasField("probs")}
+                    if bets:
+                        stream.predraft = asyncio.ensure_future(
+                            asyncio.to_thread(self._predraft, stream, bets))
         finally:
+            if stream.predraft is not None:
+                await asyncio.shield(stream.predraft)
             # Shielded: a second cancellation (server shutdown) must not leave keys behind.
             await asyncio.shield(asyncio.to_thread(self._close, stream))
+
+    def _predraft(self, stream: _Stream, bets: dict[Key, tuple[int, list[int], int]]) -> None:
+        with self._lock:
+            if stream.closed:
+                return
+            guesses = predraft(self._method, bets, self.pipeline_stats)
+            stream.guesses.update({key[1]: g for key, g in guesses.items()})
 
     def _close(self, stream: _Stream) -> None:
         with self._lock:
@@ -128,6 +159,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     response.unknown_seq_ids.append(entry.seq_id)
                 elif k > 0:
                     wanted[key] = min(k, self._info.max_num_speculative_tokens)
+            stream.wanted = {key[1]: k for key, k in wanted.items()}
             if wanted:
                 self._add_proposals(response, stream, wanted)
         return response
@@ -144,6 +176,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         except ValueError as e:
             raise InvalidRequest(f"{where}.start.sampling: {e}") from None
         key = (stream.number, entry.seq_id)
+        stream.forget(entry.seq_id)
         if entry.seq_id in stream.rounds:
             self._method.free(key)  # a re-Start replaces the sequence's state
         # Recorded before the method runs, so the stream frees it even if start fails.
@@ -169,6 +202,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         previous = stream.rounds.get(entry.seq_id)
         if previous is None:
             return None
+        guess = stream.guesses.pop(entry.seq_id, None)
+        stream.ready.pop(entry.seq_id, None)
+        if guess is not None and self._method.has(key):
+            ready = resolve(self._method, key, guess, entry.round, list(adv.new_token_ids),
+                            adv.num_rollback_tokens, self.pipeline_stats)
+            if ready is not None and entry.round == previous + 1:
+                stream.rounds[entry.seq_id] = entry.round
+                stream.ready[entry.seq_id] = ready  # the state already includes this outcome
+                return adv.num_speculative_tokens
         if entry.round != previous + 1 or not self._method.has(key):
             # Out of sync (a lost or repeated step) or evicted: drafting from this state
             # would propose for the wrong context, so drop it and let the verifier re-start.
@@ -186,6 +228,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _free(self, stream: _Stream, entry: drafter_pb2.DraftEntry, where: str) -> int | None:
         # Freeing a sequence the stream does not hold is harmless: nothing to report.
+        stream.forget(entry.seq_id)
         if stream.rounds.pop(entry.seq_id, None) is not None:
             self._method.free((stream.number, entry.seq_id))
         return 0
@@ -223,7 +266,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _add_proposals(self, response: drafter_pb2.DraftResponse, stream: _Stream,
                        wanted: dict[Key, int]) -> None:
-        drafts = self._method.propose(wanted)
+        # Blocks drafted ahead by a pipelining hit need no work now.
+        # (Drafted for the previous K, so cut to this one.)
+        drafts = {key: Draft(stream.ready.pop(key[1]).token_ids[:k])
+                  for key, k in wanted.items() if key[1] in stream.ready}
+        drafts.update(self._method.propose({key: k for key, k in wanted.items() if key not in drafts}))
+        stream.ready.clear()
         for key, k in wanted.items():
             draft = drafts.get(key)
             if draft is None or not draft.token_ids:
@@ -247,4 +295,4 @@ async def serve(method: DraftMethod, address: str) -> GrpcService:
     def register(server: grpc.aio.Server) -> None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
 
-    return await start_server(address, register, [SERVICE_NAME])
+    return await start_server(address, register, [SERVICE_NAME], servicer)

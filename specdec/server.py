@@ -43,8 +43,9 @@ class GrpcService:
     """A started grpc.aio server with its health servicer."""
 
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-                 port: int, service_names: list[str]):
+                 port: int, service_names: list[str], servicer: object = None):
         self.server = server
+        self.servicer = servicer  # the service's own servicer, for statistics and tests
         self.health = health_servicer
         self.port = port
         self.service_names = service_names
@@ -75,7 +76,7 @@ class GrpcService:
 
 
 async def start_server(address: str, register: Callable[[grpc.aio.Server], None],
-                       service_names: Iterable[str]) -> GrpcService:
+                       service_names: Iterable[str], servicer: object = None) -> GrpcService:
     """Bind `address` ("host:port", port 0 = any free port), register the service's
     servicers and health, start, and report SERVING."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -86,7 +87,7 @@ async def start_server(address: str, register: Callable[[grpc.aio.Server], None]
     if port == 0:
         raise OSError(f"cannot bind {address}")
     await server.start()
-    service = GrpcService(server, health_servicer, port, list(service_names))
+    service = GrpcService(server, health_servicer, port, list(service_names), servicer)
     await service.set_serving(True)
     return service
 

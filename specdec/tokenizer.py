@@ -122,3 +122,17 @@ def _eos_ids_from_configs(path: Path) -> set[int]:
         elif isinstance(value, list):
             ids.update(v for v in value if isinstance(v, int))
     return ids
+
+
+def model_fingerprint(model_dir: str | Path) -> tuple[int, str]:
+    """The fingerprint a model's services exchange: (config vocab_size, tokenizer hash).
+
+    The vocabulary is the model's logit count, which proposals and q rows are sized
+    by; the hash is "" when the tokenizer's length differs from it (a padded
+    embedding, as Qwen2 has), since ids past the tokenizer are then never produced.
+    """
+    from specdec.models.config import ModelConfig
+
+    vocab = ModelConfig.from_dir(model_dir).vocab_size
+    size, digest = Tokenizer.from_dir(model_dir).fingerprint()
+    return vocab, digest if size == vocab else ""

@@ -54,7 +54,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     from specdec.models import load_model
     from specdec.models.prepare import prepare_default_model
-    from specdec.tokenizer import Tokenizer
+    from specdec.tokenizer import Tokenizer, model_fingerprint
     from verifier.drafter_client import DrafterClient, TargetInfo
     from verifier.drafting import DrafterPool
     from verifier.engine import Engine, EngineConfig
@@ -65,7 +65,7 @@ async def _serve(args: argparse.Namespace) -> int:
     model_dir = Path(args.model) if args.model else prepare_default_model()
     model = load_model(model_dir, dtype=args.dtype, device=args.device, attention=args.attention)
     tokenizer = Tokenizer.from_dir(model_dir)
-    vocab, digest = tokenizer.fingerprint()
+    _, digest = model_fingerprint(model_dir)
     cfg = model.config
     kv_tokens = args.kv_cache_tokens or max(args.max_num_seqs * args.max_model_len // 2,
                                             args.max_model_len)
@@ -74,8 +74,7 @@ async def _serve(args: argparse.Namespace) -> int:
         block_size=args.block_size, num_kv_blocks=math.ceil(kv_tokens / args.block_size),
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_speculative_tokens_max=args.num_speculative_tokens_max, seed=args.seed)
-    target = TargetInfo(cfg.vocab_size, digest if vocab == cfg.vocab_size else "",
-                        cfg.hidden_size, cfg.num_layers)
+    target = TargetInfo(cfg.vocab_size, digest, cfg.hidden_size, cfg.num_layers)
     pool = DrafterPool([DrafterClient(name, addr, target) for name, addr in args.drafter],
                        args.num_speculative_tokens_max, args.draft_deadline_ms)
     engine = Engine(model, engine_cfg, pool, tokenizer.eos_token_ids)

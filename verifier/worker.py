@@ -63,6 +63,7 @@ class EngineWorker:
         def cancel() -> None:
             out = self.engine.cancel(request_id)
             sink = self._sinks.pop(request_id, None)
+            self.load = self._snapshot()  # before the sink: the client sees itself gone
             if out is not None and sink is not None:
                 sink(out)
         self._commands.put(cancel)

@@ -29,7 +29,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--method", "eagle9"], "invalid choice: 'eagle9' (choose from 'ngram')"),
+    (["--method", "eagle9"], "invalid choice: 'eagle9' (choose from "),
     ([], "the following arguments are required: --method"),
     (["--method", "ngram", "--model", "/m"], "--model does not apply to method 'ngram'"),
     (["--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "min_n=3, max_n=2"),

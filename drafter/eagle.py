@@ -1,0 +1,288 @@
+"""EAGLE and EAGLE-3 drafting: a small head reads the target's hidden states.
+
+Position i of a sequence becomes one row of the head, (t_{i+1}, f_i), once
+both the token after it and the target's feature f_i have arrived (the
+verifier sends f for the positions it computed and kept: a prefill chunk,
+or the previous last token plus the accepted drafts). Those committed rows
+live in the head's KV cache. A proposal runs, batched over the sequences:
+
+    step 1   the rows not yet in the cache, up to position n - 2 (t_{n-1} is
+             the newest token), in one ragged forward; the output at n - 2
+             drafts d_1 (the token at position n)
+    step j   one row per sequence, (d_{j-1}, the previous step's output), at
+             position n - 3 + j; drafts d_j
+
+as vLLM's EAGLE proposer does, and then drops the draft rows from the cache
+again: the next outcome brings the target's own features for whatever was
+accepted. Drafts are greedy and carry no probabilities (one-hot q, exact).
+
+A sequence started without features (a reconnect re-starts it with its
+output so far) has none for its old positions and never will: its head
+context begins at the first position whose feature arrives, and drafting
+resumes from there with a shorter context rather than not at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from drafter.eagle_model import DraftHead, load_head
+from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
+from drafter.registry import register
+from specdec.pb import common_pb2
+
+# Feature rows a sequence may hold back before advance folds them into its head
+# cache on its own: bounds the memory of sequences that run long without drafting.
+_MAX_PENDING_ROWS = 256
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass(slots=True)
+class _Seq:
+    cache_id: int
+    tokens: list[int]  # committed context t_0 .. t_{n-1}
+    kv_begin: int = 0  # first position in the head cache (> 0 only after features went missing)
+    kv_end: int = 0  # positions kv_begin .. kv_end - 1 are committed rows of the head cache
+    pending: list[torch.Tensor] = field(default_factory=list)  # [p, H] features of kv_end ..
+    num_pending: int = 0
+    last_out: torch.Tensor | None = None  # [H] head output at position kv_end - 1
+
+    @property
+    def feature_end(self) -> int:
+        return self.kv_end + self.num_pending
+
+    def pending_features(self) -> torch.Tensor:
+        if len(self.pending) > 1:
+            self.pending = [torch.cat(self.pending)]
+        return self.pending[0]
+
+    def keep_pending(self, start: int, stop: int) -> None:
+        """Keep pending rows start..stop - 1 (counted from kv_end)."""
+        if stop - start == self.num_pending:
+            return
+        rows = self.pending_features()[start:stop] if stop > start else None
+        self.pending = [] if rows is None else [rows]
+        self.num_pending = stop - start
+
+
+class _EagleMethod(DraftMethod):
+    """Shared by both heads; they differ only in the head (drafter/eagle_model.py)."""
+
+    _spec_method: int
+
+    def __init__(self, model_dir: str | Path | None = None, target_dir: str | Path | None = None,
+                 dtype: str = "float32", device: str = "cpu", max_num_speculative_tokens: int = 8,
+                 num_kv_blocks: int = 2048, block_size: int = 16):
+        """model_dir: the head (config.json + safetensors); target_dir: the target model
+        it drafts for (its config, embedding / lm_head where the head has none, and
+        its tokenizer for the fingerprint). num_kv_blocks x block_size positions of head
+        KV cache are shared by all sequences; one that does not fit gets no draft."""
+        if model_dir is None or target_dir is None:
+            raise ValueError(f"{self.name} needs its head (model_dir, --model) and the target "
+                             f"model directory (target_dir, --target)")
+        if num_kv_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_kv_blocks and block_size must be >= 1, got {num_kv_blocks}, "
+                             f"{block_size}")
+        if not Path(target_dir).is_dir():
+            raise ValueError(f"target_dir {target_dir}: not a directory")
+        self.head: DraftHead = load_head(self.name, model_dir, target_dir, dtype, device)
+        cfg = self.head.config
+        vocab_size, tokenizer_hash = _fingerprint(Path(target_dir), cfg.vocab_size)
+        self._info = DrafterInfo(
+            method=self._spec_method,
+            vocab_size=vocab_size,
+            tokenizer_hash=tokenizer_hash,
+            model_name=Path(model_dir).name,
+            max_num_speculative_tokens=max_num_speculative_tokens,
+            needs_hidden_states=True,
+            hidden_state_layers=list(cfg.target_layers),
+            hidden_size=cfg.target_hidden_size,
+            hidden_state_dtype=self.head.dtype,
+        )
+        self._cache = self.head.make_kv_cache(num_kv_blocks, block_size)
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._cache_ids = itertools.count()
+
+    def info(self) -> DrafterInfo:
+        return self._info
+
+    def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
+              sampling: DraftSampling, max_k: int) -> None:
+        # Greedy whatever the sampling: one-hot drafts stay exact under rejection sampling.
+        self.free(key)
+        seq = _Seq(next(self._cache_ids), list(prompt_ids) + list(output_ids))
+        self._cache.add(seq.cache_id)
+        self._seqs[key] = seq
+
+    @torch.inference_mode()
+    def advance(self, key: Hashable, num_drafted: int, num_accepted: int, new_token_ids: list[int],
+                num_rollback_tokens: int, hidden_states: torch.Tensor | None,
+                hidden_start_position: int) -> None:
+        seq = self._seqs[key]
+        if num_rollback_tokens:
+            self._rollback(seq, num_rollback_tokens)
+        seq.tokens.extend(new_token_ids)
+        if hidden_states is not None and hidden_states.shape[0]:
+            self._add_features(seq, hidden_states, hidden_start_position)
+        rows = self._rows_ready(seq)
+        if seq.num_pending > _MAX_PENDING_ROWS and rows and \
+                self._cache.can_append(seq.cache_id, rows):
+            self._catch_up([(seq, rows)])
+
+    @torch.inference_mode()
+    def propose(self, wanted: dict[Hashable, int]) -> dict[Hashable, Draft]:
+        cap = self._info.max_num_speculative_tokens
+        plan: list[tuple[Hashable, _Seq, int]] = []  # (key, seq, K)
+        free_blocks = self._cache.num_free_blocks
+        for key, k in wanted.items():
+            seq, k = self._seqs.get(key), min(k, cap)
+            if seq is None or k < 1 or not self._can_draft(seq):
+                continue
+            need = self._cache.blocks_needed(seq.cache_id, self._rows_ready(seq) + k - 1)
+            if need > free_blocks:
+                continue  # head cache full: this sequence runs without a draft this round
+            free_blocks -= need
+            plan.append((key, seq, k))
+        if not plan:
+            return {}
+        self._catch_up([(seq, rows) for _, seq, _ in plan if (rows := self._rows_ready(seq))])
+        try:
+            steps = self._draft([seq for _, seq, _ in plan], [k for _, _, k in plan])
+        finally:
+            for _, seq, _ in plan:
+                self._cache.truncate(seq.cache_id, seq.kv_end - seq.kv_begin)
+        drafts: list[list[int]] = [[] for _ in plan]
+        for active, ids in steps:
+            for i, tok in zip(active, ids.tolist(), strict=True):
+                drafts[i].append(tok)
+        return {key: Draft(d) for (key, _, _), d in zip(plan, drafts, strict=True)}
+
+    def free(self, key: Hashable) -> None:
+        seq = self._seqs.pop(key, None)
+        if seq is not None:
+            self._cache.free(seq.cache_id)
+
+    def has(self, key: Hashable) -> bool:
+        return key in self._seqs
+
+    # -- features and the head cache -------------------------------------------------------
+
+    @staticmethod
+    def _rows_ready(seq: _Seq) -> int:
+        """Rows that can join the cache: position i needs f_i and t_{i+1}."""
+        return max(0, min(seq.feature_end, len(seq.tokens) - 1) - seq.kv_end)
+
+    def _can_draft(self, seq: _Seq) -> bool:
+        """Whether the head has (or is about to have) the row of position n - 2."""
+        n = len(seq.tokens)
+        if seq.feature_end < n - 1:
+            return False  # the newest positions' features have not arrived
+        return self._rows_ready(seq) > 0 or (seq.last_out is not None and seq.kv_end == n - 1)
+
+    def _add_features(self, seq: _Seq, hidden: torch.Tensor, start: int) -> None:
+        """hidden: [P, len(layers), H_t], the target's states of positions start..start+P-1."""
+        num = hidden.shape[0]
+        if start + num > len(seq.tokens):
+            raise ValueError(f"hidden_states: positions {start}..{start + num - 1} are past the "
+                             f"context's {len(seq.tokens)} tokens")
+        features = self.head.features(hidden.to(self.head.device, self.head.dtype))  # [P, H]
+        if start < seq.kv_begin or start > seq.feature_end:
+            # No features join these to the cached rows: the head context starts over here.
+            self._cut(seq, seq.kv_begin)
+            seq.kv_begin = seq.kv_end = start
+        elif start < seq.kv_end:
+            self._cut(seq, start)  # the target recomputed committed positions
+        else:
+            seq.keep_pending(0, start - seq.kv_end)
+        seq.pending.append(features)
+        seq.num_pending += num
+
+    def _rollback(self, seq: _Seq, num: int) -> None:
+        n = len(seq.tokens) - num
+        if n < 0:
+            raise ValueError(f"num_rollback_tokens {num} exceeds the context's "
+                             f"{len(seq.tokens)} tokens")
+        del seq.tokens[n:]
+        # Row i used t_{i+1}; feature f_i used t_0..t_i.
+        if seq.kv_end > max(n - 1, seq.kv_begin):
+            self._cut(seq, max(n - 1, seq.kv_begin))
+        else:
+            seq.keep_pending(0, max(0, min(seq.num_pending, n - seq.kv_end)))
+
+    def _cut(self, seq: _Seq, position: int) -> None:
+        """Drop the cached rows from `position` on, and every pending feature."""
+        seq.kv_end = position
+        self._cache.truncate(seq.cache_id, position - seq.kv_begin)
+        seq.pending, seq.num_pending, seq.last_out = [], 0, None
+
+    def _catch_up(self, work: list[tuple[_Seq, int]]) -> None:
+        """One forward over the ready rows of several sequences; they become committed."""
+        if not work:
+            return
+        dev = self.head.device
+        meta = self._cache.plan([(seq.cache_id, rows) for seq, rows in work])
+        ids = torch.tensor([t for seq, rows in work
+                            for t in seq.tokens[seq.kv_end + 1: seq.kv_end + 1 + rows]],
+                           device=dev)
+        features = torch.cat([seq.pending_features()[:rows] for seq, rows in work])
+        positions = torch.cat([torch.arange(seq.kv_end, seq.kv_end + rows) for seq, rows in work])
+        out = self.head(ids, features, positions.to(dev), meta, self._cache)  # [T, H]
+        last = out.index_select(0, meta.last_token_indices())  # [B, H]
+        for i, (seq, rows) in enumerate(work):
+            seq.keep_pending(rows, seq.num_pending)
+            seq.kv_end += rows
+            seq.last_out = last[i]
+
+    def _draft(self, seqs: list[_Seq], ks: list[int]) -> list[tuple[list[int], torch.Tensor]]:
+        """Greedy drafts of each sequence, K_i of them: per step, the indices of the
+        sequences still drafting and their [A] token ids."""
+        dev = self.head.device
+        hidden = torch.stack([seq.last_out for seq in seqs])  # [B, H]
+        ids = self.head.draft_token_ids(hidden)
+        active = list(range(len(seqs)))
+        steps = [(active, ids)]
+        for step in range(1, max(ks)):
+            keep = [j for j, i in enumerate(active) if ks[i] > step]
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=dev)
+                hidden, ids = hidden.index_select(0, index), ids.index_select(0, index)
+                active = [active[j] for j in keep]
+            meta = self._cache.plan([(seqs[i].cache_id, 1) for i in active])
+            positions = torch.tensor([seqs[i].kv_end + step - 1 for i in active], device=dev)
+            hidden = self.head(ids, hidden, positions, meta, self._cache)
+            ids = self.head.draft_token_ids(hidden)
+            steps.append((active, ids))
+        return steps
+
+
+def _fingerprint(target_dir: Path, vocab_size: int) -> tuple[int, str]:
+    """(vocab_size, hash) as the verifier reports them for this target: the tokenizer's
+    hash when it covers the model's whole vocabulary, else "" (vocab_size alone)."""
+    if not any((target_dir / name).is_file() for name in _TOKENIZER_FILES):
+        return vocab_size, ""
+    # Imported here: transformers is slow to import and only a real target needs it.
+    from specdec.tokenizer import Tokenizer
+
+    try:
+        vocab, digest = Tokenizer.from_dir(target_dir).fingerprint()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"target_dir {target_dir}: cannot load its tokenizer: {e}") from None
+    return vocab_size, digest if vocab == vocab_size else ""
+
+
+@register
+class EagleMethod(_EagleMethod):
+    name = "eagle"
+    _spec_method = common_pb2.SPEC_METHOD_EAGLE
+
+
+@register
+class Eagle3Method(_EagleMethod):
+    name = "eagle3"
+    _spec_method = common_pb2.SPEC_METHOD_EAGLE3
+

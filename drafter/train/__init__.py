@@ -1,0 +1,1 @@
+"""Training drafters for a target: self-distillation data and the EAGLE head recipe."""

@@ -1,0 +1,536 @@
+"""EAGLE and EAGLE-3 heads: checkpoints in the layouts vLLM and SGLang load, drafts
+equal to a plain-torch reference written from the checkpoint tensors, errors that
+name what does not fit, and greedy output unchanged behind a real verifier."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from drafter import registry
+from drafter.__main__ import build_method, build_parser
+from drafter.eagle import Eagle3Method, EagleMethod
+from drafter.method import DraftSampling
+from specdec.generate import greedy_generate
+from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache, load_model
+from specdec.pb import common_pb2
+from tests.loop_thread import LoopThread
+from tests.verifier.test_service import Stack, generate, prompts, run_concurrently, start_msg
+
+VOCAB, H, INTER, HEADS, KV_HEADS, EPS, THETA = 97, 64, 128, 4, 2, 1e-6, 10000.0
+D = H // HEADS
+DRAFT_VOCAB = 40
+TARGET_LAYERS = 8  # EAGLE-3's default layers (2, L // 2, L - 3) = (2, 4, 5)
+F64 = torch.float64
+
+
+# -- checkpoints -----------------------------------------------------------------------
+
+def hf_config(**extra) -> dict:
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB,
+                hidden_size=H, intermediate_size=INTER, num_attention_heads=HEADS,
+                num_key_value_heads=KV_HEADS, rms_norm_eps=EPS, rope_theta=THETA,
+                max_position_embeddings=1024, tie_word_embeddings=False) | extra
+
+
+def save_target(model: LlamaForCausalLM, path, tie: bool = False) -> None:
+    """Write `model` as a Hugging Face directory (q/k/v and gate/up unfused)."""
+    cfg = model.config
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    w = {"model.embed_tokens.weight": model.embed_tokens.weight,
+         "model.norm.weight": model.norm.weight}
+    if not tie:
+        w["lm_head.weight"] = model.lm_head.weight
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        qw, kw, vw = layer.self_attn.qkv_proj.weight.split([q, kv, kv])
+        gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+        w.update({p + "self_attn.q_proj.weight": qw, p + "self_attn.k_proj.weight": kw,
+                  p + "self_attn.v_proj.weight": vw,
+                  p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+                  p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                  p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+                  p + "input_layernorm.weight": layer.input_layernorm.weight,
+                  p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
+    save_file({k: v.detach().contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(hf_config(
+        num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size, tie_word_embeddings=tie)))
+
+
+def make_target(path, num_layers: int = TARGET_LAYERS, hidden: int = H, tie: bool = False,
+                seed: int = 1) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=INTER,
+                      num_layers=num_layers, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                      head_dim=hidden // HEADS, rms_norm_eps=EPS, rope_theta=THETA,
+                      max_position_embeddings=1024, tie_word_embeddings=tie)
+    model = LlamaForCausalLM(cfg).to(F64).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # peaked logits: greedy ties are improbable
+    path.mkdir(parents=True, exist_ok=True)
+    save_target(model, path, tie)
+    return model
+
+
+def head_tensors(kind: str, seed: int, *, fc_bias=False, embed=False,
+                 prefix="") -> dict[str, torch.Tensor]:
+    """Random head weights in the EAGLE repositories' naming."""
+    g = torch.Generator().manual_seed(seed)
+
+    def lin(rows, cols):
+        return torch.randn(rows, cols, generator=g, dtype=F64) / math.sqrt(cols)
+
+    def norm():
+        return 1 + 0.1 * torch.randn(H, generator=g, dtype=F64)
+
+    attn_in = 2 * H
+    layer = "midlayer." if kind == "eagle3" else "layers.0."
+    t = {"fc.weight": lin(H, (2 if kind == "eagle" else 3) * H),
+         layer + "self_attn.q_proj.weight": lin(HEADS * D, attn_in if kind == "eagle3" else H),
+         layer + "self_attn.k_proj.weight": lin(KV_HEADS * D, attn_in if kind == "eagle3" else H),
+         layer + "self_attn.v_proj.weight": lin(KV_HEADS * D, attn_in if kind == "eagle3" else H),
+         layer + "self_attn.o_proj.weight": lin(H, HEADS * D),
+         layer + "mlp.gate_proj.weight": lin(INTER, H), layer + "mlp.up_proj.weight": lin(INTER, H),
+         layer + "mlp.down_proj.weight": lin(H, INTER),
+         layer + "post_attention_layernorm.weight": norm()}
+    if fc_bias:
+        t["fc.bias"] = 0.1 * torch.randn(H, generator=g, dtype=F64)
+    if embed:
+        t["embed_tokens.weight"] = torch.randn(VOCAB, H, generator=g, dtype=F64)
+    if kind == "eagle3":
+        t[layer + "input_layernorm.weight"] = norm()
+        t[layer + "hidden_norm.weight"] = norm()
+        t["norm.weight"] = norm()
+        t["lm_head.weight"] = 4 * lin(DRAFT_VOCAB, H)
+        ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+        t["d2t"] = ids - torch.arange(DRAFT_VOCAB)
+        t["t2d"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, ids, True)
+    return {prefix + k if k not in ("d2t", "t2d") else k: v for k, v in t.items()}
+
+
+def save_head(path, kind: str, tensors: dict, **config) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    extra = dict(num_hidden_layers=1)
+    if kind == "eagle3":
+        extra.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB)
+    cfg = hf_config(**extra) | config
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    make_target(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(target_dir) -> LlamaForCausalLM:
+    return load_model(target_dir, dtype=F64)
+
+
+# -- the reference: plain torch over the whole context, from the checkpoint tensors ------
+
+def rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def rope(x, pos):  # x: [T, heads, D]
+    inv = 1.0 / THETA ** (torch.arange(0, D, 2, dtype=F64) / D)
+    ang = pos[:, None].to(F64) * inv
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def attention(t, p, x, pos):
+    n = x.shape[0]
+    q = rope((x @ t[p + "q_proj.weight"].T).view(n, HEADS, D), pos)
+    k = rope((x @ t[p + "k_proj.weight"].T).view(n, KV_HEADS, D), pos)
+    v = (x @ t[p + "v_proj.weight"].T).view(n, KV_HEADS, D)
+    k, v = (z.repeat_interleave(HEADS // KV_HEADS, dim=1) for z in (k, v))
+    scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(D)
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(n, HEADS * D)
+    return out @ t[p + "o_proj.weight"].T
+
+
+def mlp(t, p, x):
+    return (F.silu(x @ t[p + "gate_proj.weight"].T) * (x @ t[p + "up_proj.weight"].T)) \
+        @ t[p + "down_proj.weight"].T
+
+
+class Reference:
+    """The head written out directly: every draft step recomputes all rows."""
+
+    def __init__(self, kind, tensors, target: LlamaForCausalLM, norm_before_residual=False):
+        self.kind = kind
+        self.t = {k.removeprefix("model.").replace("midlayer.", "layers.0."): v
+                  for k, v in tensors.items()}
+        self.embed = self.t.get("embed_tokens.weight", target.embed_tokens.weight.detach())
+        self.target_lm_head = target.lm_head.weight.detach()
+        self.norm_before_residual = norm_before_residual
+
+    def feature(self, raw):  # raw: [n, L, H] target states -> [n, H]
+        if self.kind == "eagle":
+            return raw[:, 0]
+        return raw.flatten(1) @ self.t["fc.weight"].T
+
+    def rows(self, next_ids, feats, pos):
+        t, e = self.t, self.embed[next_ids]
+        if self.kind == "eagle":
+            x = torch.cat([e, feats], -1) @ t["fc.weight"].T
+            if "fc.bias" in t:
+                x = x + t["fc.bias"]
+            x = x + attention(t, "layers.0.self_attn.", x, pos)
+        else:
+            normed = rms(feats, t["layers.0.hidden_norm.weight"])
+            inp = torch.cat([rms(e, t["layers.0.input_layernorm.weight"]), normed], -1)
+            x = (normed if self.norm_before_residual else feats) + \
+                attention(t, "layers.0.self_attn.", inp, pos)
+        return x + mlp(t, "layers.0.mlp.", rms(x, t["layers.0.post_attention_layernorm.weight"]))
+
+    def token(self, h):
+        if self.kind == "eagle":
+            return int((h @ self.target_lm_head.T).argmax())
+        d = int((rms(h, self.t["norm.weight"]) @ self.t["lm_head.weight"].T).argmax())
+        return d + int(self.t["d2t"][d])
+
+    def draft(self, tokens, raw, k, begin=0):
+        """tokens: the context t_0..t_{n-1}; raw: [n - 1 - begin, L, H] target states of
+        positions begin..n-2. Returns k greedy drafts."""
+        next_ids = torch.tensor(tokens[begin + 1:])
+        feats = self.feature(raw)
+        pos = torch.arange(begin, len(tokens) - 1)
+        out = []
+        for _ in range(k):
+            h = self.rows(next_ids, feats, pos)[-1]
+            out.append(self.token(h))
+            next_ids = torch.cat([next_ids, torch.tensor([out[-1]])])
+            feats = torch.cat([feats, h[None]])
+            pos = torch.cat([pos, pos[-1:] + 1])
+        return out
+
+
+# -- driving a method as the verifier does ------------------------------------------------
+
+class Driver:
+    """Sends a method starts and outcomes with random target states, and remembers every
+    state it sent, so a reference can draft from the same context."""
+
+    def __init__(self, method, seed=0):
+        self.m = method
+        self.layers = len(method.info().hidden_state_layers)
+        self.g = torch.Generator().manual_seed(seed)
+        self.tokens: dict = {}
+        self.states: dict = {}  # key -> {position: [L, H]}
+
+    def rand_states(self, n):
+        return torch.randn(n, self.layers, H, generator=self.g, dtype=F64)
+
+    def start(self, key, prompt, output=()):
+        self.m.start(key, list(prompt), list(output), DraftSampling(), 8)
+        self.tokens[key] = list(prompt) + list(output)
+        self.states[key] = {}
+
+    def advance(self, key, new, start, num_rows, rollback=0):
+        rows = self.rand_states(num_rows)
+        self.m.advance(key, 0, 0, list(new), rollback, rows if num_rows else None, start)
+        del self.tokens[key][len(self.tokens[key]) - rollback:]
+        self.tokens[key] += list(new)
+        for i in range(num_rows):
+            self.states[key][start + i] = rows[i]
+
+    def prefill(self, key, chunks, first_token):
+        pos = 0
+        for i, c in enumerate(chunks):
+            last = i == len(chunks) - 1
+            self.advance(key, [first_token] if last else [], pos, c)
+            pos += c
+
+    def decode(self, key, new):
+        """A step that kept len(new) rows: the previous last token and the accepted drafts."""
+        self.advance(key, new, len(self.tokens[key]) - 1, len(new))
+
+    def reference(self, ref: Reference, key, k, begin=0):
+        n = len(self.tokens[key])
+        raw = torch.stack([self.states[key][p] for p in range(begin, n - 1)])
+        return ref.draft(self.tokens[key], raw, k, begin)
+
+
+VARIANTS = {
+    # kind, head_tensors options, config additions, target ties its embeddings
+    "eagle": ("eagle", dict(fc_bias=True), {}, False),
+    "eagle-own-embed-tied-target": ("eagle", dict(embed=True), {}, True),
+    "eagle3": ("eagle3", {}, {}, False),
+    "eagle3-prefixed-own-embed": ("eagle3", dict(embed=True, prefix="model."),
+                                  dict(norm_before_residual=True), False),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_drafts_equal_the_reference(variant, tmp_path):
+    kind, opts, config, tie = VARIANTS[variant]
+    target = make_target(tmp_path / "target", tie=tie)
+    tensors = head_tensors(kind, seed=3, **opts)
+    save_head(tmp_path / "head", kind, tensors, **config)
+    method = registry.create(kind, model_dir=str(tmp_path / "head"),
+                             target_dir=str(tmp_path / "target"), dtype="float64",
+                             num_kv_blocks=64, block_size=4)
+    ref = Reference(kind, tensors, target, config.get("norm_before_residual", False))
+    drv = Driver(method)
+    g = torch.Generator().manual_seed(5)
+    prompts_ = {key: torch.randint(VOCAB, (n,), generator=g).tolist()
+                for key, n in (("a", 11), ("b", 3), ("c", 20))}
+    for key, p in prompts_.items():
+        drv.start(key, p)
+    assert method.propose({"a": 4}) == {}  # no target states yet
+    drv.prefill("a", [4, 7], 5)
+    drv.prefill("b", [3], 9)
+    drv.advance("c", [], 0, 8)  # partial chunks; the last one has not come yet
+    drv.advance("c", [], 8, 8)
+    wanted = {"a": 5, "b": 3, "c": 4}
+    drafts = method.propose(wanted)
+    assert set(drafts) == {"a", "b"}
+    for key in drafts:
+        assert drafts[key].token_ids == drv.reference(ref, key, wanted[key])
+        assert drafts[key].probs is None
+    drv.advance("c", [7], 16, 4)  # the last chunk
+    drv.decode("a", drafts["a"].token_ids[:2] + [11])  # two accepted, then the bonus token
+    drv.decode("b", [13])  # none accepted
+    for _ in range(2):
+        wanted = {"a": 2, "b": 8, "c": 1}
+        drafts = method.propose(wanted)
+        assert {k: d.token_ids for k, d in drafts.items()} == \
+            {k: drv.reference(ref, k, wanted[k]) for k in wanted}
+    drv.decode("a", [17])  # a step without a proposal (K = 0)
+    drv.decode("a", [18])
+    assert method.propose({"a": 3})["a"].token_ids == drv.reference(ref, "a", 3)
+
+
+def test_restart_without_states_drafts_from_where_states_begin(tmp_path, target_dir, target):
+    tensors = head_tensors("eagle", seed=4)
+    save_head(tmp_path / "head", "eagle", tensors)
+    method = EagleMethod(tmp_path / "head", target_dir, dtype="float64")
+    ref = Reference("eagle", tensors, target)
+    drv = Driver(method)
+    drv.start("s", [1, 2, 3, 4, 5], output=[6, 7])  # a reconnect: no states for these
+    assert method.propose({"s": 3}) == {}
+    drv.decode("s", [8])  # states of position 6 only
+    assert method.propose({"s": 3})["s"].token_ids == drv.reference(ref, "s", 3, begin=6)
+    drv.decode("s", [9, 10])
+    assert method.propose({"s": 2})["s"].token_ids == drv.reference(ref, "s", 2, begin=6)
+    with pytest.raises(ValueError, match="past the context"):
+        drv.advance("s", [], 10, 2)
+
+
+def test_long_prefill_joins_the_head_cache_before_any_proposal(tmp_path, target_dir, target):
+    tensors = head_tensors("eagle3", seed=8)
+    save_head(tmp_path / "head", "eagle3", tensors)
+    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64")
+    ref = Reference("eagle3", tensors, target)
+    drv = Driver(method)
+    drv.start("s", torch.randint(VOCAB, (300,), generator=drv.g).tolist())
+    drv.prefill("s", [120, 120, 60], 3)  # more rows than a sequence holds back
+    drv.decode("s", [4])
+    assert method.propose({"s": 3})["s"].token_ids == drv.reference(ref, "s", 3)
+
+
+def test_rollback_and_a_full_head_cache(tmp_path, target_dir, target):
+    tensors = head_tensors("eagle3", seed=6)
+    save_head(tmp_path / "head", "eagle3", tensors)
+    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64", num_kv_blocks=6,
+                          block_size=4)
+    ref = Reference("eagle3", tensors, target)
+    drv = Driver(method)
+    drv.start("s", list(range(10)))
+    drv.prefill("s", [10], 42)
+    drv.decode("s", [43, 44])
+    assert method.propose({"s": 3})["s"].token_ids == drv.reference(ref, "s", 3)
+    drv.advance("s", [50], 9, 1, rollback=3)  # back to 10 tokens, position 9 recomputed
+    assert drv.tokens["s"] == list(range(10)) + [50]
+    assert method.propose({"s": 4})["s"].token_ids == drv.reference(ref, "s", 4)
+    # 24 cached positions in all: a second sequence of 20 rows does not fit beside it.
+    drv.start("t", list(range(20)))
+    drv.prefill("t", [20], 1)
+    assert set(method.propose({"s": 2, "t": 2})) == {"s"}
+    method.free("s")
+    assert method.propose({"t": 2})["t"].token_ids == drv.reference(ref, "t", 2)
+
+
+@pytest.mark.parametrize(("kind", "config", "layers"), [
+    ("eagle", {}, [TARGET_LAYERS]),
+    ("eagle3", {}, [2, 4, 5]),
+    ("eagle3", dict(eagle_aux_hidden_state_layer_ids=[6, 1, 3]), [1, 3, 6]),
+    ("eagle3", dict(eagle_config=dict(eagle_aux_hidden_state_layer_ids=[0, 2, 7])), [0, 2, 7]),
+])
+def test_info(kind, config, layers, tmp_path, target_dir):
+    save_head(tmp_path / "head", kind, head_tensors(kind, seed=1), **config)
+    info = registry.create(kind, model_dir=str(tmp_path / "head"),
+                           target_dir=str(target_dir)).info()
+    assert info.method == (common_pb2.SPEC_METHOD_EAGLE if kind == "eagle"
+                           else common_pb2.SPEC_METHOD_EAGLE3)
+    assert info.needs_hidden_states and info.hidden_state_layers == layers
+    assert (info.hidden_size, info.hidden_state_dtype) == (H, torch.float32)
+    assert (info.vocab_size, info.tokenizer_hash) == (VOCAB, "")  # the target has no tokenizer
+    assert not info.returns_probs
+
+
+def _drop(name):
+    return lambda t: t.pop(name)
+
+
+def _set(name, value):
+    return lambda t: t.__setitem__(name, value)
+
+
+@pytest.mark.parametrize(("kind", "edit", "config", "message"), [
+    ("eagle", _drop("layers.0.mlp.down_proj.weight"), {},
+     "missing tensor layers.0.mlp.down_proj.weight"),
+    ("eagle3", _drop("midlayer.hidden_norm.weight"), {}, "missing tensor layers.0.hidden_norm"),
+    ("eagle", _set("fc.weight", torch.zeros(H, 3 * H)), {},
+     r"tensor fc.weight has shape \(64, 192\), expected \(64, 128\)"),
+    ("eagle3", _set("midlayer.self_attn.q_proj.weight", torch.zeros(H, H)), {},
+     r"tensor layers.0.self_attn.q_proj.weight has shape \(64, 64\), expected \(64, 128\)"),
+    ("eagle3", _set("lm_head.weight", torch.zeros(VOCAB, H)), {},
+     r"tensor lm_head.weight has shape \(97, 64\), expected \(40, 64\)"),
+    ("eagle", None, dict(hidden_size=32), "hidden size mismatch: head built for hidden_size 32"),
+    ("eagle3", None, dict(target_hidden_size=48), "hidden size mismatch"),
+    ("eagle", None, dict(vocab_size=50), "vocab mismatch: head vocab_size 50"),
+    ("eagle3", None, dict(draft_vocab_size=200), "vocab mismatch: draft_vocab_size 200"),
+    ("eagle3", _set("d2t", torch.full((DRAFT_VOCAB,), 90)), {},
+     "vocab mismatch: d2t maps draft id 7 to target id 97"),
+    ("eagle3", _drop("d2t"), {}, "missing tensor d2t"),
+    ("eagle3", None, dict(eagle_aux_hidden_state_layer_ids=[1, 2, 8]),
+     r"target layers \[1, 2, 8\] from eagle_aux_hidden_state_layer_ids must be distinct and "
+     r"in 0..7"),
+    ("eagle3", None, dict(eagle_aux_hidden_state_layer_ids=[1, 2]),
+     r"tensor fc.weight has shape \(64, 192\), expected \(64, 128\) from 2 target layers"),
+])
+def test_mismatch_is_named(kind, edit, config, message, tmp_path, target_dir):
+    tensors = head_tensors(kind, seed=2)
+    if edit is not None:
+        edit(tensors)
+    save_head(tmp_path / "head", kind, tensors, **config)
+    with pytest.raises(ValueError, match=message):
+        registry.create(kind, model_dir=str(tmp_path / "head"), target_dir=str(target_dir))
+
+
+def test_target_mismatch_is_named(tmp_path):
+    save_head(tmp_path / "head", "eagle", head_tensors("eagle", seed=2))
+    save_head(tmp_path / "head3", "eagle3", head_tensors("eagle3", seed=2))
+    make_target(tmp_path / "small", num_layers=4)
+    with pytest.raises(ValueError, match=r"target layers \[2, 2, 1\] from the default .* L = 4"):
+        Eagle3Method(tmp_path / "head3", tmp_path / "small")
+    make_target(tmp_path / "wide", hidden=128)
+    with pytest.raises(ValueError, match="hidden size mismatch: .* target hidden_size 128"):
+        EagleMethod(tmp_path / "head", tmp_path / "wide")
+    (tmp_path / "small" / "model.safetensors").unlink()
+    save_file({"model.embed_tokens.weight": torch.zeros(VOCAB, H)},
+              str(tmp_path / "small" / "model.safetensors"))
+    with pytest.raises(ValueError, match="small: missing tensor lm_head.weight"):
+        EagleMethod(tmp_path / "head", tmp_path / "small")
+    (tmp_path / "head" / "model.safetensors").rename(tmp_path / "head" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="no safetensors weights .*pytorch_model.bin"):
+        EagleMethod(tmp_path / "head", tmp_path / "small")
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_command_line_builds_the_method(kind, tmp_path, target_dir):
+    save_head(tmp_path / "head", kind, head_tensors(kind, seed=1))
+    args = build_parser().parse_args([
+        "--method", kind, "--model", str(tmp_path / "head"), "--target", str(target_dir),
+        "--dtype", "float64", "--max-num-speculative-tokens", "5", "--port", "0"])
+    method = build_method(args)
+    assert isinstance(method, EagleMethod if kind == "eagle" else Eagle3Method)
+    info = method.info()
+    assert (info.max_num_speculative_tokens, info.hidden_state_dtype) == (5, F64)
+    assert info.model_name == "head"
+
+
+# -- end to end: a real verifier, greedy output unchanged --------------------------------
+
+@pytest.fixture(scope="module")
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+class RecordingMixin:
+    """Mirrors each context so the test can re-draft every proposal with the reference."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ctx: dict = {}
+        self.proposals: list = []
+
+    def start(self, key, prompt_ids, output_ids, sampling, max_k):
+        super().start(key, prompt_ids, output_ids, sampling, max_k)
+        self.ctx[key] = list(prompt_ids) + list(output_ids)
+
+    def advance(self, key, num_drafted, num_accepted, new_token_ids, num_rollback_tokens,
+                hidden_states, hidden_start_position):
+        super().advance(key, num_drafted, num_accepted, new_token_ids, num_rollback_tokens,
+                        hidden_states, hidden_start_position)
+        ctx = self.ctx[key]
+        del ctx[len(ctx) - num_rollback_tokens:]
+        ctx.extend(new_token_ids)
+
+    def propose(self, wanted):
+        drafts = super().propose(wanted)
+        self.proposals += [(list(self.ctx[key]), d.token_ids) for key, d in drafts.items()]
+        return drafts
+
+
+class RecordingEagle(RecordingMixin, EagleMethod):
+    pass
+
+
+class RecordingEagle3(RecordingMixin, Eagle3Method):
+    pass
+
+
+def target_states(model: LlamaForCausalLM, tokens: list[int], layers) -> torch.Tensor:
+    """[n, len(layers), H]: the target's hidden states of every position, in one forward."""
+    cache = PagedKVCache.for_model(model.config, -(-len(tokens) // 16), 16, F64)
+    cache.add(0)
+    meta = cache.plan([(0, len(tokens))])
+    no_logits = torch.tensor([], dtype=torch.int64)
+    out = model(torch.tensor(tokens), meta, cache, logits_indices=no_logits,
+                hidden_layers=tuple(layers))
+    return out.hidden_states.transpose(0, 1)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_output_equals_plain_greedy(kind, batch, loop, target, target_dir, tmp_path):
+    tensors = head_tensors(kind, seed=7)
+    save_head(tmp_path / "head", kind, tensors)
+    cls = RecordingEagle if kind == "eagle" else RecordingEagle3
+    method = cls(tmp_path / "head", target_dir, dtype="float64")
+    stack = Stack(loop, target, {kind: method})
+    try:
+        ps = prompts(batch, seed=10 + batch)
+        expected = greedy_generate(target, ps, 40)
+        msgs = [start_msg(p, 40, k=1 + i % 8, drafter=kind) for i, p in enumerate(ps)]
+        results = run_concurrently(lambda m: generate(stack.stub, m), [(m,) for m in msgs])
+        for (tokens, responses), want in zip(results, expected, strict=True):
+            assert tokens == want
+            spec = responses[-1].spec_decode
+            assert spec.num_draft_tokens > 0
+    finally:
+        stack.close()
+    # Every proposal is what the reference drafts from the target's own hidden states.
+    ref = Reference(kind, tensors, target)
+    layers = method.info().hidden_state_layers
+    assert method.proposals
+    for ctx, draft in method.proposals[:24]:
+        raw = target_states(target, ctx[:-1], layers)
+        assert draft == ref.draft(ctx, raw, len(draft))
