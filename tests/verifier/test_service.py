@@ -423,3 +423,41 @@ def test_cli_serves_health_and_generate_then_stops_on_sigterm(smollm2_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_speculation_off_and_on_mid_request_keeps_the_drafter_in_sync(loop, model):
+    """K=0 steps still advance the drafter: after speculation is switched back on,
+    a stateful drafter (the target as its own draft model, KV cache and all)
+    proposes for the right context, so every draft is accepted again."""
+    from drafter.draft_model import DraftModelMethod
+
+    method = DraftModelMethod(model=model, pipeline=False)
+    stack = Stack(loop, model, {"self": method})
+    try:
+        p = prompts(1, seed=12)[0]
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        requests.put(start_msg(p, 300, k=3, drafter="self"))
+        stream = stack.stub.Generate(iter(requests.get, None), timeout=60)
+        update = verifier_pb2.GenerateRequest.PolicyUpdate
+        phases: dict[str, list] = {"on": [], "off": [], "again": []}
+        phase, tokens = "on", []
+        for r in stream:
+            tokens += r.token_ids
+            phases[phase].append(r)
+            if phase == "on" and len(tokens) >= 20:
+                requests.put(verifier_pb2.GenerateRequest(policy_update=update(enabled=False)))
+                phase = "off"
+            elif phase == "off" and sum(len(x.token_ids) for x in phases["off"]) >= 40:
+                requests.put(verifier_pb2.GenerateRequest(policy_update=update(enabled=True)))
+                phase = "again"
+        requests.put(None)
+        assert tokens == greedy_generate(model, [p], 300)[0]
+        plain = [r for r in phases["off"] + phases["again"] if r.step_stats.num_speculative_tokens == 0
+                 and r.step_stats.disabled_reason == common_pb2.DISABLED_REASON_REQUEST]
+        assert len(plain) >= 20  # speculation really was off for a stretch
+        drafted = [r for r in phases["again"] if r.step_stats.num_drafted]
+        assert len(drafted) >= 10
+        assert all(r.step_stats.num_accepted == r.step_stats.num_drafted for r in drafted)
+        assert phases["again"][-1].spec_decode.disabled_reason == common_pb2.DISABLED_REASON_NONE
+    finally:
+        stack.close()
