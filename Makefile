@@ -45,6 +45,7 @@ lint: install
 
 bench: model
 	$(PY) bench/decode.py
+	$(PY) -m bench.verifier
 
 clean:
 	rm -rf $(VENV) build

@@ -1,0 +1,366 @@
+"""What verifying K drafts costs: a verify step (K + 1 query tokens per
+sequence, logits at every one) against a one-token decode step, on the
+model core over the paged KV cache, and the rejection sampler on its own.
+
+Every sequence is prefilled to `--context` tokens first (untimed). A timed
+iteration plans the step in the cache, runs the forward with logits at all
+query rows, and truncates the cache back, so the context stays fixed. Decode
+and the verify shapes of one batch size alternate, in a rotating order, so
+that noise on a shared machine hits them alike; verify / decode is the ratio
+of their medians. The issue's CPU target: at batch 1, a K = 4 verify step
+costs at most 1.3x a decode step.
+
+    .venv/bin/python -m bench.verifier [--threads N] [--iters 40] [--quick]
+
+Run it as a module, from the repository root: as a script, its own name
+would hide the `verifier` package.
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__" and not __package__:
+    raise SystemExit("run as a module from the repository root: python -m bench.verifier")
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from specdec.models import LlamaForCausalLM, PagedKVCache, load_model
+from specdec.models.prepare import prepare_default_model
+from verifier.sampling.params import SamplingMetadata
+from verifier.sampling.rejection import apply_sampling, draw_random, rejection_sample_from_random
+from verifier.sampling.rejection_triton import HAS_TRITON, rejection_sample_from_random_triton
+
+TARGET = {"batch": 1, "k": 4, "max_ratio": 1.3}  # the issue's CPU target
+BLOCK_SIZE = 16
+# Step modes: a CUDA-graph mode joins here (and as columns of the table) once
+# the model runner can capture graphs.
+MODES = ("eager",)
+SAMPLER_CASES = {
+    "t=1, one-hot q": dict(temperature=1.0, dense_q=False),
+    "t=1, dense q": dict(temperature=1.0, dense_q=True),
+    "t=0.8 top-k 50 top-p 0.9, one-hot q": dict(temperature=0.8, top_k=50, top_p=0.9,
+                                                 dense_q=False),
+}
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """Milliseconds one call takes, the device drained before and after."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def run(fn: Callable[[], object]) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    return run
+
+
+# -- verify vs decode --------------------------------------------------------
+
+
+def prefill(model: LlamaForCausalLM, cache: PagedKVCache, num_seqs: int, context: int,
+            gen: torch.Generator) -> None:
+    """Sequences 0..num_seqs-1 with `context` random tokens of KV each, one at a time."""
+    vocab = model.config.vocab_size
+    empty = torch.empty(0, dtype=torch.int64, device=model.device)
+    for s in range(num_seqs):
+        cache.add(s)
+        meta = cache.plan([(s, context)])
+        ids = torch.randint(0, vocab, (context,), generator=gen).to(model.device)
+        model(ids, meta, cache, logits_indices=empty)
+
+
+def make_step(model: LlamaForCausalLM, cache: PagedKVCache, batch: int, num_query: int,
+              context: int, gen: torch.Generator, mode: str) -> Callable[[], object]:
+    """One step of `num_query` tokens for each of sequences 0..batch-1, logits at
+    every query row, then the cache rolled back to `context`."""
+    if mode != "eager":
+        raise NotImplementedError(f"step mode {mode!r}")
+    dev = model.device
+    ids = torch.randint(0, model.config.vocab_size, (batch * num_query,), generator=gen).to(dev)
+    rows = torch.arange(batch * num_query, device=dev)
+    appends = [(s, num_query) for s in range(batch)]
+
+    def step() -> torch.Tensor:
+        meta = cache.plan(appends)
+        logits = model(ids, meta, cache, logits_indices=rows).logits  # [B * num_query, V]
+        for s in range(batch):
+            cache.truncate(s, context)
+        return logits
+
+    return step
+
+
+def bench_forward(model: LlamaForCausalLM, cache: PagedKVCache, batches: list[int],
+                  ks: list[int], context: int, iters: int, warmup: int, mode: str) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    time_ms = timer(model.device)
+    rows = []
+    for batch in batches:
+        shapes = [1] + [k + 1 for k in ks]  # query tokens per sequence: decode, then verify
+        steps = {n: make_step(model, cache, batch, n, context, gen, mode) for n in shapes}
+        for n in shapes:
+            for _ in range(warmup):
+                steps[n]()
+        times: dict[int, list[float]] = {n: [] for n in shapes}
+        for i in range(iters):
+            order = shapes[i % len(shapes):] + shapes[: i % len(shapes)]
+            for n in order:
+                times[n].append(time_ms(steps[n]))
+        decode = times[1]
+        for k in ks:
+            verify = times[k + 1]
+            row = {
+                "batch": batch, "k": k, "mode": mode,
+                "decode_median_ms": statistics.median(decode),
+                "decode_p90_ms": percentile(decode, 0.9),
+                "verify_median_ms": statistics.median(verify),
+                "verify_p90_ms": percentile(verify, 0.9),
+                # Same-iteration ratios: robust to slow drifts of the machine.
+                "ratio_paired_median": statistics.median(
+                    v / d for v, d in zip(verify, decode, strict=True)),
+                "decode_ms": [round(t, 3) for t in decode],
+                "verify_ms": [round(t, 3) for t in verify],
+            }
+            row["ratio"] = row["verify_median_ms"] / row["decode_median_ms"]
+            rows.append(row)
+            print(f"  batch {batch:>2} K {k}: decode {row['decode_median_ms']:.1f} ms, "
+                  f"verify {row['verify_median_ms']:.1f} ms, {row['ratio']:.2f}x", flush=True)
+    return rows
+
+
+# -- rejection sampler -------------------------------------------------------
+
+
+def sampler_inputs(batch: int, k: int, vocab: int, case: dict, device: torch.device):
+    gen = torch.Generator().manual_seed(1)
+    num_rows = batch * (k + 1)
+    logits = (torch.randn(num_rows, vocab, generator=gen) * 3).to(device)
+    drafts = torch.randint(0, vocab, (batch * k,), generator=gen).to(device)
+    q = None
+    if case["dense_q"]:
+        q = (torch.randn(batch * k, vocab, generator=gen) * 3).softmax(-1).to(device)
+    num_drafts = torch.full((batch,), k, dtype=torch.int64, device=device)
+    meta = SamplingMetadata.make_dummy(
+        batch, temperature=case["temperature"], top_k=case.get("top_k", 0),
+        top_p=case.get("top_p", 1.0), device=device)
+    return logits, drafts, q, num_drafts, meta
+
+
+def sampler_steps(core, logits, drafts, q, num_drafts, meta):
+    """The whole sampling step with `core` as accept/recover/bonus (what
+    rejection_sample does), and the core alone on precomputed inputs."""
+    vocab = logits.shape[-1]
+    probs, argmax = apply_sampling(logits, meta, num_drafts + 1), logits.argmax(-1)
+    uniform, noise = draw_random(num_drafts, vocab, meta)
+
+    def full():
+        p = apply_sampling(logits, meta, num_drafts + 1)
+        u, e = draw_random(num_drafts, vocab, meta)
+        return core(p, logits.argmax(-1), drafts, q, num_drafts, meta.is_greedy, u, e)
+
+    def core_only():
+        return core(probs, argmax, drafts, q, num_drafts, meta.is_greedy, uniform, noise)
+
+    return full, core_only
+
+
+def bench_sampler(batch: int, k: int, vocab: int, iters: int, warmup: int,
+                  device: torch.device) -> list[dict]:
+    """The whole sampling step (argmax, filters + softmax, random draws,
+    accept/recover/bonus) and the accept/recover/bonus core alone, per
+    implementation of the core."""
+    impls = {"torch": rejection_sample_from_random}
+    if device.type == "cuda" and HAS_TRITON:
+        impls["triton"] = rejection_sample_from_random_triton
+    time_ms = timer(device)
+    rows = []
+    for name, case in SAMPLER_CASES.items():
+        inputs = sampler_inputs(batch, k, vocab, case, device)
+        for impl, core in impls.items():
+            full, core_only = sampler_steps(core, *inputs)
+            for _ in range(warmup):
+                full()
+                core_only()
+            full_ms, core_ms = [], []
+            for _ in range(iters):
+                full_ms.append(time_ms(full))
+                core_ms.append(time_ms(core_only))
+            row = {"case": name, "impl": impl,
+                   "step_median_ms": statistics.median(full_ms),
+                   "step_p90_ms": percentile(full_ms, 0.9),
+                   "core_median_ms": statistics.median(core_ms),
+                   "core_p90_ms": percentile(core_ms, 0.9)}
+            rows.append(row)
+            print(f"  sampler {name} [{impl}]: step {row['step_median_ms']:.2f} ms, "
+                  f"core {row['core_median_ms']:.2f} ms", flush=True)
+    return rows
+
+
+# -- report ------------------------------------------------------------------
+
+
+def render_table(result: dict) -> str:
+    modes = result["modes"]
+    lines = [
+        f"Verify vs decode step: {result['model']}, {result['dtype']}, {result['device']} "
+        f"({result['device_name']}), {result['threads']} threads, context {result['context']} "
+        f"tokens/seq, median (p90) of {result['iters']} alternating iterations, "
+        f"torch {result['torch']}, load average {result['load_average_1min'][0]:.1f} -> "
+        f"{result['load_average_1min'][1]:.1f}",
+        "",
+        "| batch | K | " + " | ".join(
+            f"decode ms [{m}] | verify ms [{m}] | verify/decode [{m}]" for m in modes) + " |",
+        "|---|---|" + "---|---|---|" * len(modes),
+    ]
+    by_key: dict[tuple[int, int], dict[str, dict]] = {}
+    for r in result["forward"]:
+        by_key.setdefault((r["batch"], r["k"]), {})[r["mode"]] = r
+    for (batch, k), per_mode in by_key.items():
+        cells = []
+        for m in modes:
+            r = per_mode[m]
+            mark = ""
+            if result.get("target") and (batch, k) == (TARGET["batch"], TARGET["k"]) and m == "eager":
+                mark = " (target <= 1.3x: " + ("met" if result["target"]["met"] else "NOT met") + ")"
+            cells.append(f"{r['decode_median_ms']:.1f} ({r['decode_p90_ms']:.1f}) | "
+                         f"{r['verify_median_ms']:.1f} ({r['verify_p90_ms']:.1f}) | "
+                         f"{r['ratio']:.2f}x{mark}")
+        lines.append(f"| {batch} | {k} | " + " | ".join(cells) + " |")
+    s = result["sampler"]
+    lines += [
+        "",
+        f"Rejection sampler: batch {s['batch']}, K = {s['k']}, vocab {s['vocab']}, "
+        f"{result['device']}, median (p90) of {s['iters']}; step = filters + softmax + random "
+        "draws + accept/recover/bonus, core = accept/recover/bonus alone",
+        "",
+        "| case | core impl | step ms | core ms |",
+        "|---|---|---|---|",
+    ]
+    for r in s["rows"]:
+        lines.append(f"| {r['case']} | {r['impl']} | {r['step_median_ms']:.2f} "
+                     f"({r['step_p90_ms']:.2f}) | {r['core_median_ms']:.2f} ({r['core_p90_ms']:.2f}) |")
+    return "\n".join(lines) + "\n"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="Hugging Face directory (default: the prepared default model)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="torch CPU threads (default: all cores)")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--context", type=int, default=256, help="prefilled tokens per sequence")
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--sampler-batch", type=int, default=64)
+    ap.add_argument("--sampler-k", type=int, default=4)
+    ap.add_argument("--sampler-vocab", type=int, default=128_256)
+    ap.add_argument("--sampler-iters", type=int, default=20)
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="also time steps replayed from CUDA graphs (not built yet)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny sizes, a smoke test; writes nothing unless --out is given")
+    ap.add_argument("--out", help="JSON path (default: bench/results/verifier.json; "
+                                  "the table goes next to it as .md)")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available")
+    if args.cuda_graphs:
+        ap.error("--cuda-graphs: not available on CPU" if device.type == "cpu"
+                 else "--cuda-graphs: the model runner cannot capture CUDA graphs yet")
+    if args.quick:
+        args.batches, args.ks, args.context = "1,2", "2,4", 32
+        args.iters, args.warmup, args.sampler_iters = 4, 1, 3
+        args.sampler_batch, args.sampler_vocab = 4, 2048
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    torch.set_num_threads(args.threads)
+
+    model_dir = Path(args.model) if args.model else prepare_default_model()
+    model = load_model(model_dir, dtype=args.dtype, device=device)
+    longest = args.context + max(ks) + 1
+    cache = model.make_kv_cache(max(batches) * -(-longest // BLOCK_SIZE), BLOCK_SIZE)
+    print(f"prefilling {max(batches)} x {args.context} tokens ...", flush=True)
+    prefill(model, cache, max(batches), args.context, torch.Generator().manual_seed(0))
+
+    load_start = os.getloadavg()[0]  # other work on the machine shows up as noise
+    forward = []
+    for mode in MODES:
+        forward += bench_forward(model, cache, batches, ks, args.context, args.iters,
+                                 args.warmup, mode)
+    del model, cache
+    sampler_rows = bench_sampler(args.sampler_batch, args.sampler_k, args.sampler_vocab,
+                                 args.sampler_iters, args.warmup, device)
+
+    result = {
+        "bench": "verifier",
+        "model": model_dir.name,
+        "dtype": args.dtype,
+        "device": device.type,
+        "device_name": device_name(device),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+        "context": args.context,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "load_average_1min": [round(load_start, 2), round(os.getloadavg()[0], 2)],  # start, end
+        "modes": list(MODES),
+        "forward": forward,
+        "sampler": {"batch": args.sampler_batch, "k": args.sampler_k, "vocab": args.sampler_vocab,
+                    "iters": args.sampler_iters, "rows": sampler_rows},
+    }
+    hit = [r for r in forward if (r["batch"], r["k"], r["mode"]) ==
+           (TARGET["batch"], TARGET["k"], "eager")]
+    if device.type == "cpu" and hit:
+        result["target"] = {**TARGET, "ratio": hit[0]["ratio"],
+                            "met": hit[0]["ratio"] <= TARGET["max_ratio"]}
+    table = render_table(result)
+    print()
+    print(table, end="")
+    out = args.out or (None if args.quick else str(Path(__file__).parent / "results" / "verifier.json"))
+    if out:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        out.with_suffix(".md").write_text(table)
+        print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
