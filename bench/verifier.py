@@ -222,8 +222,9 @@ def render_table(result: dict) -> str:
         f"Verify vs decode step: {result['model']}, {result['dtype']}, {result['device']} "
         f"({result['device_name']}), {result['threads']} threads, context {result['context']} "
         f"tokens/seq, median (p90) of {result['iters']} alternating iterations, "
-        f"torch {result['torch']}, load average {result['load_average_1min'][0]:.1f} -> "
-        f"{result['load_average_1min'][1]:.1f}",
+        f"torch {result['torch']}"
+        + (", load average {:.1f} -> {:.1f}".format(*result["load_average_1min"])
+           if "load_average_1min" in result else ""),
         "",
         "| batch | K | " + " | ".join(
             f"decode ms [{m}] | verify ms [{m}] | verify/decode [{m}]" for m in modes) + " |",
