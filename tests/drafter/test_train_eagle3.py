@@ -1,0 +1,109 @@
+"""EAGLE-3 training (drafter/train/eagle3.py) on a tiny random target: the unrolled
+training forward computes what the drafting head computes, the loss goes down, and
+the checkpoint it writes loads and drafts over the most frequent tokens."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import torch
+
+from drafter.eagle_model import load_head
+from drafter.train import eagle3
+from specdec.models import load_model
+from tests.drafter.test_eagle import VOCAB, make_target
+
+LAYERS = (2, 4, 5)  # the default for the 8-layer test target
+
+
+def write_data(path, n=12, seed=0) -> list[dict]:
+    """Prompt + reply rows whose replies favour a few tokens, so frequencies are distinct."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        prompt = torch.randint(VOCAB, (6,), generator=g).tolist()
+        reply = (torch.randint(12, (14,), generator=g) ** 2 % VOCAB).tolist()
+        rows.append({"prompt": prompt, "reply": reply})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_unrolled_forward_matches_the_drafting_head(tmp_path):
+    target_dir = tmp_path / "target"
+    make_target(target_dir)
+    target = load_model(target_dir, dtype="float64")
+    tokens = torch.randint(VOCAB, (9,), generator=torch.Generator().manual_seed(1))
+    hidden = eagle3.target_features(target, tokens, LAYERS).double()
+    head = eagle3.build_head(target, torch.arange(0, VOCAB, 2), 48, LAYERS, seed=0).double()
+    with torch.no_grad():
+        for p in head.parameters():  # norms away from 1, so that every weight shows
+            p.add_(0.05 * torch.randn_like(p))
+        outs = eagle3.unrolled_forward(head, tokens, hidden, steps=3)
+
+        # Drafting as drafter/eagle.py does: rows 0..i in the head cache, then one row
+        # per step fed with the previous step's output and the true next token.
+        i = 4
+        cache = head.make_kv_cache(8, 4)
+        cache.add(0)
+        meta = cache.plan([(0, i + 1)])
+        out = head(tokens[1:i + 2], head.features(hidden[:i + 1]), torch.arange(i + 1), meta, cache)
+        h = out[-1:]
+        torch.testing.assert_close(h[0], outs[0][i])
+        for j in (2, 3):
+            meta = cache.plan([(0, 1)])
+            h = head(tokens[i + j: i + j + 1], h, torch.tensor([i + j - 1]), meta, cache)
+            torch.testing.assert_close(h[0], outs[j - 1][i])
+
+
+def test_training_writes_a_loadable_head_and_learns(tmp_path):
+    target_dir = tmp_path / "target"
+    make_target(target_dir)
+    rows = write_data(tmp_path / "data.jsonl")
+    target = load_model(target_dir, dtype="float32")
+    examples = eagle3.load_examples(tmp_path / "data.jsonl", max_len=64)
+    eagle3.attach_features(target, examples, LAYERS, store=None)
+
+    # The draft vocabulary is the most frequent tokens; d2t maps back to them.
+    dv = 16
+    draft_ids = eagle3.draft_vocabulary(examples, dv, VOCAB)
+    counts = Counter(t for r in rows for t in r["prompt"] + r["reply"])
+    least = min(counts[t] for t in draft_ids.tolist())
+    assert all(c <= least for t, c in counts.items() if t not in set(draft_ids.tolist()))
+    t2d = eagle3.target_to_draft(draft_ids, VOCAB)
+    assert (t2d[draft_ids] == torch.arange(dv)).all()
+
+    # The loss falls on a repeated small batch.
+    head = eagle3.build_head(target, draft_ids, 64, LAYERS, seed=0)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    batch = examples[:3]
+    losses = []
+    for _ in range(25):
+        opt.zero_grad()
+        loss = sum(eagle3.sequence_loss(head, ex, t2d, 2, [1.0, 0.8])[0] for ex in batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+    # The script end to end: a checkpoint that load_head takes, of the size it reports.
+    out = tmp_path / "head"
+    result = eagle3.train(eagle3.build_parser().parse_args([
+        "--data", str(tmp_path / "data.jsonl"), "--out", str(out), "--target", str(target_dir),
+        "--minutes", "1", "--max-steps", "4", "--draft-vocab", str(dv),
+        "--intermediate-size", "64", "--batch", "2", "--no-cache", "--eval-fraction", "0.2"]))
+    assert result["steps"] == 4
+    assert result["weights_bytes"] == (out / eagle3.WEIGHTS_FILE).stat().st_size
+    loaded = load_head("eagle3", out, target_dir, dtype="float32")
+    assert loaded.config.draft_vocab_size == dv
+    assert loaded.config.target_layers == LAYERS
+    assert loaded.config.decoder.intermediate_size == 64
+    mapped = torch.arange(dv) + loaded.d2t
+    train_split = eagle3.load_examples(tmp_path / "data.jsonl", max_len=64)
+    random.Random(0).shuffle(train_split)  # as train() splits with --seed 0
+    expected = eagle3.draft_vocabulary(train_split[result["held_out"]:], dv, VOCAB)
+    assert set(mapped.tolist()) == set(expected.tolist())
+    assert loaded.lm_head.weight.dtype == torch.float32
+
