@@ -66,7 +66,11 @@ def _shard_bounds(model: LlamaForCausalLM, fused: str, shard: int) -> tuple[int,
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu", attention: str = "sdpa") -> LlamaForCausalLM:
+               device: str | torch.device = "cpu", attention: str = "sdpa",
+               pack_linear: bool = True) -> LlamaForCausalLM:
+    """pack_linear: on CPU in float32, run the projections on oneDNN-packed
+    weights (see LlamaForCausalLM.pack_linear_weights; costs a second copy of
+    the projection weights)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(dtype)
@@ -106,6 +110,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
     if missing:
         raise ValueError(f"{model_dir}: missing tensors for {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
+    model.pack_linear_weights(pack_linear and dtype == torch.float32)
     return model.eval()
 
 

@@ -1,0 +1,60 @@
+"""Projections on oneDNN-packed weights (the CPU float32 default of
+load_model) give the logits of plain F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from specdec.models import load_model
+from specdec.models.llama import Linear
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def step_logits(model, lens: list[int]) -> torch.Tensor:
+    """One ragged step over fresh sequences; logits at every position: [sum(lens), V]."""
+    cache = model.make_kv_cache(num_blocks=16, block_size=4)
+    for s in range(len(lens)):
+        cache.add(s)
+    meta = cache.plan(list(enumerate(lens)))
+    ids = torch.randint(model.config.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    return model(ids, meta, cache, logits_indices=torch.arange(sum(lens))).logits
+
+
+def is_packed(model) -> bool:
+    return all(m.packed is not None for m in model.modules() if isinstance(m, Linear))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-qwen2")  # Qwen2: a qkv bias too
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY)).save_pretrained(path)
+    return path
+
+
+def test_tiny_packed_matches_plain(tiny_dir):
+    packed = load_model(tiny_dir, dtype="float32")
+    plain = load_model(tiny_dir, dtype="float32", pack_linear=False)
+    assert is_packed(packed) and not any(
+        isinstance(m, Linear) and m.packed is not None for m in plain.modules())
+    torch.testing.assert_close(step_logits(packed, [1, 5, 3]), step_logits(plain, [1, 5, 3]),
+                               rtol=0, atol=1e-5)
+
+
+def test_float64_not_packed(tiny_dir):
+    model = load_model(tiny_dir, dtype="float64")
+    assert not model.pack_linear_weights()
+    assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
+
+
+@pytest.mark.model
+def test_smollm2_packed_matches_plain(smollm2_dir):
+    packed = load_model(smollm2_dir, dtype="float32")
+    assert is_packed(packed)
+    plain = load_model(smollm2_dir, dtype="float32", pack_linear=False)
+    torch.testing.assert_close(step_logits(packed, [1, 5, 9]), step_logits(plain, [1, 5, 9]),
+                               rtol=0, atol=1e-4)
