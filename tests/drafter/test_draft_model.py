@@ -18,8 +18,9 @@ from drafter.__main__ import build_method, build_parser, main
 from drafter.draft_model import DraftModelMethod
 from drafter.method import DraftSampling
 from specdec.generate import greedy_generate
-from specdec.models import LlamaForCausalLM, ModelConfig
+from specdec.models import LlamaForCausalLM
 from specdec.pb import common_pb2, drafter_pb2
+from tests.tiny import tiny_llama
 from tests.verifier.test_service import (
     K_MAX,
     VOCAB,
@@ -42,12 +43,7 @@ GREEDY = DraftSampling(temperature=0.0)
 @pytest.fixture(scope="module")
 def draft() -> LlamaForCausalLM:
     """A tiny float64 model with the target's vocabulary but other weights."""
-    torch.manual_seed(2)
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512)
-    m = LlamaForCausalLM(cfg).to(torch.float64).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(4.0)
+    m = tiny_llama(VOCAB, seed=2, hidden_size=32, head_dim=8)
     return m
 
 

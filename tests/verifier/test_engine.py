@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specdec.generate import greedy_generate
-from specdec.models import LlamaForCausalLM, ModelConfig
+from specdec.models import LlamaForCausalLM
+from tests.tiny import tiny_llama
 from verifier.engine import Engine, EngineConfig, FinishReason, Proposal, Proposer, Request
 from verifier.sampling.params import SamplingParams
 
@@ -19,13 +20,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    m = LlamaForCausalLM(cfg).to(torch.float64).eval()
-    with torch.no_grad():  # sharper logits: greedy paths that are not one repeated token
-        m.lm_head.weight.mul_(4.0)
-    return m
+    return tiny_llama(VOCAB, seed=0)
 
 
 class ScriptedProposer(Proposer):

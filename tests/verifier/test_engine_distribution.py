@@ -22,7 +22,8 @@ import random
 import pytest
 import torch
 
-from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache
+from specdec.models import LlamaForCausalLM, PagedKVCache
+from tests.tiny import tiny_llama
 from tests.verifier.test_rejection import filtered_table
 from verifier.engine import Engine, EngineConfig, Proposal, Proposer, Request
 from verifier.sampling.params import SamplingParams
@@ -47,13 +48,8 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
-    m = LlamaForCausalLM(cfg).to(torch.float64).eval()
-    with torch.no_grad():  # entropy ~1.7 nats of 2.1: top-k and top-p cut real mass
-        m.lm_head.weight.mul_(2.0)
-    return m
+    # logit_scale 2: entropy ~1.7 nats of 2.1, so top-k and top-p cut real mass.
+    return tiny_llama(VOCAB, seed=0, max_len=64, logit_scale=2.0)
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter.method import Draft, DrafterInfo, DraftMethod
 from drafter.service import serve as serve_drafter
 from specdec.generate import greedy_generate
-from specdec.models import LlamaForCausalLM, ModelConfig
+from specdec.models import LlamaForCausalLM
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.loop_thread import LoopThread
+from tests.tiny import tiny_llama
 from verifier.drafter_client import DrafterClient, TargetInfo
 from verifier.drafting import DrafterPool
 from verifier.engine import Engine, EngineConfig
@@ -44,13 +45,7 @@ def model() -> LlamaForCausalLM:
 
 def tiny_target() -> LlamaForCausalLM:
     """A float64 random Llama: verify and decode agree exactly, so outputs compare with ==."""
-    torch.manual_seed(1)
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=MAX_LEN)
-    m = LlamaForCausalLM(cfg).to(torch.float64).eval()
-    with torch.no_grad():
-        m.lm_head.weight.mul_(4.0)
-    return m
+    return tiny_llama(VOCAB, seed=1, max_len=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
