@@ -23,13 +23,16 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
 from drafter.pipeline import Guess, PipelineStats, predraft, resolve
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.server import GrpcService, start_server
+from specdec.telemetry import incoming_context
 from specdec.tensor_codec import decode_tensor, dtype_to_proto, encode_tensor
 
+_tracer = trace.get_tracer("specdec.drafter")
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name  # specdec.v1.Drafter
 
 
@@ -95,6 +98,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def Draft(self, request_iterator: AsyncIterator[drafter_pb2.DraftRequest],
                     context: grpc.aio.ServicerContext) -> AsyncIterator[drafter_pb2.DraftResponse]:
         stream = _Stream(next(self._stream_numbers))
+        span = _tracer.start_span("drafter.draft_stream",
+                                  context=incoming_context(context.invocation_metadata()),
+                                  attributes={"specdec.method": self._method.name,
+                                              "specdec.stream": stream.number})
         try:
             async for request in request_iterator:
                 received = time.perf_counter()
@@ -115,6 +122,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         stream.predraft = asyncio.ensure_future(
                             asyncio.to_thread(self._predraft, stream, bets))
         finally:
+            span.set_attribute("specdec.sequences", len(stream.rounds))
+            span.end()
             if stream.predraft is not None:
                 await asyncio.shield(stream.predraft)
             # Shielded: a second cancellation (server shutdown) must not leave keys behind.

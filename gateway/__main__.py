@@ -1,14 +1,105 @@
-"""`specdec-gateway` / `python -m gateway`."""
+"""`specdec-gateway` / `python -m gateway`: OpenAI-compatible REST and the gRPC
+Gateway API in front of one or more verifier replicas."""
 
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
 import sys
+from pathlib import Path
+
+from specdec.server import host_port
+
+log = logging.getLogger("gateway")
+
+DEFAULT_PROFILE = Path.home() / ".cache" / "specdec" / "profile.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdec-gateway", description=__doc__)
+    p.add_argument("--model", help="model directory, for the tokenizer and chat template "
+                   "(default: the prepared default model)")
+    p.add_argument("--served-model-name", help="model name clients send (default: the "
+                   "directory's name)")
+    p.add_argument("--verifier", action="append", default=[], metavar="HOST:PORT",
+                   help="a verifier replica; repeat for several (default 127.0.0.1:50051)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="REST port")
+    p.add_argument("--grpc-port", type=int, default=50050, help="gRPC port (-1 = no gRPC API)")
+    p.add_argument("--speculative-method", default="none",
+                   choices=["none", "ngram", "draft_model", "eagle", "eagle3"],
+                   help="method for requests that do not choose one")
+    p.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="K for requests that do not choose one")
+    p.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
+                   help="admit new requests without speculation while the chosen verifier "
+                   "runs more than N requests")
+    p.add_argument("--profile", default=None,
+                   help=f"ITL profile for dynamic K, written by `specdec profile` "
+                   f"(default {DEFAULT_PROFILE} when it exists)")
+    p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (default: $SPECDEC_API_KEY)")
+    p.add_argument("--max-prompt-tokens", type=int, default=0)
+    p.add_argument("--max-tokens-limit", type=int, default=0,
+                   help="largest max_tokens a request may ask for (0 = model length)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+                   help="export OpenTelemetry spans over OTLP/gRPC to this endpoint")
+    p.add_argument("--grace-s", type=float, default=10.0)
+    return p
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from gateway.core import Gateway, GatewayConfig, Limits
+    from gateway.policy import ItlProfile
+    from gateway.replicas import ReplicaPool
+    from gateway.service import serve
+    from specdec.models.prepare import prepare_default_model
+    from specdec.telemetry import setup_tracing
+    from specdec.tokenizer import Tokenizer, model_fingerprint
+
+    setup_tracing("specdec-gateway", args.otlp_endpoint)
+    model_dir = Path(args.model) if args.model else prepare_default_model()
+    tokenizer = Tokenizer.from_dir(model_dir)
+    profile_path = Path(args.profile) if args.profile else DEFAULT_PROFILE
+    profile = None
+    if args.profile or profile_path.is_file():
+        profile = ItlProfile.load(profile_path)
+        log.info("dynamic K profile: %s", profile_path)
+    config = GatewayConfig(
+        model_name=args.served_model_name or model_dir.name,
+        default_method=args.speculative_method, default_k=args.num_speculative_tokens,
+        disable_queue_size=args.speculative_disable_queue_size,
+        limits=Limits(max_prompt_tokens=args.max_prompt_tokens,
+                      max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes),
+        api_key=args.api_key or None)
+    replicas = ReplicaPool([host_port(v) for v in args.verifier or ["127.0.0.1:50051"]],
+                           model_fingerprint(model_dir))
+    gateway = Gateway(config, tokenizer, replicas, profile=profile)
+    grpc_address = None if args.grpc_port < 0 else f"{args.host}:{args.grpc_port}"
+    service = await serve(gateway, args.host, args.port, grpc_address)
+    log.info("gateway serving %s: http://%s:%d/v1 (gRPC %s), verifiers %s", config.model_name,
+             args.host, service.http_port, service.grpc_port or "off",
+             ", ".join(r.address for r in replicas.replicas))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Registered after uvicorn started, so these replace the handlers it installed.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await service.stop(args.grace_s)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    # The entry point is part of the package layout from the start; the
-    # service itself is built in issue 5.
-    print("specdec-gateway: the gateway service is not built yet (issue 5); "
-          "use `specdec chat` for a greedy reply from the target model", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvloop
+
+    return uvloop.run(_serve(args))
 
 
 if __name__ == "__main__":

@@ -24,14 +24,17 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.server import GRPC_OPTIONS
+from specdec.telemetry import outgoing_metadata
 from specdec.tensor_codec import decode_tensor, dtype_from_proto, encode_tensor
 from verifier.engine.proposer import Outcome, Proposal
 from verifier.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("specdec.verifier")
 
 _CLOSE = object()  # ends a request iterator
 
@@ -294,23 +297,29 @@ class DrafterClient:
                     self.info = None
                 else:
                     self.info = info
-                    responses = stub.Draft(iter(outq.get, _CLOSE))
-                    with self._lock:
-                        self._outq = outq
-                        self._generation += 1  # every live sequence re-starts on this stream
-                        self._outstanding = None
-                        self._freed.clear()
-                        self._lock.notify_all()
-                    self.error = ""
-                    log.info("drafter %s connected at %s", self.name, self.address)
-                    delay = self.backoff_s[0]
-                    for resp in responses:
+                    # The stream's span parents the drafter's; it lasts as long as the stream.
+                    span = _tracer.start_span("verifier.draft_stream",
+                                              attributes={"specdec.drafter": self.name,
+                                                          "specdec.address": self.address})
+                    with trace.use_span(span, end_on_exit=True):
+                        responses = stub.Draft(iter(outq.get, _CLOSE),
+                                               metadata=outgoing_metadata())
                         with self._lock:
-                            self._responses[resp.step] = resp
-                            if self._outstanding is not None and resp.step >= self._outstanding:
-                                self._outstanding = None
+                            self._outq = outq
+                            self._generation += 1  # every live sequence re-starts on this stream
+                            self._outstanding = None
+                            self._freed.clear()
                             self._lock.notify_all()
-                    self.error = "stream ended by the drafter"
+                        self.error = ""
+                        log.info("drafter %s connected at %s", self.name, self.address)
+                        delay = self.backoff_s[0]
+                        for resp in responses:
+                            with self._lock:
+                                self._responses[resp.step] = resp
+                                if self._outstanding is not None and resp.step >= self._outstanding:
+                                    self._outstanding = None
+                                self._lock.notify_all()
+                        self.error = "stream ended by the drafter"
             except grpc.RpcError as e:
                 self.error = f"{e.code().name}: {e.details()}"
             finally:

@@ -16,9 +16,11 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.server import GrpcService, start_server
+from specdec.telemetry import incoming_context
 from verifier.drafter_client import TargetInfo
 from verifier.drafting import DrafterPool
 from verifier.engine import Engine, FinishReason, Request, StepOutput
@@ -26,6 +28,7 @@ from verifier.sampling.params import SamplingParams
 from verifier.worker import EngineWorker
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("specdec.verifier")
 
 MAX_LOGPROBS = 20
 
@@ -254,6 +257,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._active[rid] = reader
         stats = _Stats(len(request.prompt_token_ids))
         finished = False
+        span = _tracer.start_span(
+            "verifier.generate", context=incoming_context(context.invocation_metadata()),
+            attributes={"specdec.request_id": rid, "specdec.prompt_tokens": stats.prompt_tokens,
+                        "specdec.drafter": policy.drafter or ""})
         try:
             while True:
                 out = await outputs.get()
@@ -272,6 +279,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             if rid in self._aborting:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is shutting down")
         finally:
+            span.set_attribute("specdec.completion_tokens", stats.completion_tokens)
+            span.set_attribute("specdec.num_accepted_tokens", stats.num_accepted_tokens)
+            span.end()
             reader.cancel()
             if not finished:  # the client went away: free its sequence and drafter state
                 self.worker.cancel(rid)

@@ -1,0 +1,135 @@
+"""The gateway's gRPC API (specdec.v1.Gateway): Generate and Chat, for the SDK."""
+
+from __future__ import annotations
+
+import hmac
+
+import grpc
+
+from gateway.core import Delta, Gateway, GatewayError, GenerationRequest, InvalidRequest
+from gateway.policy import SpeculativeRequest
+from specdec.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+_METHOD_NAMES = {
+    common_pb2.SPEC_METHOD_UNSPECIFIED: None,
+    common_pb2.SPEC_METHOD_NONE: "none",
+    common_pb2.SPEC_METHOD_NGRAM: "ngram",
+    common_pb2.SPEC_METHOD_DRAFT_MODEL: "draft_model",
+    common_pb2.SPEC_METHOD_EAGLE: "eagle",
+    common_pb2.SPEC_METHOD_EAGLE3: "eagle3",
+}
+
+
+def speculative_from_proto(p: common_pb2.SpeculationPolicy) -> SpeculativeRequest:
+    if p.method not in _METHOD_NAMES:
+        raise InvalidRequest(f"speculation.method: unknown value {p.method}")
+    if p.drafter:
+        raise InvalidRequest("speculation.drafter: choosing a drafter by name is not "
+                             "supported by the gateway; choose a method")
+    return SpeculativeRequest(method=_METHOD_NAMES[p.method],
+                              num_speculative_tokens=p.num_speculative_tokens or None,
+                              auto=p.auto_k)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, gateway: Gateway):
+        self.gw = gateway
+
+    async def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
+        key = self.gw.config.api_key
+        if not key:
+            return
+        md = dict(context.invocation_metadata() or ())
+        scheme, _, token = str(md.get("authorization", "")).partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 key.encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or invalid API key (metadata authorization: Bearer <key>)")
+
+    def _request(self, model: str, prompt: list[int], sampling: common_pb2.SamplingParams,
+                 stop, speculation: common_pb2.SpeculationPolicy, request_id: str,
+                 prompt_field: str) -> GenerationRequest:
+        self.gw.check_model(model)
+        limit = self.gw.config.limits.max_tokens
+        if limit and sampling.max_tokens > limit:
+            raise InvalidRequest(f"sampling.max_tokens: {sampling.max_tokens} is over this "
+                                 f"server's limit of {limit}")
+        if sampling.HasField("temperature") and sampling.temperature < 0:
+            raise InvalidRequest("sampling.temperature: must be >= 0")
+        if sampling.HasField("top_p") and not 0 < sampling.top_p <= 1:
+            raise InvalidRequest("sampling.top_p: must be in (0, 1]")
+        return GenerationRequest(tuple(prompt), sampling, tuple(stop),
+                                 speculative_from_proto(speculation), request_id,
+                                 prompt_field=prompt_field)
+
+    async def _run(self, req: GenerationRequest, stream: bool, context, make):
+        try:
+            generation = await self.gw.open(req)
+            if stream:
+                async for delta in generation.deltas():
+                    if delta.text or delta.token_ids or delta.finish:
+                        yield make(generation.request_id, delta)
+                return
+            whole = Delta()
+            async for delta in generation.deltas():
+                whole.text += delta.text
+                whole.token_ids += delta.token_ids
+                whole.logprobs += delta.logprobs
+                whole.finish, whole.usage, whole.spec_decode = (delta.finish, delta.usage,
+                                                                delta.spec_decode)
+            yield make(generation.request_id, whole)
+        except GatewayError as e:
+            await context.abort(e.grpc_code, e.message)
+
+    def _fill(self, msg, delta: Delta):
+        msg.token_ids.extend(delta.token_ids)
+        msg.logprobs.extend(delta.logprobs)
+        msg.model = self.gw.config.model_name
+        if delta.finish:
+            msg.finish_reason = delta.finish
+            msg.usage.CopyFrom(delta.usage)
+            msg.spec_decode.CopyFrom(delta.spec_decode.to_proto())
+        return msg
+
+    async def Generate(self, request: gateway_pb2.GatewayGenerateRequest, context):
+        await self._check_auth(context)
+        try:
+            kind = request.WhichOneof("prompt")
+            if kind == "text":
+                prompt = self.gw.text_prompt(request.text)
+            elif kind == "token_ids":
+                prompt = list(request.token_ids.ids)
+            else:
+                raise InvalidRequest("prompt: set text or token_ids")
+            req = self._request(request.model, prompt, request.sampling, request.stop,
+                                request.speculation, request.request_id, kind or "prompt")
+        except GatewayError as e:
+            await context.abort(e.grpc_code, e.message)
+
+        def make(rid: str, delta: Delta) -> gateway_pb2.GatewayGenerateResponse:
+            return self._fill(gateway_pb2.GatewayGenerateResponse(request_id=rid, text=delta.text),
+                              delta)
+
+        async for msg in self._run(req, request.stream, context, make):
+            yield msg
+
+    async def Chat(self, request: gateway_pb2.ChatRequest, context):
+        await self._check_auth(context)
+        try:
+            messages = []
+            for i, m in enumerate(request.messages):
+                if m.role not in ("system", "user", "assistant"):
+                    raise InvalidRequest(f"messages[{i}].role: must be system, user or "
+                                         f"assistant, got {m.role!r}")
+                messages.append({"role": m.role, "content": m.content})
+            prompt = self.gw.chat_prompt(messages)
+            req = self._request(request.model, prompt, request.sampling, request.stop,
+                                request.speculation, request.request_id, "messages")
+        except GatewayError as e:
+            await context.abort(e.grpc_code, e.message)
+
+        def make(rid: str, delta: Delta) -> gateway_pb2.ChatResponse:
+            return self._fill(gateway_pb2.ChatResponse(request_id=rid, content=delta.text), delta)
+
+        async for msg in self._run(req, request.stream, context, make):
+            yield msg

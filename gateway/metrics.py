@@ -1,0 +1,70 @@
+"""Prometheus series of the gateway.
+
+Names follow the conventions serving engines use (vLLM's `vllm:spec_decode_*`
+family, here under `specdec_`), so existing dashboards translate directly.
+Each gateway owns its registry: tests run several in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets (seconds) wide enough for a CPU deployment and a GPU one.
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+            5.0, 10.0, 20.0, 40.0, 80.0)
+_AL = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 10.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specdec_requests", "Finished requests",
+                                ["method", "finish_reason"], registry=r)
+        self.request_errors = Counter("specdec_request_errors", "Requests that failed",
+                                      ["code"], registry=r)
+        self.running = Gauge("specdec_requests_running",
+                             "Requests this gateway is streaming from a verifier", registry=r)
+        self.verifier_running = Gauge("specdec_verifier_requests_running",
+                                      "Running requests reported by each verifier",
+                                      ["verifier"], registry=r)
+        self.verifier_waiting = Gauge("specdec_verifier_requests_waiting",
+                                      "Waiting requests reported by each verifier",
+                                      ["verifier"], registry=r)
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("specdec_generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.num_drafts = Counter("specdec_spec_decode_num_drafts",
+                                  "Steps that verified at least one draft token",
+                                  ["method"], registry=r)
+        self.num_draft_tokens = Counter("specdec_spec_decode_num_draft_tokens",
+                                        "Draft tokens verified", ["method"], registry=r)
+        self.num_accepted_tokens = Counter("specdec_spec_decode_num_accepted_tokens",
+                                           "Draft tokens accepted", ["method"], registry=r)
+        self.accepted_per_pos = Counter("specdec_spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by position in the draft (1-based)",
+                                        ["method", "position"], registry=r)
+        self.acceptance_length = Histogram("specdec_spec_decode_acceptance_length",
+                                           "Per request: tokens emitted per drafting step",
+                                           ["method"], buckets=_AL, registry=r)
+        self.disabled = Counter("specdec_spec_decode_disabled",
+                                "Requests admitted with speculation off, by reason",
+                                ["reason"], registry=r)
+        self.k_updates = Counter("specdec_spec_decode_k_updates",
+                                 "Dynamic-K changes sent to verifiers", registry=r)
+        self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("specdec_inter_token_latency_seconds",
+                             "Time between consecutive output tokens (a step emitting n tokens "
+                             "counts n intervals of its time / n)", buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("specdec_time_per_output_token_seconds",
+                              "Per request: (end-to-end - TTFT) / (output tokens - 1)",
+                              buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("specdec_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_LATENCY, registry=r)
+        self.resumed = Counter("specdec_requests_resumed",
+                               "Requests moved to another verifier replica mid-generation",
+                               registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,445 @@
+"""OpenAI-compatible REST front end (FastAPI): chat completions, completions,
+models, health and Prometheus metrics.
+
+Request bodies are parsed here rather than by FastAPI's automatic
+validation, because clients of the OpenAI API expect status 400 with an
+`{"error": {...}}` body naming the offending parameter, not FastAPI's 422.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.core import (
+    Delta,
+    Gateway,
+    GatewayError,
+    GenerationRequest,
+    InvalidRequest,
+)
+from gateway.policy import SpeculativeRequest
+from specdec.pb import common_pb2
+
+MAX_TOP_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    # Unknown fields are accepted and ignored, as OpenAI-compatible servers do: clients
+    # send fields (user, metadata, ...) that do not change generation.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    speculative: dict[str, Any] | None = None
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[_Message]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI's completions default; chat has none (the model's max length applies).
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+
+def error_body(message: str, error_type: str, param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _error_response(status: int, message: str, error_type: str, param: str | None = None,
+                    code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, error_type, param, code), status_code=status)
+
+
+def _from_gateway_error(e: GatewayError) -> JSONResponse:
+    return _error_response(e.http_status, e.message, e.error_type, e.param, e.code)
+
+
+def _validation_message(e: ValidationError) -> tuple[str, str | None]:
+    err = e.errors()[0]
+    loc = [str(x) for x in err.get("loc", ())]
+    # Union members show up in the location ("stop.str"); the field is what matters.
+    field = ".".join(x for x in loc if not x.startswith(("str", "list[", "dict[", "function")))
+    return f"{field or 'body'}: {err.get('msg', 'invalid value')}", (loc[0] if loc else None)
+
+
+def _text_content(content: str | list[dict[str, Any]] | None, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"messages[{index}].content: only text parts are supported",
+                                 param="messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+class OpenAIFrontend:
+    def __init__(self, gateway: Gateway):
+        self.gw = gateway
+        self.model = gateway.config.model_name
+        self.created = int(time.time())
+
+    # -- parsing ------------------------------------------------------------------
+
+    async def _parse(self, request: Request, cls: type[_Body]) -> _Body:
+        limit = self.gw.config.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _TooLarge(limit)
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise _TooLarge(limit)
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidRequest(f"the body is not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise InvalidRequest("the body must be a JSON object")
+        try:
+            return cls.model_validate(obj)
+        except ValidationError as e:
+            msg, param = _validation_message(e)
+            raise InvalidRequest(msg, param=param) from None
+
+    def _sampling(self, body: _Body, max_tokens: int | None, num_logprobs: int) -> common_pb2.SamplingParams:
+        if body.n != 1:
+            raise InvalidRequest("n: only n=1 is supported", param="n")
+        if body.presence_penalty or body.frequency_penalty:
+            raise InvalidRequest("presence_penalty/frequency_penalty: penalties are not "
+                                 "supported (they would change the target distribution)",
+                                 param="presence_penalty" if body.presence_penalty
+                                 else "frequency_penalty")
+        s = common_pb2.SamplingParams(max_tokens=max_tokens or 0, ignore_eos=body.ignore_eos,
+                                      logprobs=num_logprobs)
+        if body.temperature is not None:
+            s.temperature = body.temperature
+        if body.top_p is not None:
+            s.top_p = body.top_p
+        if body.top_k is not None and body.top_k > 0:
+            s.top_k = body.top_k
+        if body.min_p:
+            s.min_p = body.min_p
+        if body.seed is not None:
+            s.seed = body.seed
+        vocab = self.gw.tokenizer.vocab_size
+        for t in body.stop_token_ids or ():
+            if not 0 <= t < vocab:
+                raise InvalidRequest(f"stop_token_ids: {t} is outside the vocabulary",
+                                     param="stop_token_ids")
+        s.stop_token_ids.extend(body.stop_token_ids or ())
+        return s
+
+    def _common(self, body: _Body) -> tuple[tuple[str, ...], SpeculativeRequest]:
+        self.gw.check_model(body.model)
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        try:
+            spec = SpeculativeRequest.from_json(body.speculative)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="speculative") from None
+        return stop, spec
+
+    def chat_request(self, body: ChatBody) -> GenerationRequest:
+        stop, spec = self._common(body)
+        if body.max_tokens is not None and body.max_completion_tokens is not None \
+                and body.max_tokens != body.max_completion_tokens:
+            raise InvalidRequest("max_tokens and max_completion_tokens differ; send one",
+                                 param="max_completion_tokens")
+        num_logprobs = 0
+        if body.logprobs:
+            # The verifier reports the chosen token's logprob only with at least one
+            # alternative; extra ones are trimmed to top_logprobs when rendering.
+            num_logprobs = max(body.top_logprobs or 0, 1)
+        elif body.top_logprobs:
+            raise InvalidRequest("top_logprobs: needs logprobs=true", param="top_logprobs")
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": _text_content(m.content, i)} for i, m in enumerate(body.messages)]
+        prompt = self.gw.chat_prompt(messages)
+        sampling = self._sampling(body, body.max_completion_tokens or body.max_tokens,
+                                  num_logprobs)
+        return GenerationRequest(tuple(prompt), sampling, stop, spec, prompt_field="messages")
+
+    def completion_request(self, body: CompletionBody) -> GenerationRequest:
+        stop, spec = self._common(body)
+        if body.echo:
+            raise InvalidRequest("echo: not supported", param="echo")
+        if body.suffix:
+            raise InvalidRequest("suffix: not supported", param="suffix")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidRequest("prompt: only one prompt per request is supported",
+                                     param="prompt")
+            prompt = prompt[0]
+        ids = self.gw.text_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+        num_logprobs = body.logprobs if body.logprobs else (1 if body.logprobs == 0 else 0)
+        sampling = self._sampling(body, body.max_tokens, num_logprobs)
+        return GenerationRequest(tuple(ids), sampling, stop, spec, prompt_field="prompt")
+
+    # -- rendering ----------------------------------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        return self.gw.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def chat_logprobs(self, logprobs: list[common_pb2.TokenLogprob], top: int) -> dict:
+        content = []
+        for lp in logprobs:
+            tok = self._token_text(lp.token_id)
+            content.append({
+                "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
+                "top_logprobs": [
+                    {"token": (t := self._token_text(a.token_id)), "logprob": a.logprob,
+                     "bytes": list(t.encode())} for a in lp.top_logprobs[:top]]})
+        return {"content": content}
+
+    def completion_logprobs(self, logprobs: list[common_pb2.TokenLogprob], top: int,
+                            offset: int) -> dict:
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in logprobs:
+            tok = self._token_text(lp.token_id)
+            tokens.append(tok)
+            values.append(lp.logprob)
+            tops.append({self._token_text(a.token_id): a.logprob for a in lp.top_logprobs[:top]})
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    @staticmethod
+    def usage(delta: Delta) -> dict:
+        u = delta.usage
+        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+    # -- handlers -----------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        try:
+            body = await self._parse(request, ChatBody)
+            req = self.chat_request(body)
+            generation = await self.gw.open(req)
+        except GatewayError as e:
+            return _from_gateway_error(e)
+        except _TooLarge as e:
+            return e.response()
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        top = body.top_logprobs or 0
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return _sse(self._chat_chunks(generation.deltas(), rid, body.logprobs, top,
+                                          include_usage))
+        text, logprobs = [], []
+        try:
+            async for delta in generation.deltas():
+                text.append(delta.text)
+                logprobs.extend(delta.logprobs)
+                last = delta
+        except GatewayError as e:
+            return _from_gateway_error(e)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                         "logprobs": self.chat_logprobs(logprobs, top) if body.logprobs else None,
+                         "finish_reason": last.finish_reason}],
+            "usage": self.usage(last), "spec_decode": last.spec_decode.to_json()})
+
+    async def _chat_chunks(self, deltas: AsyncIterator[Delta], rid: str, want_logprobs: bool,
+                           top: int, include_usage: bool) -> AsyncIterator[dict]:
+        created = int(time.time())
+
+        def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": finish}]}
+
+        yield chunk({"role": "assistant", "content": ""})
+        async for delta in deltas:
+            lp = self.chat_logprobs(delta.logprobs, top) if want_logprobs else None
+            if delta.finish:
+                out = chunk({"content": delta.text} if delta.text else {}, delta.finish_reason, lp)
+                out["spec_decode"] = delta.spec_decode.to_json()
+                yield out
+                if include_usage:
+                    yield {"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": self.model, "choices": [], "usage": self.usage(delta),
+                           "spec_decode": delta.spec_decode.to_json()}
+            elif delta.text or lp:
+                yield chunk({"content": delta.text}, None, lp)
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            body = await self._parse(request, CompletionBody)
+            req = self.completion_request(body)
+            generation = await self.gw.open(req)
+        except GatewayError as e:
+            return _from_gateway_error(e)
+        except _TooLarge as e:
+            return e.response()
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        want_logprobs = body.logprobs is not None
+        top = body.logprobs or 0
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return _sse(self._completion_chunks(generation.deltas(), rid, want_logprobs, top,
+                                                include_usage))
+        text, logprobs = [], []
+        try:
+            async for delta in generation.deltas():
+                text.append(delta.text)
+                logprobs.extend(delta.logprobs)
+                last = delta
+        except GatewayError as e:
+            return _from_gateway_error(e)
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": int(time.time()),
+            "model": self.model,
+            "choices": [{"index": 0, "text": "".join(text),
+                         "logprobs": (self.completion_logprobs(logprobs, top, 0)
+                                      if want_logprobs else None),
+                         "finish_reason": last.finish_reason}],
+            "usage": self.usage(last), "spec_decode": last.spec_decode.to_json()})
+
+    async def _completion_chunks(self, deltas: AsyncIterator[Delta], rid: str, want_logprobs: bool,
+                                 top: int, include_usage: bool) -> AsyncIterator[dict]:
+        created = int(time.time())
+        offset = 0
+        async for delta in deltas:
+            if not (delta.text or delta.finish or (want_logprobs and delta.logprobs)):
+                continue
+            out = {"id": rid, "object": "text_completion", "created": created,
+                   "model": self.model,
+                   "choices": [{"index": 0, "text": delta.text,
+                                "logprobs": (self.completion_logprobs(delta.logprobs, top, offset)
+                                             if want_logprobs else None),
+                                "finish_reason": delta.finish_reason}]}
+            offset += len(delta.text)
+            if delta.finish:
+                out["spec_decode"] = delta.spec_decode.to_json()
+            yield out
+            if delta.finish and include_usage:
+                yield {"id": rid, "object": "text_completion", "created": created,
+                       "model": self.model, "choices": [], "usage": self.usage(delta),
+                       "spec_decode": delta.spec_decode.to_json()}
+
+    async def models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": self.created, "owned_by": "specdec",
+             "max_model_len": (r.max_model_len if (r := self.gw.replicas.reference()) else None)}]})
+
+    async def health(self) -> Response:
+        healthy = self.gw.replicas.healthy()
+        if not healthy:
+            return JSONResponse({"status": "unavailable", "verifiers": [
+                {"address": r.address, "error": r.error} for r in self.gw.replicas.replicas]},
+                status_code=503)
+        return JSONResponse({"status": "ok", "verifiers": [
+            {"address": r.address, "healthy": r.healthy} for r in self.gw.replicas.replicas]})
+
+    async def metrics(self) -> Response:
+        m = self.gw.metrics
+        for r in self.gw.replicas.replicas:
+            if r.report is not None:
+                m.verifier_running.labels(r.address).set(r.report.num_running)
+                m.verifier_waiting.labels(r.address).set(r.report.num_waiting)
+        return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class _TooLarge(Exception):
+    def __init__(self, limit: int):
+        super().__init__(limit)
+        self.limit = limit
+
+    def response(self) -> JSONResponse:
+        return _error_response(413, f"the request body is over this server's limit of "
+                               f"{self.limit} bytes", "invalid_request_error")
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+        except GatewayError as e:
+            # Headers are gone already; OpenAI streams report late errors as an event.
+            body = error_body(e.message, e.error_type, e.param, e.code)
+            yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    front = OpenAIFrontend(gateway)
+    app = FastAPI(title="specdec gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    api_key = gateway.config.api_key
+
+    def authenticated(handler):
+        # A plain wrapper rather than an HTTP middleware: Starlette's middleware wraps
+        # streaming bodies in a way that hides a client's disconnect from the handler.
+        async def check(request: Request) -> Response:
+            if api_key:
+                scheme, _, token = request.headers.get("authorization", "").partition(" ")
+                # compare_digest: the time taken must not reveal how much of the key matched.
+                if scheme.lower() != "bearer" or not hmac.compare_digest(
+                        token.strip().encode(), api_key.encode()):
+                    return _error_response(401, "missing or invalid API key (send "
+                                           "`Authorization: Bearer <key>`)",
+                                           "invalid_request_error", code="invalid_api_key")
+            return await handler(request)
+        return check
+
+    async def models(request: Request) -> Response:
+        return await front.models()
+
+    app.add_api_route("/v1/chat/completions", authenticated(front.chat), methods=["POST"])
+    app.add_api_route("/v1/completions", authenticated(front.completions), methods=["POST"])
+    app.add_api_route("/v1/models", authenticated(models), methods=["GET"])
+    app.add_api_route("/health", front.health, methods=["GET"])
+    app.add_api_route("/metrics", front.metrics, methods=["GET"])
+    app.state.frontend = front
+    return app

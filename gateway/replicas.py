@@ -1,0 +1,156 @@
+"""Verifier replicas as the gateway sees them: one channel each, their last
+Load report, and a least-loaded choice among the healthy ones.
+
+A replica's load is the larger of what it last reported (running + waiting)
+and the streams this gateway has open on it: reports lag by a poll interval,
+and a burst of requests arriving within one interval must not all pick the
+same replica (nor all pass the auto-disable threshold).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Iterable
+
+import grpc
+
+from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specdec.server import GRPC_OPTIONS
+
+log = logging.getLogger(__name__)
+
+_METHOD_NAMES = {
+    common_pb2.SPEC_METHOD_NGRAM: "ngram",
+    common_pb2.SPEC_METHOD_DRAFT_MODEL: "draft_model",
+    common_pb2.SPEC_METHOD_EAGLE: "eagle",
+    common_pb2.SPEC_METHOD_EAGLE3: "eagle3",
+}
+
+
+class NoReplicaError(RuntimeError):
+    """No verifier replica can take a request now."""
+
+
+class Replica:
+    def __init__(self, address: str, fingerprint: tuple[int, str] | None = None):
+        self.address = address
+        # grpc.aio channels belong to the event loop that creates them: made in connect().
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: verifier_pb2_grpc.VerifierStub | None = None
+        self.report: verifier_pb2.LoadReport | None = None
+        self.healthy = False
+        self.error = "not polled yet"
+        self.inflight = 0  # Generate streams this gateway has open on it
+        self._fingerprint = fingerprint
+
+    @property
+    def load(self) -> int:
+        reported = self.report.num_running + self.report.num_waiting if self.report else 0
+        return max(reported, self.inflight)
+
+    def drafter_methods(self) -> frozenset[str]:
+        """Methods some drafter of this replica serves (available or not right now)."""
+        if self.report is None:
+            return frozenset()
+        return frozenset(_METHOD_NAMES[d.method] for d in self.report.drafters
+                         if d.method in _METHOD_NAMES)
+
+    def connect(self) -> None:
+        if self.channel is None:
+            self.channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
+            self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
+
+    async def refresh(self, timeout_s: float = 2.0) -> None:
+        self.connect()
+        try:
+            report = await self.stub.Load(verifier_pb2.LoadRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            self._mark(False, f"Load failed: {e.code().name} {e.details()}")  # type: ignore[attr-defined]
+            return
+        if self._fingerprint is not None:
+            vocab, digest = self._fingerprint
+            theirs = report.tokenizer
+            # An empty hash means that side could not fingerprint (padded vocabulary).
+            if theirs.vocab_size != vocab or (theirs.hash and digest and theirs.hash != digest):
+                self._mark(False, f"tokenizer mismatch: verifier has vocab {theirs.vocab_size} "
+                                  f"hash {theirs.hash[:12]}, gateway vocab {vocab} hash {digest[:12]}")
+                return
+        self.report = report
+        self._mark(True, "")
+
+    def _mark(self, healthy: bool, error: str) -> None:
+        if healthy != self.healthy or error != self.error:
+            if healthy:
+                log.info("verifier %s is up", self.address)
+            else:
+                log.warning("verifier %s unusable: %s", self.address, error)
+        self.healthy, self.error = healthy, error
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+
+class ReplicaPool:
+    """All configured verifier replicas, polled for load in the background."""
+
+    def __init__(self, addresses: Iterable[str], fingerprint: tuple[int, str] | None = None,
+                 poll_interval_s: float = 0.5):
+        self.replicas = [Replica(a, fingerprint) for a in addresses]
+        if not self.replicas:
+            raise ValueError("at least one verifier address is needed")
+        self.poll_interval_s = poll_interval_s
+        self._task: asyncio.Task | None = None
+        self._tie = itertools.count()
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._poll())
+
+    async def refresh(self) -> None:
+        await asyncio.gather(*(r.refresh() for r in self.replicas))
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            await self.refresh()
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    async def choose(self, exclude: Iterable[Replica] = ()) -> Replica:
+        """The least loaded healthy replica not in `exclude` (round robin among equals)."""
+        excluded = set(map(id, exclude))
+        candidates = [r for r in self.healthy() if id(r) not in excluded]
+        if not candidates:
+            # The background poll may be a step behind a replica that just came back.
+            await asyncio.gather(*(r.refresh() for r in self.replicas if id(r) not in excluded))
+            candidates = [r for r in self.healthy() if id(r) not in excluded]
+        if not candidates:
+            reasons = "; ".join(f"{r.address}: {r.error}" for r in self.replicas
+                                if id(r) not in excluded) or "all tried"
+            raise NoReplicaError(f"no verifier available ({reasons})")
+        start = next(self._tie) % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        return min(rotated, key=lambda r: r.load)
+
+    def reference(self) -> verifier_pb2.LoadReport | None:
+        """A healthy replica's report, for limits shared by the deployment (max model len)."""
+        for r in self.healthy():
+            if r.report is not None:
+                return r.report
+        return None
+
+    def drafter_methods(self) -> frozenset[str]:
+        out: frozenset[str] = frozenset()
+        for r in self.healthy():
+            out |= r.drafter_methods()
+        return out
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*(r.close() for r in self.replicas))

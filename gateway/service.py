@@ -1,0 +1,66 @@
+"""The gateway process: REST (uvicorn) and gRPC servers on one event loop,
+sharing one `Gateway` (tokenizer, replicas, policies, metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import uvicorn
+
+from gateway.core import Gateway
+from gateway.grpc_api import GatewayServicer
+from gateway.openai_api import create_app
+from specdec.pb import gateway_pb2_grpc
+from specdec.server import GrpcService, start_server
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayService:
+    gateway: Gateway
+    http: uvicorn.Server
+    http_task: asyncio.Task
+    grpc: GrpcService | None
+    http_port: int
+
+    @property
+    def grpc_port(self) -> int | None:
+        return self.grpc.port if self.grpc is not None else None
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        if self.grpc is not None:
+            await self.grpc.stop(grace_s)
+        self.http.should_exit = True
+        try:
+            await asyncio.wait_for(self.http_task, timeout=grace_s + 1.0)
+        except TimeoutError:
+            self.http.force_exit = True
+            await asyncio.gather(self.http_task, return_exceptions=True)
+        await self.gateway.replicas.close()
+
+
+async def serve(gateway: Gateway, http_host: str = "127.0.0.1", http_port: int = 8000,
+                grpc_address: str | None = "127.0.0.1:50050") -> GatewayService:
+    """Start polling the replicas, then both front ends (port 0 = any free port)."""
+    await gateway.replicas.start()
+    config = uvicorn.Config(create_app(gateway), host=http_host, port=http_port,
+                            log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+    http = uvicorn.Server(config)
+    task = asyncio.create_task(http.serve())
+    while not http.started:
+        if task.done():
+            task.result()  # raises the bind error
+            raise OSError(f"HTTP server on {http_host}:{http_port} exited at start")
+        await asyncio.sleep(0.01)
+    port = http.servers[0].sockets[0].getsockname()[1]
+    grpc_service = None
+    if grpc_address is not None:
+        servicer = GatewayServicer(gateway)
+        grpc_service = await start_server(
+            grpc_address,
+            lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
+            ["specdec.v1.Gateway"], servicer)
+    return GatewayService(gateway, http, task, grpc_service, port)

@@ -1,0 +1,313 @@
+"""The OpenAI-compatible REST API, driven by the official `openai` client and
+by raw HTTP: exact text with and without speculation, streaming shapes,
+speculation reports, auto-disable, errors, auth, disconnects and metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx2
+import openai
+import pytest
+
+from tests.gateway.stack import MODEL_NAME, GatewayStack
+from tests.loop_thread import LoopThread
+from tests.tiny import tiny_llama
+
+PROMPTS = ["Write a haiku about the sea.", "List three prime numbers.",
+           "Explain what a compiler does in one sentence."]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture(scope="module")
+def stack(loop, smollm2_dir):
+    from specdec.tokenizer import Tokenizer
+
+    model = tiny_llama(Tokenizer.from_dir(smollm2_dir).vocab_size, seed=3, max_len=512)
+    s = GatewayStack(loop, model, smollm2_dir, default_method="none")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+
+
+SPEC_CASES = [
+    None,
+    {"method": "none"},
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "draft_model", "num_speculative_tokens": 4},
+    {"method": "draft_model", "num_speculative_tokens": 1},
+]
+
+
+@pytest.mark.parametrize("spec", SPEC_CASES, ids=lambda s: json.dumps(s))
+def test_chat_text_equals_plain_greedy(stack, client, spec):
+    for content in PROMPTS[:2]:
+        want, ids = stack.reference(stack.chat_ids(content), 24)
+        extra = {"speculative": spec} if spec is not None else {}
+        resp = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": content}],
+            temperature=0, max_tokens=24, extra_body=extra)
+        assert resp.choices[0].message.content == want
+        assert resp.usage.completion_tokens == len(ids)
+        assert resp.usage.prompt_tokens == len(stack.chat_ids(content))
+        assert resp.choices[0].finish_reason == ("length" if len(ids) == 24 else "stop")
+        spec_decode = resp.model_extra["spec_decode"]
+        if spec and spec.get("method") == "draft_model":
+            # The oracle drafter's tokens are all accepted.
+            k = spec["num_speculative_tokens"]
+            assert spec_decode["method"] == "draft_model"
+            assert spec_decode["num_accepted_tokens"] == spec_decode["num_draft_tokens"] > 0
+            assert spec_decode["acceptance_length"] > 1 + 0.5 * k
+            assert "disabled_reason" not in spec_decode
+        elif spec is None or spec.get("method") == "none":
+            assert spec_decode["num_drafts"] == 0
+            assert spec_decode["disabled_reason"] == "request"
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram"}, {"method": "draft_model",
+                                                        "num_speculative_tokens": 3}])
+def test_chat_stream_with_usage(stack, client, spec):
+    content = PROMPTS[2]
+    want, ids = stack.reference(stack.chat_ids(content), 30)
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": content}], temperature=0,
+        max_tokens=30, stream=True, stream_options={"include_usage": True},
+        extra_body={"speculative": spec}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["spec_decode"]["method"] == spec["method"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
+    assert chunks[-1].model_extra["spec_decode"] == finals[0].model_extra["spec_decode"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions(stack, client, stream):
+    prompt = "The quick brown fox"
+    ids = stack.tokenizer.encode(prompt)
+    want, out = stack.reference(ids, 20)
+    kw = dict(model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=20,
+              extra_body={"speculative": {"method": "draft_model", "num_speculative_tokens": 4}})
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].text for c in chunks)
+        final = chunks[-1]
+    else:
+        final = client.completions.create(**kw)
+        text = final.choices[0].text
+        assert final.usage.completion_tokens == len(out)
+    assert text == want
+    assert final.model_extra["spec_decode"]["acceptance_length"] > 2
+
+
+def test_token_id_prompt_and_logprobs(stack, client):
+    ids = stack.tokenizer.encode("Counting: one, two, three")
+    want, out = stack.reference(ids, 8)
+    resp = client.completions.create(model=MODEL_NAME, prompt=ids, temperature=0, max_tokens=8,
+                                     logprobs=3)
+    assert resp.choices[0].text == want
+    lp = resp.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(out)
+    for tops, value in zip(lp.top_logprobs, lp.token_logprobs, strict=True):
+        assert len(tops) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert value == pytest.approx(max(tops.values()))
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], temperature=0,
+        max_tokens=5, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+
+
+def test_stop_strings_and_seeded_sampling(stack, client):
+    content = PROMPTS[0]
+    want, _ = stack.reference(stack.chat_ids(content), 40)
+    stop = want[5:8]
+    assert stop and want.index(stop) >= 5
+    resp = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": content}], temperature=0,
+        max_tokens=40, stop=[stop], extra_body={"speculative": {"method": "ngram"}})
+    assert resp.choices[0].message.content == want[:want.index(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+
+    def sampled(spec, seed):
+        return client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": content}], temperature=0.9,
+            top_p=0.9, seed=seed, max_tokens=16,
+            extra_body={"speculative": spec}).choices[0].message.content
+
+    # A seeded request is reproducible, with speculation as without; the seed matters.
+    for spec in ({"method": "none"}, {"method": "draft_model"}):
+        assert sampled(spec, 1234) == sampled(spec, 1234)
+    assert len({sampled({"method": "none"}, seed) for seed in (1, 2, 3)}) > 1
+
+
+def test_models_and_health(stack, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    r = httpx2.get(stack.base_url.removesuffix("/v1") + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+BAD = [
+    (b"{not json", "JSON"),
+    (json.dumps({"model": "other", "messages": [{"role": "user", "content": "x"}]}), "model"),
+    (json.dumps({"messages": "hello"}), "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
+     "temperature"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
+     "max_tokens"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}),
+     "max_tokens"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}],
+                 "speculative": {"method": "medusa"}}), "speculative.method"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}],
+                 "speculative": {"num_speculative_tokens": 99}}), "num_speculative_tokens"),
+    (json.dumps({"messages": [{"role": "user", "content": "word " * 600}]}), "messages"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}), "n"),
+    (json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "role"),
+    (json.dumps({"messages": []}), "messages"),
+]
+
+
+def test_bad_requests_get_400_and_others_keep_running(stack, client):
+    url = stack.base_url + "/chat/completions"
+    content = PROMPTS[1]
+    want, _ = stack.reference(stack.chat_ids(content), 30)
+    result = {}
+
+    def good():
+        chunks = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": content}], temperature=0,
+            max_tokens=30, stream=True)
+        result["text"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    t = threading.Thread(target=good)
+    t.start()
+    for body, needle in BAD:
+        r = httpx2.post(url, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error"
+        assert needle in err["message"], (needle, err["message"])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=-3)
+    t.join(60)
+    assert result["text"] == want
+
+
+def test_body_size_limit(loop, smollm2_dir, stack):
+    from gateway.core import Limits
+
+    s = GatewayStack(loop, stack.model, smollm2_dir, drafters={},
+                     limits=Limits(max_body_bytes=2000, max_tokens=50, max_prompt_tokens=40))
+    try:
+        url = s.base_url + "/chat/completions"
+        r = httpx2.post(url, json={"messages": [{"role": "user", "content": "x" * 5000}]})
+        assert r.status_code == 413 and "2000 bytes" in r.json()["error"]["message"]
+        r = httpx2.post(url, json={"messages": [{"role": "user", "content": "y " * 60}]})
+        assert r.status_code == 400 and "limit of 40" in r.json()["error"]["message"]
+        r = httpx2.post(url, json={"messages": [{"role": "user", "content": "y"}],
+                                   "max_tokens": 51})
+        assert r.status_code == 400 and "limit of 50" in r.json()["error"]["message"]
+    finally:
+        s.close()
+
+
+def test_api_key(loop, smollm2_dir, stack):
+    s = GatewayStack(loop, stack.model, smollm2_dir, drafters={}, api_key="s3cret")
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        url = s.base_url + "/chat/completions"
+        assert httpx2.post(url, json=body).status_code == 401
+        r = httpx2.post(url, json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx2.get(s.base_url + "/models").status_code == 401
+        ok = openai.OpenAI(base_url=s.base_url, api_key="s3cret", max_retries=0)
+        assert ok.chat.completions.create(model=MODEL_NAME, **body).usage.completion_tokens == 2
+        # Health stays open for load balancers.
+        assert httpx2.get(s.base_url.removesuffix("/v1") + "/health").status_code == 200
+    finally:
+        s.close()
+
+
+def test_auto_disable_by_queue_size(loop, smollm2_dir, stack):
+    s = GatewayStack(loop, stack.model, smollm2_dir, disable_queue_size=2,
+                     default_method="draft_model")
+    try:
+        client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
+        streams = []
+        # Four requests held open at once: each sees the ones before it running.
+        for i in range(4):
+            stream = client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[i % 3]}],
+                temperature=0, max_tokens=40, stream=True)
+            next(iter(stream))  # the role chunk: the request is admitted
+            streams.append(stream)
+        reports = []
+        for stream in streams:
+            chunks = list(stream)
+            reports.append(next(c.model_extra["spec_decode"] for c in chunks
+                                if c.choices and c.choices[0].finish_reason))
+        assert [r.get("disabled_reason") for r in reports[:3]] == [None, None, None]
+        assert reports[3]["disabled_reason"] == "queue_size"
+        assert reports[3]["num_drafts"] == 0 and reports[0]["num_drafts"] > 0
+        metrics = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
+        assert 'specdec_spec_decode_disabled_total{reason="queue_size"} 1.0' in metrics
+    finally:
+        s.close()
+
+
+def test_disconnect_frees_the_sequence(stack):
+    url = stack.base_url + "/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 400,
+            "stream": True, "ignore_eos": True,
+            "speculative": {"method": "draft_model", "num_speculative_tokens": 2}}
+    drafter = stack.methods["draft_model"]
+    before = len(drafter.freed)
+    with httpx2.stream("POST", url, json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert stack.replicas[0].load().num_running == 1
+    deadline = time.time() + 10
+    while time.time() < deadline and (stack.replicas[0].load().num_running
+                                      or len(drafter.freed) == before):
+        time.sleep(0.05)
+    load = stack.replicas[0].load()
+    assert load.num_running == 0 and load.num_free_kv_tokens == load.num_total_kv_tokens
+    assert len(drafter.freed) == before + 1
+
+
+def test_metrics(stack, client):
+    client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "a"}],
+                                   temperature=0, max_tokens=12,
+                                   extra_body={"speculative": {"method": "draft_model"}})
+    text = httpx2.get(stack.base_url.removesuffix("/v1") + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert values['specdec_spec_decode_num_accepted_tokens_total{method="draft_model"}'] > 0
+    assert values['specdec_spec_decode_num_accepted_tokens_per_pos_total{method="draft_model",position="1"}'] > 0
+    assert values["specdec_time_to_first_token_seconds_count"] >= 1
+    assert values["specdec_e2e_request_latency_seconds_count"] >= 1
+    assert values['specdec_requests_total{finish_reason="length",method="draft_model"}'] >= 1
+    assert "specdec_verifier_requests_running" in text

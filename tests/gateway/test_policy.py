@@ -1,0 +1,597 @@
+"""Gateway policies: request parsing, admission (method, K, auto-disable), dynamic K.
+
+Expected values come from independent computations: hand arithmetic on small
+tables, enumeration of every accept/reject outcome for acceptance lengths, and a
+brute-force argmax over k for K.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+
+from gateway.policy import (
+    METHODS,
+    Decision,
+    Deployment,
+    DynamicK,
+    ItlProfile,
+    OnlineAcceptance,
+    SpeculativeRequest,
+    acceptance_length,
+    choose_k,
+    decide,
+    goodput,
+)
+
+
+def table(batch_sizes, ks, itl, acceptance=None) -> ItlProfile:
+    """A profile holding itl(batch_size, k) at every grid point."""
+    return ItlProfile(tuple(batch_sizes), tuple(ks),
+                      tuple(tuple(float(itl(b, k)) for k in ks) for b in batch_sizes),
+                      acceptance or {})
+
+
+def expected_tokens(rates, k) -> float:
+    """E[tokens per step], summed over all 2^k accept/reject outcomes of the k drafts.
+
+    Each position is judged independently with its own rate (past the list: the last
+    rate); a step keeps the drafts before the first rejection plus one target token.
+    """
+    r = [rates[min(i, len(rates) - 1)] if rates else 0.0 for i in range(k)]
+    total = 0.0
+    for outcome in itertools.product((True, False), repeat=k):
+        p = math.prod(ri if ok else 1.0 - ri for ri, ok in zip(r, outcome, strict=True))
+        kept = next((i for i, ok in enumerate(outcome) if not ok), k)
+        total += p * (kept + 1)
+    return total
+
+
+def brute_force_k(itl_at_k, rates, k_max) -> int:
+    """Smallest k in 0..k_max with the highest expected_tokens(k) / itl_at_k(k)."""
+    g = [expected_tokens(rates, k) / itl_at_k(k) for k in range(k_max + 1)]
+    return min(k for k in range(k_max + 1) if g[k] == max(g))
+
+
+# --- SpeculativeRequest.from_json ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("obj", [None, {}, {"method": None, "num_speculative_tokens": None}])
+def test_from_json_absent_gives_defaults(obj):
+    assert SpeculativeRequest.from_json(obj) == SpeculativeRequest(None, None, False)
+
+
+def test_from_json_reads_method_k_and_auto():
+    assert SpeculativeRequest.from_json({"method": "eagle3", "num_speculative_tokens": 4}) == \
+        SpeculativeRequest(method="eagle3", num_speculative_tokens=4, auto=False)
+    assert SpeculativeRequest.from_json({"num_speculative_tokens": "auto"}) == \
+        SpeculativeRequest(method=None, num_speculative_tokens=None, auto=True)
+    assert SpeculativeRequest.from_json({"method": "none", "num_speculative_tokens": 0}) == \
+        SpeculativeRequest(method="none", num_speculative_tokens=0)
+    for method in METHODS:
+        assert SpeculativeRequest.from_json({"method": method}).method == method
+
+
+def test_from_json_unknown_method_names_field_and_choices():
+    with pytest.raises(ValueError) as e:
+        SpeculativeRequest.from_json({"method": "foo"})
+    msg = str(e.value)
+    assert msg.startswith("speculative.method: unknown method 'foo' (expected one of ")
+    assert all(m in msg for m in METHODS)
+
+
+@pytest.mark.parametrize("method", [3, True, ["ngram"], ""])
+def test_from_json_bad_method_type_names_field(method):
+    with pytest.raises(ValueError, match=r"^speculative\.method: "):
+        SpeculativeRequest.from_json({"method": method})
+
+
+@pytest.mark.parametrize("k", [-1, True, False, 2.0, 2.5, "3", "AUTO", [2], {}])
+def test_from_json_bad_k_names_field(k):
+    with pytest.raises(ValueError) as e:
+        SpeculativeRequest.from_json({"num_speculative_tokens": k})
+    assert str(e.value).startswith(
+        'speculative.num_speculative_tokens: must be a non-negative integer or "auto"')
+
+
+def test_from_json_unknown_keys_are_named():
+    with pytest.raises(ValueError, match=r"^speculative: unknown field.*'metod'.*'k'"):
+        SpeculativeRequest.from_json({"metod": "ngram", "k": 2, "method": "ngram"})
+
+
+@pytest.mark.parametrize("obj", [[], "eagle", 3])
+def test_from_json_needs_an_object(obj):
+    with pytest.raises(ValueError, match=r"^speculative: must be an object"):
+        SpeculativeRequest.from_json(obj)
+
+
+def test_request_is_checked_on_construction():
+    with pytest.raises(ValueError, match="speculative.num_speculative_tokens"):
+        SpeculativeRequest(num_speculative_tokens=-2)
+    with pytest.raises(ValueError, match="speculative.method"):
+        SpeculativeRequest(method="medusa")
+
+
+# --- decide -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def dep() -> Deployment:
+    return Deployment(default_method="eagle", methods_available=frozenset({"ngram", "eagle"}),
+                      default_k=3, k_max=5, disable_queue_size=2)
+
+
+def test_decide_method_none_is_off_by_request(dep):
+    assert decide(SpeculativeRequest(method="none"), dep, 0) == Decision("none", 0, False, "request")
+    assert decide(SpeculativeRequest(method="none", auto=True), dep, 0) == \
+        Decision("none", 0, False, "request")
+
+
+def test_decide_k_zero_is_off_by_request(dep):
+    assert decide(SpeculativeRequest(method="ngram", num_speculative_tokens=0), dep, 0) == \
+        Decision("none", 0, False, "request")
+    assert decide(SpeculativeRequest(num_speculative_tokens=0), dep, 0) == \
+        Decision("none", 0, False, "request")
+
+
+def test_decide_deployment_default_none_is_off(dep):
+    plain = Deployment("none", frozenset({"ngram"}), 0, 4, None)
+    assert decide(SpeculativeRequest(), plain, 0).method == "none"
+    # ...while a request may still ask for a drafter the deployment offers.
+    assert decide(SpeculativeRequest(method="ngram", num_speculative_tokens=2), plain, 0) == \
+        Decision("ngram", 2, False, None)
+
+
+def test_decide_k_over_max_is_an_error_naming_the_field(dep):
+    assert decide(SpeculativeRequest(num_speculative_tokens=5), dep, 0).k == 5
+    with pytest.raises(ValueError, match=r"^speculative\.num_speculative_tokens: 6 .* 5"):
+        decide(SpeculativeRequest(num_speculative_tokens=6), dep, 0)
+    with pytest.raises(ValueError, match=r"^speculative\.num_speculative_tokens"):
+        decide(SpeculativeRequest(num_speculative_tokens=6, auto=True), dep, 0)
+
+
+def test_decide_unavailable_drafter_runs_plainly(dep):
+    for req in (SpeculativeRequest(method="draft_model"),
+                SpeculativeRequest(method="eagle3", num_speculative_tokens=2, auto=True)):
+        assert decide(req, dep, 0) == Decision(req.method, 0, False, "drafter_unavailable")
+    gone = Deployment("eagle", frozenset(), 3, 5, None)
+    assert decide(SpeculativeRequest(), gone, 0) == Decision("eagle", 0, False, "drafter_unavailable")
+
+
+def test_decide_auto_disable_above_queue_size(dep):
+    req = SpeculativeRequest(method="ngram", num_speculative_tokens=4)
+    for running in (0, 1, 2):
+        assert decide(req, dep, running) == Decision("ngram", 4, False, None)
+    for running in (3, 50):
+        assert decide(req, dep, running) == Decision("ngram", 4, False, "queue_size")
+    auto = SpeculativeRequest(auto=True)
+    assert decide(auto, dep, 3) == Decision("eagle", 5, True, "queue_size")
+
+
+def test_decide_without_queue_size_never_disables(dep):
+    never = Deployment("eagle", frozenset({"eagle"}), 3, 5, disable_queue_size=None)
+    assert decide(SpeculativeRequest(), never, 10_000).disabled_reason is None
+    zero = Deployment("eagle", frozenset({"eagle"}), 3, 5, disable_queue_size=0)
+    assert decide(SpeculativeRequest(), zero, 0).disabled_reason is None
+    assert decide(SpeculativeRequest(), zero, 1).disabled_reason == "queue_size"
+
+
+def test_decide_defaults_and_explicit_values(dep):
+    assert decide(SpeculativeRequest(), dep, 0) == Decision("eagle", 3, False, None)
+    assert decide(SpeculativeRequest(method="ngram"), dep, 0) == Decision("ngram", 3, False, None)
+    assert decide(SpeculativeRequest(num_speculative_tokens=1), dep, 0) == \
+        Decision("eagle", 1, False, None)
+
+
+def test_decide_auto_k_is_an_upper_bound(dep):
+    assert decide(SpeculativeRequest(auto=True), dep, 0) == Decision("eagle", 5, True, None)
+    assert decide(SpeculativeRequest(num_speculative_tokens=2, auto=True), dep, 0) == \
+        Decision("eagle", 2, True, None)
+    assert decide(SpeculativeRequest.from_json({"method": "ngram", "num_speculative_tokens": "auto"}),
+                  dep, 0) == Decision("ngram", 5, True, None)
+
+
+def test_decide_rejects_negative_load(dep):
+    with pytest.raises(ValueError, match="num_running"):
+        decide(SpeculativeRequest(), dep, -1)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"default_method": "medusa"}, "default_method"),
+    ({"methods_available": {"eagle", "medusa"}}, "methods_available"),
+    ({"default_k": -1}, "default_k"),
+    ({"k_max": True}, "k_max"),
+    ({"default_k": 6}, "default_k"),
+    ({"disable_queue_size": -1}, "disable_queue_size"),
+])
+def test_deployment_is_checked_on_construction(kwargs, name):
+    args = {"default_method": "eagle", "methods_available": {"eagle"}, "default_k": 3,
+            "k_max": 5, "disable_queue_size": None} | kwargs
+    with pytest.raises(ValueError, match=name):
+        Deployment(**args)
+
+
+def test_deployment_accepts_any_iterable_of_methods():
+    d = Deployment("ngram", ["ngram", "eagle"], 2, 4, None)
+    assert d.methods_available == frozenset({"ngram", "eagle"})
+
+
+@pytest.mark.parametrize("args, name", [
+    (("medusa", 1, False, None), "method"),
+    (("ngram", -1, False, None), "k"),
+    (("ngram", 1, False, "busy"), "disabled_reason"),
+    (("none", 2, False, "request"), "k=0"),
+])
+def test_decision_is_checked_on_construction(args, name):
+    with pytest.raises(ValueError, match=name):
+        Decision(*args)
+
+
+# --- ItlProfile.itl -----------------------------------------------------------------------
+
+# A table that is not bilinear (f = b * k^2 + 5), so a wrong cell would show.
+B, K = (1, 2, 4, 8), (0, 1, 2, 4)
+
+
+def curved(b, k):
+    return b * k * k + 5.0
+
+
+def test_itl_is_exact_at_grid_points():
+    p = table(B, K, curved)
+    for b, k in itertools.product(B, K):
+        assert p.itl(b, k) == curved(b, k)
+
+
+def test_itl_midpoints_by_hand():
+    p = table(B, K, curved)
+    # Cell b in [2, 4], k in [2, 4]: corners 13, 37 (b=2), 21, 69 (b=4).
+    assert p.itl(3, 3) == pytest.approx((13 + 37 + 21 + 69) / 4)
+    # Edge midpoints: along k at b=8 between k=1 (13) and k=2 (37); along b at k=1.
+    assert p.itl(8, 1.5) == pytest.approx((13 + 37) / 2)
+    assert p.itl(6, 1) == pytest.approx((9 + 13) / 2)
+    # A quarter point: b=1.25 (1/4 from 1 to 2), k=0.5; corners 5, 6 (b=1), 5, 7 (b=2).
+    assert p.itl(1.25, 0.5) == pytest.approx(0.75 * 5.5 + 0.25 * 6.0)
+
+
+def test_itl_reproduces_a_bilinear_function_everywhere():
+    # Bilinear interpolation on any grid reproduces f = a + c*b + d*k + e*b*k exactly.
+    def f(b, k):
+        return 3.0 + 0.7 * b + 1.3 * k + 0.11 * b * k
+
+    p = table((1, 3, 4, 16, 64), (0, 1, 2, 5, 8), f)
+    rng = random.Random(0)
+    for _ in range(200):
+        b, k = rng.uniform(1, 64), rng.uniform(0, 8)
+        assert p.itl(b, k) == pytest.approx(f(b, k), rel=1e-12)
+
+
+def test_itl_clamps_outside_the_table():
+    p = table(B, K, curved)
+    assert p.itl(0.5, 2) == curved(1, 2)
+    assert p.itl(100, 2) == curved(8, 2)
+    assert p.itl(4, 9) == curved(4, 4)
+    assert p.itl(4, -1) == curved(4, 0)
+    assert p.itl(1000, 1000) == curved(8, 4)
+    assert p.itl(0, 0) == curved(1, 0)
+    assert p.itl(100, 1.5) == pytest.approx((curved(8, 1) + curved(8, 2)) / 2)
+
+
+def test_itl_single_row_and_column():
+    p = ItlProfile((4,), (0,), ((7.5,),))
+    assert p.itl(1, 0) == p.itl(64, 3) == 7.5
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"batch_sizes": (1, 4, 2)}, "batch_sizes"),
+    ({"batch_sizes": (1, 1, 8)}, "batch_sizes"),
+    ({"batch_sizes": (0, 4, 8)}, "batch_sizes"),
+    ({"batch_sizes": (1.0, 4, 8)}, "batch_sizes"),
+    ({"ks": (1, 2)}, "ks must include 0"),
+    ({"ks": (0, 2, 1)}, "ks"),
+    ({"ks": ()}, "ks"),
+    ({"itl_ms": ((1.0, 2.0), (1.0, 2.0))}, "itl_ms must have 3 rows"),
+    ({"itl_ms": ((1.0, 2.0), (1.0, 2.0), (1.0,))}, r"itl_ms\[2\]"),
+    ({"itl_ms": ((1.0, 2.0), (1.0, 0.0), (1.0, 2.0))}, r"itl_ms\[1\]\[1\]"),
+    ({"itl_ms": ((1.0, 2.0), (1.0, 2.0), (math.inf, 2.0))}, r"itl_ms\[2\]\[0\]"),
+    ({"itl_ms": ((1.0, True), (1.0, 2.0), (1.0, 2.0))}, r"itl_ms\[0\]\[1\]"),
+    ({"acceptance": {"eagle": (0.5, 1.2)}}, "acceptance"),
+    ({"acceptance": {"eagle": ()}}, "acceptance"),
+    ({"acceptance": {"none": (0.5,)}}, "acceptance has unknown method 'none'"),
+])
+def test_profile_is_checked_on_construction(kwargs, name):
+    args = {"batch_sizes": (1, 4, 8), "ks": (0, 2), "itl_ms": ((1.0, 2.0),) * 3} | kwargs
+    with pytest.raises(ValueError, match=name):
+        ItlProfile(**args)
+
+
+# --- acceptance_length, goodput, choose_k ------------------------------------------------
+
+
+@pytest.mark.parametrize("rates", [(0.9, 0.7, 0.4), (1.0,), (0.0, 1.0), (0.3,), (0.8, 0.8, 0.8)])
+def test_acceptance_length_matches_enumeration(rates):
+    for k in range(7):
+        assert acceptance_length(rates, k) == pytest.approx(expected_tokens(rates, k), rel=1e-12)
+
+
+def test_acceptance_length_known_values():
+    assert acceptance_length((0.5,), 0) == 1.0
+    assert acceptance_length((1.0,), 4) == 5.0
+    assert acceptance_length((), 5) == 1.0
+    assert acceptance_length((0.0, 1.0), 3) == 1.0
+    # Geometric series: 1 + 0.5 + 0.25 + 0.125.
+    assert acceptance_length((0.5,), 3) == 1.875
+    with pytest.raises(ValueError, match="k"):
+        acceptance_length((0.5,), -1)
+
+
+def test_goodput_is_tokens_per_ms():
+    p = table((1, 8), (0, 2), lambda b, k: 10 + b * k)
+    assert goodput(p, 8, (0.5,), 2) == pytest.approx((1 + 0.5 + 0.25) / 26)
+    assert goodput(p, 1, (0.5,), 0) == pytest.approx(1 / 10)
+
+
+RANDOM_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def random_case(seed):
+    """ITL grid {(b, k): ms} that tends to grow with b*k, and 1..8 per-position rates."""
+    rng = random.Random(seed)
+    grid = {(b, k): rng.uniform(5, 8) * (1 + rng.uniform(0, 0.05) * b * k)
+            for b in RANDOM_BATCH_SIZES for k in range(9)}
+    rates = [rng.uniform(0.2, 1.0) for _ in range(rng.randint(1, 8))]
+    return grid, rates
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_choose_k_equals_brute_force(seed):
+    grid, rates = random_case(seed)
+    p = table(RANDOM_BATCH_SIZES, range(9), lambda b, k: grid[b, k])
+    for b in RANDOM_BATCH_SIZES:
+        for k_max in (0, 1, 4, 8):
+            assert choose_k(p, b, rates, k_max) == \
+                brute_force_k(lambda k, b=b: grid[b, k], rates, k_max)
+
+
+def test_choose_k_brute_force_cases_are_not_trivial():
+    # Guard for the test above: its cases must lead to several different K.
+    chosen = set()
+    for seed in range(20):
+        grid, rates = random_case(seed)
+        for b in RANDOM_BATCH_SIZES:
+            chosen.add(brute_force_k(lambda k, b=b, grid=grid: grid[b, k], rates, 8))
+    assert len(chosen) >= 4
+
+
+def test_choose_k_between_grid_points_equals_brute_force_on_interpolated_itl():
+    p = table((1, 8, 64), (0, 1, 2, 4, 8), lambda b, k: 8 + 0.02 * b * k * k + 0.1 * k)
+    rates = (0.85, 0.75, 0.6)
+    for b in (1.5, 3, 5.5, 20, 40, 63):
+        assert choose_k(p, b, rates, 8) == brute_force_k(lambda k, b=b: p.itl(b, k), rates, 8)
+
+
+def test_k_falls_as_the_batch_grows():
+    # ITL = T0 + u * b * (k + 1). For k2 > k1 the goodput ratio g(k2)/g(k1) =
+    # AL(k2)/AL(k1) * (T0 + u b (k1+1)) / (T0 + u b (k2+1)) falls as b grows, so once a
+    # smaller k wins it keeps winning: K must be non-increasing in b. The table is
+    # bilinear in (b, k), so interpolation between grid points is exact and the
+    # property holds at every batch size, not only on the grid.
+    batch_sizes = tuple(2 ** i for i in range(9))
+    p = table(batch_sizes, range(9), lambda b, k: 10 + 0.2 * b * (k + 1))
+    rates = (0.8,)
+    sweep = [1 + 0.5 * i for i in range(511)]
+    chosen = [choose_k(p, b, rates, 8) for b in sweep]
+    assert all(a >= b for a, b in itertools.pairwise(chosen)), chosen
+    # Nearly flat ITL at b=1 favours the longest block; at b=256 drafting costs more
+    # than it yields (k=1: 1.8 tokens / 112.4 ms < k=0: 1 / 61.2 ms).
+    assert chosen[0] == 8
+    assert chosen[-1] == 0
+    assert len(set(chosen)) >= 4
+
+
+def test_k_zero_when_nothing_is_accepted():
+    p = table((1, 16), range(6), lambda b, k: 10 + 0.01 * b * k)
+    for b in (1, 4, 16):
+        assert choose_k(p, b, (0.0,), 5) == 0
+        assert choose_k(p, b, (), 5) == 0
+
+
+def test_k_zero_when_itl_grows_faster_than_tokens():
+    # ITL = 10 (k+1)^2 while AL(k) <= k+1: every k > 0 is strictly worse than k=0.
+    p = table((1, 16), range(6), lambda b, k: 10 * (k + 1) ** 2)
+    for b in (1, 8, 16):
+        assert choose_k(p, b, (0.99,), 5) == 0
+
+
+def test_k_ties_go_to_the_smaller_k():
+    # Every draft accepted and ITL proportional to k+1: all k have goodput exactly 1/10.
+    p = table((1, 16), range(6), lambda b, k: 10 * (k + 1))
+    assert choose_k(p, 4, (1.0,), 5) == 0
+    assert [goodput(p, 4, (1.0,), k) for k in range(6)] == [0.1] * 6
+
+
+def test_choose_k_stays_within_the_profiled_ks():
+    p = table((1, 8), (0, 1, 2), lambda b, k: 10 + k)
+    # With every draft accepted K=2 beats K=0 and 1; larger K would only look free.
+    assert choose_k(p, 1, (1.0,), 8) == 2
+    assert choose_k(p, 1, (1.0,), 1) == 1
+
+
+# --- OnlineAcceptance, DynamicK ----------------------------------------------------------
+
+
+def test_online_acceptance_counts_by_hand():
+    acc = OnlineAcceptance()
+    for drafted, accepted in ((3, 0), (3, 3), (2, 1), (0, 0)):
+        acc.update(drafted, accepted)
+    assert acc.steps == 3
+    # Position 1 judged in all 3 drafting steps, accepted twice; position 2 judged
+    # after an accepted position 1 (steps 2 and 3), accepted once; position 3 judged
+    # once (step 2) and accepted; position 4 never drafted -> prior.
+    assert acc.rates((0.1, 0.2, 0.3, 0.4), warmup_steps=3, k_max=5) == \
+        pytest.approx((2 / 3, 1 / 2, 1.0, 0.4, 0.4))
+
+
+def test_online_acceptance_estimates_conditional_rates():
+    rng = random.Random(1)
+    true = (0.9, 0.6, 0.3)
+    acc = OnlineAcceptance()
+    for _ in range(20_000):
+        accepted = 0
+        while accepted < 3 and rng.random() < true[accepted]:
+            accepted += 1
+        acc.update(3, accepted)
+    # Unconditional rates would be 0.9, 0.54, 0.162; standard errors are <= 0.005.
+    assert acc.rates((), 0, 3) == pytest.approx(true, abs=0.02)
+
+
+def test_online_acceptance_rejects_bad_updates():
+    acc = OnlineAcceptance()
+    with pytest.raises(ValueError, match="num_accepted"):
+        acc.update(2, 3)
+    with pytest.raises(ValueError, match="num_drafted"):
+        acc.update(-1, 0)
+    assert acc.steps == 0
+
+
+def test_prior_until_warm_up_then_observed():
+    acc = OnlineAcceptance()
+    prior = (0.9, 0.8)
+    for step in range(4):
+        assert acc.rates(prior, warmup_steps=4, k_max=4) == (0.9, 0.8, 0.8, 0.8), step
+        acc.update(2, 1)
+    assert acc.steps == 4
+    # Positions 1, 2 observed (1.0 and 0.0); positions 3, 4 were never drafted.
+    assert acc.rates(prior, warmup_steps=4, k_max=4) == (1.0, 0.0, 0.8, 0.8)
+
+
+def k_profile(acceptance=None) -> ItlProfile:
+    # Cheap drafts at batch 1, dear ones at batch 64.
+    return table((1, 64), range(5), lambda b, k: 10 + 0.5 * k + 0.02 * b * k, acceptance)
+
+
+def test_dynamic_k_drops_to_zero_when_the_drafter_fails():
+    p = k_profile({"eagle": (0.9,)})
+    dk = DynamicK(p, "eagle", k_max=4, warmup_steps=5)
+    before = brute_force_k(lambda k: p.itl(1, k), (0.9,), 4)
+    assert before > 0
+    for _ in range(4):
+        assert dk.next_k(1) == before
+        dk.observe(dk.next_k(1), 0)
+    dk.observe(4, 0)
+    assert dk.next_k(1) == 0
+
+
+def test_dynamic_k_rises_when_the_drafter_beats_its_prior():
+    p = k_profile({"ngram": (0.3,)})
+    dk = DynamicK(p, "ngram", k_max=4, warmup_steps=3)
+    before = dk.next_k(1)
+    assert before == brute_force_k(lambda k: p.itl(1, k), (0.3,), 4)
+    assert 0 < before < 4
+    for _ in range(3):
+        k = dk.next_k(1)
+        dk.observe(k, k)
+    # Positions 1..before were always accepted; later ones never drafted keep the prior.
+    observed = (1.0,) * before + (0.3,) * (4 - before)
+    assert dk.acceptance.rates(dk.prior, 3, 4) == observed
+    after = dk.next_k(1)
+    assert after == brute_force_k(lambda k: p.itl(1, k), observed, 4)
+    assert after > before
+    assert dk.next_k(64) <= after
+
+
+def test_dynamic_k_neutral_prior_for_an_unprofiled_method():
+    p = k_profile({"eagle": (0.95,)})
+    dk = DynamicK(p, "draft_model", k_max=4)
+    assert dk.prior == (0.5,)
+    for b in (1, 16, 64):
+        assert dk.next_k(b) == brute_force_k(lambda k, b=b: p.itl(b, k), (0.5,), 4)
+    # The method's own prior is used where the profile has one.
+    assert DynamicK(p, "eagle", k_max=4).next_k(64) == \
+        brute_force_k(lambda k: p.itl(64, k), (0.95,), 4) != dk.next_k(64)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"method": "none"}, "method"),
+    ({"k_max": -1}, "k_max"),
+    ({"warmup_steps": -1}, "warmup_steps"),
+])
+def test_dynamic_k_is_checked(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        DynamicK(**({"profile": k_profile(), "method": "eagle", "k_max": 4} | kwargs))
+
+
+# --- profile JSON -------------------------------------------------------------------------
+
+
+def sample_profile() -> ItlProfile:
+    return ItlProfile((1, 8, 32), (0, 2, 4), ((9.5, 10.0, 10.5), (11, 13, 15), (20, 30, 41.25)),
+                      {"eagle": (0.8, 0.6, 0.5), "ngram": (0.4,)})
+
+
+def test_profile_json_round_trip(tmp_path):
+    p = sample_profile()
+    obj = p.to_json()
+    assert obj["version"] == 1
+    assert ItlProfile.from_json(json.loads(json.dumps(obj))) == p
+    path = tmp_path / "profile.json"
+    p.save(path)
+    q = ItlProfile.load(path)
+    assert q == p
+    assert q.itl(4.5, 3) == p.itl(4.5, 3)
+    assert q.acceptance["eagle"] == (0.8, 0.6, 0.5)
+
+
+def test_profile_without_acceptance_loads(tmp_path):
+    obj = sample_profile().to_json()
+    del obj["acceptance"]
+    assert ItlProfile.from_json(obj).acceptance == {}
+
+
+def _malformed(**changes):
+    obj = sample_profile().to_json()
+    for key, value in changes.items():
+        if value is ...:
+            del obj[key]
+        else:
+            obj[key] = value
+    return obj
+
+
+@pytest.mark.parametrize("obj, name", [
+    (_malformed(version=...), "missing key 'version'"),
+    (_malformed(ks=...), "missing key 'ks'"),
+    (_malformed(itl_ms=...), "missing key 'itl_ms'"),
+    (_malformed(version=2), "'version'"),
+    (_malformed(version=True), "'version'"),
+    (_malformed(batch_sizes="1,8,32"), "'batch_sizes'"),
+    (_malformed(itl_ms=[1, 2, 3]), "'itl_ms'"),
+    (_malformed(itl_ms=[[1, 2, 3], [1, 2, 3]]), "itl_ms must have 3 rows"),
+    (_malformed(itl_ms=[[1, 2, 3], [1, "x", 3], [1, 2, 3]]), r"itl_ms\[1\]\[1\]"),
+    (_malformed(ks=[0, 2, 2]), "ks"),
+    (_malformed(acceptance=[0.5]), "'acceptance'"),
+    (_malformed(acceptance={"eagle": 0.5}), "'acceptance'"),
+    (_malformed(acceptance={"eagel": [0.5]}), "'eagel'"),
+    (_malformed(acceptence={"eagle": [0.5]}), "unknown key.*'acceptence'"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_malformed_profile_names_the_key(tmp_path, obj, name):
+    with pytest.raises(ValueError, match=name):
+        ItlProfile.from_json(obj)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(ValueError, match=name) as e:
+        ItlProfile.load(path)
+    assert str(path) in str(e.value)
+
+
+def test_profile_that_is_not_json(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text('{"version": 1, "ks": [0, ')
+    with pytest.raises(ValueError, match="not valid JSON") as e:
+        ItlProfile.load(path)
+    assert str(path) in str(e.value)
