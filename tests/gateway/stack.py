@@ -87,7 +87,7 @@ class Replica:
 class GatewayStack:
     def __init__(self, loop: LoopThread, model: LlamaForCausalLM, tokenizer_dir: Path, *,
                  replicas: int = 1, drafters: dict[str, DraftMethod] | None = None,
-                 profile: ItlProfile | None = None, **config):
+                 profile: ItlProfile | None = None, grpc_port: int = 0, **config):
         self.loop = loop
         self.model = model
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
@@ -100,7 +100,8 @@ class GatewayStack:
         pool = ReplicaPool([r.address for r in self.replicas], poll_interval_s=0.1)
         self.gateway = Gateway(GatewayConfig(model_name=MODEL_NAME, **config), self.tokenizer,
                                pool, profile=profile)
-        self.service = loop.run(serve_gateway(self.gateway, "127.0.0.1", 0, "127.0.0.1:0"))
+        self.service = loop.run(serve_gateway(self.gateway, "127.0.0.1", 0,
+                                                  f"127.0.0.1:{grpc_port}"))
         self.base_url = f"http://127.0.0.1:{self.service.http_port}/v1"
         self.grpc_address = f"127.0.0.1:{self.service.grpc_port}"
 

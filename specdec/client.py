@@ -1,0 +1,348 @@
+"""Python SDK for the gateway's gRPC API (specdec.v1.Gateway).
+
+    from specdec.client import Client
+    with Client("127.0.0.1:50050") as client:
+        print(client.chat([{"role": "user", "content": "Hi!"}], max_tokens=32).text)
+        for chunk in client.generate("Once upon a time", max_tokens=32, stream=True,
+                                     speculative={"method": "ngram"}):
+            print(chunk.text, end="", flush=True)
+
+`AsyncClient` has the same methods as coroutines / async iterators. Errors are
+typed (`InvalidRequestError`, `AuthenticationError`, `UnavailableError`, ...).
+A call that fails with UNAVAILABLE before its first message (no replica up
+yet, gateway restarting) is retried with backoff; once output has arrived it
+is not, since a retry would repeat it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from specdec.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+from specdec.server import GRPC_OPTIONS
+
+_METHODS = {
+    None: common_pb2.SPEC_METHOD_UNSPECIFIED,
+    "none": common_pb2.SPEC_METHOD_NONE,
+    "ngram": common_pb2.SPEC_METHOD_NGRAM,
+    "draft_model": common_pb2.SPEC_METHOD_DRAFT_MODEL,
+    "eagle": common_pb2.SPEC_METHOD_EAGLE,
+    "eagle3": common_pb2.SPEC_METHOD_EAGLE3,
+}
+_METHOD_NAMES = {v: k or "unspecified" for k, v in _METHODS.items()}
+_FINISH = {
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_EOS: "stop",
+    common_pb2.FINISH_REASON_STOP_TOKEN: "stop",
+    common_pb2.FINISH_REASON_STOP_STRING: "stop",
+    common_pb2.FINISH_REASON_CANCELLED: "abort",
+    common_pb2.FINISH_REASON_ABORTED: "abort",
+}
+_REASONS = {
+    common_pb2.DISABLED_REASON_REQUEST: "request",
+    common_pb2.DISABLED_REASON_QUEUE_SIZE: "queue_size",
+    common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE: "drafter_unavailable",
+    common_pb2.DISABLED_REASON_DEADLINE: "deadline",
+    common_pb2.DISABLED_REASON_DYNAMIC_K: "dynamic_k",
+    common_pb2.DISABLED_REASON_TOKENIZER_MISMATCH: "tokenizer_mismatch",
+    common_pb2.DISABLED_REASON_DRAFTER_MAX_LEN: "drafter_max_len",
+}
+
+
+# -- errors -------------------------------------------------------------------------
+
+class SpecdecError(Exception):
+    """A failed call; `code` is the gRPC status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+class InvalidRequestError(SpecdecError):
+    pass
+
+
+class AuthenticationError(SpecdecError):
+    pass
+
+
+class NotFoundError(SpecdecError):
+    pass
+
+
+class UnavailableError(SpecdecError):
+    pass
+
+
+class DeadlineExceededError(SpecdecError):
+    pass
+
+
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+
+
+def _error(e: grpc.RpcError) -> SpecdecError:
+    code = e.code()  # type: ignore[attr-defined]
+    return _ERRORS.get(code, SpecdecError)(f"{code.name}: {e.details()}", code)  # type: ignore[attr-defined]
+
+
+# -- results ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SpecDecode:
+    method: str
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_length: float
+    disabled_reason: str | None
+
+    @classmethod
+    def from_proto(cls, p: common_pb2.SpecDecodeStats) -> SpecDecode:
+        return cls(_METHOD_NAMES.get(p.method, "unspecified"), p.num_drafts, p.num_draft_tokens,
+                   p.num_accepted_tokens, p.acceptance_length, _REASONS.get(p.disabled_reason))
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Chunk:
+    """One streamed message: text and token ids added since the previous one."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[common_pb2.TokenLogprob]
+    # Last chunk only:
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    spec_decode: SpecDecode | None = None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage | None
+    spec_decode: SpecDecode | None
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+
+
+def _chunk(msg: Any) -> Chunk:
+    text = msg.content if isinstance(msg, gateway_pb2.ChatResponse) else msg.text
+    last = msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    return Chunk(msg.request_id, text, list(msg.token_ids), list(msg.logprobs),
+                 _FINISH.get(msg.finish_reason) if last else None,
+                 Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if last else None,
+                 SpecDecode.from_proto(msg.spec_decode) if last else None)
+
+
+def _completion(chunks: Sequence[Chunk]) -> Completion:
+    last = chunks[-1]
+    return Completion(last.request_id, "".join(c.text for c in chunks),
+                      [t for c in chunks for t in c.token_ids], last.finish_reason, last.usage,
+                      last.spec_decode, [lp for c in chunks for lp in c.logprobs])
+
+
+# -- requests -----------------------------------------------------------------------
+
+def _speculation(spec: Mapping[str, Any] | None) -> common_pb2.SpeculationPolicy:
+    if spec is None:
+        return common_pb2.SpeculationPolicy()
+    unknown = set(spec) - {"method", "num_speculative_tokens"}
+    if unknown:
+        raise InvalidRequestError(f"speculative: unknown keys {sorted(unknown)}")
+    method = spec.get("method")
+    if method not in _METHODS:
+        raise InvalidRequestError(f"speculative.method: unknown method {method!r}")
+    k = spec.get("num_speculative_tokens")
+    policy = common_pb2.SpeculationPolicy(method=_METHODS[method])
+    if k == "auto":
+        policy.auto_k = True
+    elif k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise InvalidRequestError('speculative.num_speculative_tokens: a non-negative '
+                                      'integer or "auto"')
+        if k == 0:
+            policy.method = common_pb2.SPEC_METHOD_NONE
+        policy.num_speculative_tokens = k
+    return policy
+
+
+def _sampling(max_tokens: int = 0, temperature: float | None = None, top_p: float | None = None,
+              top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+              stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+              logprobs: int = 0) -> common_pb2.SamplingParams:
+    s = common_pb2.SamplingParams(max_tokens=max_tokens, top_k=top_k, min_p=min_p,
+                                  stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                                  logprobs=logprobs)
+    if temperature is not None:
+        s.temperature = temperature
+    if top_p is not None:
+        s.top_p = top_p
+    if seed is not None:
+        s.seed = seed
+    return s
+
+
+def generate_request(prompt: str | Sequence[int], *, model: str = "", stop: Sequence[str] = (),
+                     speculative: Mapping[str, Any] | None = None, stream: bool = False,
+                     request_id: str = "", **sampling: Any) -> gateway_pb2.GatewayGenerateRequest:
+    req = gateway_pb2.GatewayGenerateRequest(
+        model=model, sampling=_sampling(**sampling), stop=list(stop),
+        speculation=_speculation(speculative), stream=stream, request_id=request_id)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def chat_request(messages: Sequence[Mapping[str, str]], *, model: str = "",
+                 stop: Sequence[str] = (), speculative: Mapping[str, Any] | None = None,
+                 stream: bool = False, request_id: str = "", **sampling: Any
+                 ) -> gateway_pb2.ChatRequest:
+    return gateway_pb2.ChatRequest(
+        model=model, messages=[gateway_pb2.ChatMessage(role=m["role"], content=m["content"])
+                               for m in messages],
+        sampling=_sampling(**sampling), stop=list(stop), speculation=_speculation(speculative),
+        stream=stream, request_id=request_id)
+
+
+def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+# -- clients ------------------------------------------------------------------------
+
+class Client:
+    """Blocking client. `generate` / `chat` return a Completion, or with stream=True an
+    iterator of Chunks."""
+
+    def __init__(self, address: str = "127.0.0.1:50050", *, api_key: str | None = None,
+                 timeout_s: float | None = None, max_retries: int = 3,
+                 retry_backoff_s: float = 0.25):
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._metadata = _metadata(api_key)
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+
+    def generate(self, prompt: str | Sequence[int], *, stream: bool = False, **kw: Any):
+        req = generate_request(prompt, stream=stream, **kw)
+        return self._call(self._stub.Generate, req, stream)
+
+    def chat(self, messages: Sequence[Mapping[str, str]], *, stream: bool = False, **kw: Any):
+        req = chat_request(messages, stream=stream, **kw)
+        return self._call(self._stub.Chat, req, stream)
+
+    def _call(self, rpc, req, stream: bool):
+        chunks = self._stream(rpc, req)
+        return chunks if stream else _completion(list(chunks))
+
+    def _stream(self, rpc, req) -> Iterator[Chunk]:
+        attempt = 0
+        while True:
+            received = False
+            call = rpc(req, timeout=self.timeout_s, metadata=self._metadata)
+            try:
+                for msg in call:
+                    received = True
+                    yield _chunk(msg)
+                return
+            except grpc.RpcError as e:
+                if (e.code() != grpc.StatusCode.UNAVAILABLE or received  # type: ignore[attr-defined]
+                        or attempt >= self.max_retries):
+                    raise _error(e) from None
+            finally:
+                call.cancel()  # an abandoned iterator frees the request on the server
+            time.sleep(self.retry_backoff_s * 2 ** attempt)
+            attempt += 1
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client: `await generate(...)` / `await chat(...)` return a Completion, or
+    with stream=True an async iterator of Chunks. Create it inside the event loop."""
+
+    def __init__(self, address: str = "127.0.0.1:50050", *, api_key: str | None = None,
+                 timeout_s: float | None = None, max_retries: int = 3,
+                 retry_backoff_s: float = 0.25):
+        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._metadata = _metadata(api_key)
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+
+    async def generate(self, prompt: str | Sequence[int], *, stream: bool = False, **kw: Any):
+        req = generate_request(prompt, stream=stream, **kw)
+        return await self._call(self._stub.Generate, req, stream)
+
+    async def chat(self, messages: Sequence[Mapping[str, str]], *, stream: bool = False,
+                   **kw: Any):
+        req = chat_request(messages, stream=stream, **kw)
+        return await self._call(self._stub.Chat, req, stream)
+
+    async def _call(self, rpc, req, stream: bool):
+        chunks = self._stream(rpc, req)
+        if stream:
+            return chunks
+        return _completion([c async for c in chunks])
+
+    async def _stream(self, rpc, req) -> AsyncIterator[Chunk]:
+        attempt = 0
+        while True:
+            received = False
+            call = rpc(req, timeout=self.timeout_s, metadata=self._metadata)
+            try:
+                async for msg in call:
+                    received = True
+                    yield _chunk(msg)
+                return
+            except grpc.RpcError as e:
+                if (e.code() != grpc.StatusCode.UNAVAILABLE or received  # type: ignore[attr-defined]
+                        or attempt >= self.max_retries):
+                    raise _error(e) from None
+            finally:
+                call.cancel()  # an abandoned iterator frees the request on the server
+            await asyncio.sleep(self.retry_backoff_s * 2 ** attempt)
+            attempt += 1
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
