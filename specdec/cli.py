@@ -72,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.set_defaults(func=cmd_chat)
 
+    from gateway import profile
+
+    p = sub.add_parser("profile", help="measure a running deployment's step time over batch "
+                       "size x K, for dynamic K (writes JSON for specdec-gateway --profile)")
+    profile.add_arguments(p)
+    p.set_defaults(func=profile.run)
+
     args = parser.parse_args(argv)
     return args.func(args)
 
