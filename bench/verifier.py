@@ -10,7 +10,14 @@ that noise on a shared machine hits them alike; verify / decode is the ratio
 of their medians. The issue's CPU target: at batch 1, a K = 4 verify step
 costs at most 1.3x a decode step.
 
+On CUDA every shape is also timed replayed from CUDA graphs (the engine's
+CudaGraphRunner: padded to its buckets, captured during warm-up), next to
+eager; the GPU target is graphs >= 1.5x faster than eager at batch 1, on the
+default model and on `--model random-1b` (random weights, 1.1B parameters):
+
     .venv/bin/python -m bench.verifier [--threads N] [--iters 40] [--quick]
+    .venv/bin/python -m bench.verifier --device cuda --dtype bfloat16 \
+        [--model random-1b] --out bench/results/verifier_cuda.json
 
 Run it as a module, from the repository root: as a script, its own name
 would hide the `verifier` package.
@@ -33,17 +40,24 @@ from pathlib import Path
 
 import torch
 
-from specdec.models import LlamaForCausalLM, PagedKVCache, load_model
+from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache, load_model, parse_dtype
 from specdec.models.prepare import prepare_default_model
+from specdec.models.rope import inv_frequencies
+from verifier.engine.cuda_graphs import CudaGraphRunner
 from verifier.sampling.params import SamplingMetadata
 from verifier.sampling.rejection import apply_sampling, draw_random, rejection_sample_from_random
 from verifier.sampling.rejection_triton import HAS_TRITON, rejection_sample_from_random_triton
 
 TARGET = {"batch": 1, "k": 4, "max_ratio": 1.3}  # the issue's CPU target
+GRAPHS_TARGET = {"batch": 1, "min_speedup": 1.5}  # the GPU target: eager / graphs step time
 BLOCK_SIZE = 16
-# Step modes: a CUDA-graph mode joins here (and as columns of the table) once
-# the model runner can capture graphs.
-MODES = ("eager",)
+# Random-weight targets by name (--model), for shapes no prepared model has.
+RANDOM_MODELS = {
+    # TinyLlama-1.1B's layout with 8 KV heads: 1.1B parameters.
+    "random-1b": ModelConfig(vocab_size=32_000, hidden_size=2048, intermediate_size=5632,
+                             num_layers=22, num_heads=32, num_kv_heads=8, head_dim=64,
+                             rms_norm_eps=1e-5, max_position_embeddings=4096),
+}
 SAMPLER_CASES = {
     "t=1, one-hot q": dict(temperature=1.0, dense_q=False),
     "t=1, dense q": dict(temperature=1.0, dense_q=True),
@@ -86,12 +100,22 @@ def prefill(model: LlamaForCausalLM, cache: PagedKVCache, num_seqs: int, context
         model(ids, meta, cache, logits_indices=empty)
 
 
+def random_model(cfg: ModelConfig, dtype: str, device: torch.device) -> LlamaForCausalLM:
+    """Random weights (torch's default init, seed 0), built on the device."""
+    torch.manual_seed(0)
+    with device:
+        model = LlamaForCausalLM(cfg).to(parse_dtype(dtype))
+    model.rotary.inv_freq = inv_frequencies(cfg).to(device)  # float32, as load_model keeps it
+    model.pack_linear_weights(model.dtype == torch.float32)
+    return model.eval()
+
+
 def make_step(model: LlamaForCausalLM, cache: PagedKVCache, batch: int, num_query: int,
-              context: int, gen: torch.Generator, mode: str) -> Callable[[], object]:
+              context: int, gen: torch.Generator,
+              graphs: CudaGraphRunner | None = None) -> Callable[[], object]:
     """One step of `num_query` tokens for each of sequences 0..batch-1, logits at
-    every query row, then the cache rolled back to `context`."""
-    if mode != "eager":
-        raise NotImplementedError(f"step mode {mode!r}")
+    every query row, then the cache rolled back to `context`; through `graphs`
+    (padded to its buckets, replayed) when given, else eager."""
     dev = model.device
     ids = torch.randint(0, model.config.vocab_size, (batch * num_query,), generator=gen).to(dev)
     rows = torch.arange(batch * num_query, device=dev)
@@ -99,22 +123,29 @@ def make_step(model: LlamaForCausalLM, cache: PagedKVCache, batch: int, num_quer
 
     def step() -> torch.Tensor:
         meta = cache.plan(appends)
-        logits = model(ids, meta, cache, logits_indices=rows).logits  # [B * num_query, V]
+        if graphs is None:
+            out = model(ids, meta, cache, logits_indices=rows)
+        elif (out := graphs.run(ids, meta)) is None:
+            raise RuntimeError(f"batch {batch} x {num_query} tokens has no CUDA graph shape")
         for s in range(batch):
             cache.truncate(s, context)
-        return logits
+        return out.logits  # [B * num_query, V]
 
     return step
 
 
 def bench_forward(model: LlamaForCausalLM, cache: PagedKVCache, batches: list[int],
-                  ks: list[int], context: int, iters: int, warmup: int, mode: str) -> list[dict]:
+                  ks: list[int], context: int, iters: int, warmup: int, mode: str,
+                  graphs: CudaGraphRunner | None = None) -> list[dict]:
+    """mode "graphs" runs every step through `graphs`, "eager" through the model."""
     gen = torch.Generator().manual_seed(0)
     time_ms = timer(model.device)
+    runner = graphs if mode == "graphs" else None
     rows = []
     for batch in batches:
         shapes = [1] + [k + 1 for k in ks]  # query tokens per sequence: decode, then verify
-        steps = {n: make_step(model, cache, batch, n, context, gen, mode) for n in shapes}
+        # Warm-up also captures the graphs.
+        steps = {n: make_step(model, cache, batch, n, context, gen, runner) for n in shapes}
         for n in shapes:
             for _ in range(warmup):
                 steps[n]()
@@ -140,9 +171,22 @@ def bench_forward(model: LlamaForCausalLM, cache: PagedKVCache, batches: list[in
             }
             row["ratio"] = row["verify_median_ms"] / row["decode_median_ms"]
             rows.append(row)
-            print(f"  batch {batch:>2} K {k}: decode {row['decode_median_ms']:.1f} ms, "
+            print(f"  [{mode}] batch {batch:>2} K {k}: decode {row['decode_median_ms']:.1f} ms, "
                   f"verify {row['verify_median_ms']:.1f} ms, {row['ratio']:.2f}x", flush=True)
     return rows
+
+
+def graphs_speedup(forward: list[dict]) -> list[dict]:
+    """Eager median / graphs median step time per (batch, K), decode and verify."""
+    eager = {(r["batch"], r["k"]): r for r in forward if r["mode"] == "eager"}
+    out = []
+    for r in forward:
+        e = eager.get((r["batch"], r["k"]))
+        if r["mode"] == "graphs" and e is not None:
+            out.append({"batch": r["batch"], "k": r["k"],
+                        "decode": e["decode_median_ms"] / r["decode_median_ms"],
+                        "verify": e["verify_median_ms"] / r["verify_median_ms"]})
+    return out
 
 
 # -- rejection sampler -------------------------------------------------------
@@ -244,6 +288,19 @@ def render_table(result: dict) -> str:
                          f"{r['verify_median_ms']:.1f} ({r['verify_p90_ms']:.1f}) | "
                          f"{r['ratio']:.2f}x{mark}")
         lines.append(f"| {batch} | {k} | " + " | ".join(cells) + " |")
+    if result.get("graphs_speedup"):
+        g = result.get("graphs_target")
+        lines += [
+            "",
+            "CUDA graphs: speedup = eager median / graphs median step time"
+            + (f" (target at batch {g['batch']}: >= {g['min_speedup']}x, "
+               + ("met" if g["met"] else "NOT met") + ")" if g else ""),
+            "",
+            "| batch | K | decode speedup | verify speedup |",
+            "|---|---|---|---|",
+        ]
+        for r in result["graphs_speedup"]:
+            lines.append(f"| {r['batch']} | {r['k']} | {r['decode']:.2f}x | {r['verify']:.2f}x |")
     s = result["sampler"]
     lines += [
         "",
@@ -275,7 +332,8 @@ def device_name(device: torch.device) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="Hugging Face directory (default: the prepared default model)")
+    ap.add_argument("--model", help="Hugging Face directory (default: the prepared default model), "
+                                    f"or random weights: {', '.join(RANDOM_MODELS)}")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -289,8 +347,8 @@ def main() -> None:
     ap.add_argument("--sampler-k", type=int, default=4)
     ap.add_argument("--sampler-vocab", type=int, default=128_256)
     ap.add_argument("--sampler-iters", type=int, default=20)
-    ap.add_argument("--cuda-graphs", action="store_true",
-                    help="also time steps replayed from CUDA graphs (not built yet)")
+    ap.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                    help="on CUDA, time eager steps only (default: eager and CUDA graphs)")
     ap.add_argument("--quick", action="store_true",
                     help="tiny sizes, a smoke test; writes nothing unless --out is given")
     ap.add_argument("--out", help="JSON path (default: bench/results/verifier.json; "
@@ -300,9 +358,7 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available")
-    if args.cuda_graphs:
-        ap.error("--cuda-graphs: not available on CPU" if device.type == "cpu"
-                 else "--cuda-graphs: the model runner cannot capture CUDA graphs yet")
+    modes = ("eager", "graphs") if device.type == "cuda" and args.cuda_graphs else ("eager",)
     if args.quick:
         args.batches, args.ks, args.context = "1,2", "2,4", 32
         args.iters, args.warmup, args.sampler_iters = 4, 1, 3
@@ -311,25 +367,36 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     torch.set_num_threads(args.threads)
 
-    model_dir = Path(args.model) if args.model else prepare_default_model()
-    model = load_model(model_dir, dtype=args.dtype, device=device)
+    if args.model in RANDOM_MODELS:
+        model_name = args.model
+        model = random_model(RANDOM_MODELS[args.model], args.dtype, device)
+    else:
+        model_dir = Path(args.model) if args.model else prepare_default_model()
+        model_name = model_dir.name
+        model = load_model(model_dir, dtype=args.dtype, device=device)
+    num_parameters = sum(p.numel() for p in model.parameters())
     longest = args.context + max(ks) + 1
-    cache = model.make_kv_cache(max(batches) * -(-longest // BLOCK_SIZE), BLOCK_SIZE)
+    # One block more: the graph runner's scratch block.
+    cache = model.make_kv_cache(max(batches) * -(-longest // BLOCK_SIZE) + 1, BLOCK_SIZE)
+    graphs = None
+    if "graphs" in modes:
+        graphs = CudaGraphRunner(model, cache, max(batches), max(ks) + 1, longest)
     print(f"prefilling {max(batches)} x {args.context} tokens ...", flush=True)
     prefill(model, cache, max(batches), args.context, torch.Generator().manual_seed(0))
 
     load_start = os.getloadavg()[0]  # other work on the machine shows up as noise
     forward = []
-    for mode in MODES:
+    for mode in modes:
         forward += bench_forward(model, cache, batches, ks, args.context, args.iters,
-                                 args.warmup, mode)
-    del model, cache
+                                 args.warmup, mode, graphs)
+    del model, cache, graphs
     sampler_rows = bench_sampler(args.sampler_batch, args.sampler_k, args.sampler_vocab,
                                  args.sampler_iters, args.warmup, device)
 
     result = {
         "bench": "verifier",
-        "model": model_dir.name,
+        "model": model_name,
+        "num_parameters": num_parameters,
         "dtype": args.dtype,
         "device": device.type,
         "device_name": device_name(device),
@@ -341,7 +408,7 @@ def main() -> None:
         "iters": args.iters,
         "warmup": args.warmup,
         "load_average_1min": [round(load_start, 2), round(os.getloadavg()[0], 2)],  # start, end
-        "modes": list(MODES),
+        "modes": list(modes),
         "forward": forward,
         "sampler": {"batch": args.sampler_batch, "k": args.sampler_k, "vocab": args.sampler_vocab,
                     "iters": args.sampler_iters, "rows": sampler_rows},
@@ -351,6 +418,13 @@ def main() -> None:
     if device.type == "cpu" and hit:
         result["target"] = {**TARGET, "ratio": hit[0]["ratio"],
                             "met": hit[0]["ratio"] <= TARGET["max_ratio"]}
+    if "graphs" in modes:
+        result["graphs_speedup"] = graphs_speedup(forward)
+        at = [r for r in result["graphs_speedup"] if r["batch"] == GRAPHS_TARGET["batch"]]
+        if at:
+            worst = min(min(r["decode"], r["verify"]) for r in at)
+            result["graphs_target"] = {**GRAPHS_TARGET, "speedup_min": worst,
+                                       "met": worst >= GRAPHS_TARGET["min_speedup"]}
     table = render_table(result)
     print()
     print(table, end="")

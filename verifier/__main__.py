@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--attention", default="sdpa")
+    p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs", action="store_false",
+                   help="on a GPU, run every step eagerly instead of replaying CUDA graphs")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grace-s", type=float, default=10.0, help="shutdown grace period")
@@ -73,7 +75,8 @@ async def _serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         block_size=args.block_size, num_kv_blocks=math.ceil(kv_tokens / args.block_size),
         max_num_batched_tokens=args.max_num_batched_tokens,
-        num_speculative_tokens_max=args.num_speculative_tokens_max, seed=args.seed)
+        num_speculative_tokens_max=args.num_speculative_tokens_max, seed=args.seed,
+        cuda_graphs=args.cuda_graphs)
     target = TargetInfo(cfg.vocab_size, digest, cfg.hidden_size, cfg.num_layers)
     pool = DrafterPool([DrafterClient(name, addr, target) for name, addr in args.drafter],
                        args.num_speculative_tokens_max, args.draft_deadline_ms)

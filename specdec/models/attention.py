@@ -3,7 +3,8 @@
 A backend turns the step's AttentionMetadata into whatever per-step state it
 needs once (`prepare`), then every layer calls `forward` with that state.
 Other backends (FlashAttention/FlashInfer on GPU) join by registering a
-class under a name.
+class under a name. `prepare_static` is the variant a CUDA graph can capture:
+no host reads, shapes fixed by the metadata's tensors alone.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ class AttentionBackend(ABC):
     def prepare(self, meta: AttentionMetadata) -> object:
         """Per-step state shared by all layers."""
 
+    def prepare_static(self, meta: AttentionMetadata) -> object:
+        """Like `prepare`, for a step in which every sequence has the same query
+        length, with keys gathered over every column of meta.block_tables and
+        lengths read from positions only: shapes depend on tensor shapes alone
+        and nothing syncs with the device, so the step can be captured in a
+        CUDA graph (see verifier/engine/cuda_graphs.py)."""
+        raise NotImplementedError(f"{type(self).__name__} has no static-shape path")
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 state: object) -> torch.Tensor:
@@ -39,7 +48,9 @@ class AttentionBackend(ABC):
 @dataclass(slots=True)
 class _SdpaState:
     kv_slots: torch.Tensor  # [B, L] cache slot of each key position (L = max blocks * block_size)
-    pad_index: torch.Tensor  # [T] index of each token in the padded [B * Qmax] query layout
+    # [T] index of each token in the padded [B * Qmax] query layout; None when every
+    # sequence has Qmax tokens (the flat layout already is the padded one).
+    pad_index: torch.Tensor | None
     mask: torch.Tensor | None  # [B, 1, Qmax, L] bool, True = attend; None = attend to all
     batch: int
     max_query: int
@@ -78,11 +89,26 @@ class SdpaBackend(AttentionBackend):
             kv_slots = kv_slots[:, : meta.max_seq_len]
             mask = None
         else:
-            mask = k_pos <= q_pos
-            if self.sliding_window is not None:
-                mask = mask & (k_pos > q_pos - self.sliding_window)
-            mask = mask[:, None]
+            mask = self._mask(q_pos, k_pos)
         return _SdpaState(kv_slots, pad_index, mask, batch, max_q)
+
+    def prepare_static(self, meta: AttentionMetadata) -> _SdpaState:
+        bs, batch, q = meta.block_size, meta.batch_size, meta.query_lens[0]
+        assert meta.num_tokens == batch * q, "prepare_static wants one query length for all"
+        dev = meta.positions.device
+        # [B, nb * bs]: every column, also past the sequence's own blocks (masked).
+        kv_slots = (meta.block_tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(batch, -1)
+        k_pos = torch.arange(kv_slots.shape[1], device=dev).view(1, 1, -1)
+        # Keys past a sequence's length lie after its last query: causality masks them.
+        return _SdpaState(kv_slots, None, self._mask(meta.positions.view(batch, q, 1), k_pos),
+                          batch, q)
+
+    def _mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """q_pos [B, Qmax, 1], k_pos [1, 1, L] -> [B, 1, Qmax, L] bool, True = attend."""
+        mask = k_pos <= q_pos
+        if self.sliding_window is not None:
+            mask = mask & (k_pos > q_pos - self.sliding_window)
+        return mask[:, None]
 
     def forward(self, q, k_cache, v_cache, state: _SdpaState) -> torch.Tensor:
         b, max_q = state.batch, state.max_query

@@ -199,15 +199,20 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor | None = None,
         hidden_layers: tuple[int, ...] = (),
         hidden_indices: torch.Tensor | None = None,
+        static_shapes: bool = False,
     ) -> ForwardOutput:
         """input_ids: [T] new tokens laid out as in `meta` (already planned in
         `cache`). logits_indices: [N] token indices whose next-token logits are
         wanted (default: each sequence's last token; empty tensor for none).
-        hidden_indices: [M] token indices for hidden_layers (default: all T)."""
+        hidden_indices: [M] token indices for hidden_layers (default: all T).
+        static_shapes: attention through AttentionBackend.prepare_static (one
+        query length for all sequences; capturable in a CUDA graph)."""
         if logits_indices is None:
             logits_indices = meta.last_token_indices()
         cos, sin = self.rotary.cos_sin(meta.positions, self.dtype)
-        ctx = StepContext(meta, cache, self.attn_backend.prepare(meta), cos, sin)
+        backend = self.attn_backend
+        state = backend.prepare_static(meta) if static_shapes else backend.prepare(meta)
+        ctx = StepContext(meta, cache, state, cos, sin)
         wanted = set(hidden_layers)
         for i in wanted:
             if not 0 <= i <= self.config.num_layers:

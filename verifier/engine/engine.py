@@ -6,7 +6,8 @@ Prefill chunks and verify blocks (last token + K_i drafts, K_i per
 sequence, 0 allowed) share one forward. Logits are taken only where a token
 is sampled: every position of a verify block, and the last position of a
 prefill chunk that completes its sequence. Rejected drafts are rolled back
-by truncating the sequence in the KV cache.
+by truncating the sequence in the KV cache. On a GPU, steps with no prefill
+and one query length for all sequences replay a CUDA graph (cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.models import LlamaForCausalLM
+from verifier.engine.cuda_graphs import CudaGraphRunner
 from verifier.engine.proposer import Outcome, Proposer
 from verifier.engine.scheduler import Scheduled, Scheduler
 from verifier.engine.sequence import FinishReason, Request, Sequence, Status
@@ -34,6 +36,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per step: prefill chunks + verify blocks
     num_speculative_tokens_max: int = 8
     seed: int = 0  # the shared generator of unseeded requests
+    cuda_graphs: bool = True  # replay pure decode/verify steps from CUDA graphs (GPU only)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
@@ -82,7 +85,12 @@ class Engine:
         self.config = config
         self.proposer = proposer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.cache = model.make_kv_cache(config.num_kv_blocks, config.block_size)
+        use_graphs = config.cuda_graphs and model.device.type == "cuda"
+        # With graphs, one more block: the scratch block their padding writes to.
+        self.cache = model.make_kv_cache(config.num_kv_blocks + use_graphs, config.block_size)
+        self.graphs = CudaGraphRunner(
+            model, self.cache, config.max_num_seqs, config.num_speculative_tokens_max + 1,
+            config.max_model_len) if use_graphs else None
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len)
         self.shared_generator = torch.Generator().manual_seed(config.seed)
@@ -183,10 +191,15 @@ class Engine:
 
         ids = torch.tensor([t for f in feeds for t in f], device=self.model.device)
         dev = ids.device
-        out = self.model(ids, meta, self.cache,
-                         logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
-                         hidden_layers=hidden_layers,
-                         hidden_indices=torch.tensor(hidden_indices, dtype=torch.int64, device=dev))
+        hidden_index = torch.tensor(hidden_indices, dtype=torch.int64, device=dev)
+        out = None
+        if self.graphs is not None and not any(item.is_prefill for item in batch):
+            # No prefill: every row is sampled, which is what a graph computes.
+            out = self.graphs.run(ids, meta, hidden_layers, hidden_index)
+        if out is None:
+            out = self.model(ids, meta, self.cache,
+                             logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+                             hidden_layers=hidden_layers, hidden_indices=hidden_index)
         hidden = _Hidden(out.hidden_states, hidden_layers, hidden_rows)
         for item, feed in zip(batch, feeds, strict=True):
             if item.is_prefill:
