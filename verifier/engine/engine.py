@@ -93,7 +93,8 @@ class Engine:
             config.max_model_len) if use_graphs else None
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len)
-        self.shared_generator = torch.Generator().manual_seed(config.seed)
+        # Generators live where the logits are: torch draws on a device only from its own.
+        self.shared_generator = torch.Generator(device=model.device).manual_seed(config.seed)
         self._by_request: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.step_time_ema_ms = 0.0
@@ -121,7 +122,7 @@ class Engine:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self.validate(request)
         seq = Sequence(next(self._ids), request, list(request.prompt_token_ids),
-                       request.sampling.make_generator())
+                       request.sampling.make_generator(self.model.device))
         self._by_request[request.request_id] = seq
         self.scheduler.add(seq)
         if self.proposer is not None:
@@ -264,8 +265,9 @@ class Engine:
                             logits: torch.Tensor, draft_probs: dict[int, torch.Tensor],
                             hidden: _Hidden) -> list[StepOutput]:
         seqs = [item.seq for item, _ in sampled]
-        num_drafts = torch.tensor([len(d) for _, d in sampled], dtype=torch.int64)
-        draft_ids = torch.tensor([t for _, d in sampled for t in d], dtype=torch.int64)
+        dev = logits.device
+        num_drafts = torch.tensor([len(d) for _, d in sampled], dtype=torch.int64, device=dev)
+        draft_ids = torch.tensor([t for _, d in sampled for t in d], dtype=torch.int64, device=dev)
         q = None
         if draft_probs:
             # [sum K_i, V]: the drafter's q where it sent one, one-hot rows elsewhere.
@@ -273,10 +275,11 @@ class Engine:
             row = 0
             for seq, (_, draft) in zip(seqs, sampled, strict=True):
                 if seq.seq_id in draft_probs:
-                    q[row: row + len(draft)] = draft_probs[seq.seq_id].float()
+                    q[row: row + len(draft)] = draft_probs[seq.seq_id].to(dev, torch.float32)
                 row += len(draft)
         metadata = SamplingMetadata.from_params(
-            [s.request.sampling for s in seqs], [s.generator for s in seqs], self.shared_generator)
+            [s.request.sampling for s in seqs], [s.generator for s in seqs], self.shared_generator,
+            device=dev)
         out_ids, num_accepted = rejection_sample(logits, draft_ids, q, num_drafts, metadata)
         out_ids, num_accepted = out_ids.tolist(), num_accepted.tolist()
         outputs = []
