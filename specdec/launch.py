@@ -1,0 +1,244 @@
+"""`specdec up` (`make run`): compose.yaml's topology as local processes.
+
+compose.yaml is the one list of services. This reads it, keeps the services
+named under its `x-local` key, and for each one takes the command, fills in
+the compose variables (the environment first, then `x-local.env`, then the
+file's own defaults), turns service hostnames into 127.0.0.1 (every service
+listens on its own port, so loopback needs no other change), and uses the
+service's healthcheck address to wait for it. Services start once the ones
+they depend on are healthy, as with `condition: service_healthy`; one that
+exits is restarted, as with `restart: unless-stopped`; SIGINT/SIGTERM stops
+them all, in reverse order, each with SIGTERM and its own grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from specdec.server import check_health
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "compose.yaml"
+EAGLE3_HEAD = ROOT / "drafter" / "weights" / "smollm2-135m-eagle3"
+
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def interpolate(text: str, env: Mapping[str, str]) -> str:
+    """Compose variable syntax: $VAR, ${VAR}, ${VAR:-default} (unset or empty),
+    ${VAR-default} (unset only), and $$ for a literal $."""
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1) or m.group(4)
+        op, default = m.group(2), m.group(3)
+        value = env.get(name)
+        if op == ":-" and not value:
+            return default
+        if op == "-" and value is None:
+            return default
+        return value or ""
+
+    return _VAR.sub(sub, text)
+
+
+@dataclass(frozen=True)
+class LocalService:
+    name: str
+    argv: tuple[str, ...]
+    health: str | None  # HOST:PORT its healthcheck asks
+    depends_on: tuple[str, ...]
+
+
+def _health_address(service: dict, env: Mapping[str, str]) -> str | None:
+    test = (service.get("healthcheck") or {}).get("test") or []
+    if isinstance(test, str) or "health" not in test:
+        return None
+    i = test.index("health")
+    return interpolate(str(test[i + 1]), env) if i + 1 < len(test) else None
+
+
+def local_services(compose_path: Path = COMPOSE_FILE,
+                   environ: Mapping[str, str] | None = None) -> list[LocalService]:
+    """The `x-local` services of `compose_path`, with commands ready to run here, in an
+    order where every service comes after the ones it depends on."""
+    doc = yaml.safe_load(compose_path.read_text())
+    local = doc.get("x-local")
+    if not local or not local.get("services"):
+        raise ValueError(f"{compose_path}: no x-local.services to start locally")
+    services = doc.get("services") or {}
+    env = {k: str(v) for k, v in (local.get("env") or {}).items()}
+    env.update(os.environ if environ is None else environ)
+    names = list(local["services"])
+    unknown = [n for n in names if n not in services]
+    if unknown:
+        raise ValueError(f"{compose_path}: x-local.services names unknown services {unknown}")
+    # "name:port" of any service in the file is that port on loopback here.
+    hosts = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, services)) + r"):(\d+)")
+    out: dict[str, LocalService] = {}
+    for name in names:
+        svc = services[name]
+        command = svc.get("command")
+        if not isinstance(command, list) or not command:
+            raise ValueError(f"{compose_path}: service {name} needs a command list")
+        argv = tuple(hosts.sub(r"127.0.0.1:\2", interpolate(str(a), env)) for a in command)
+        deps = svc.get("depends_on") or []
+        deps = tuple(d for d in (deps if isinstance(deps, list) else deps.keys()) if d in names)
+        out[name] = LocalService(name, argv, _health_address(svc, env), deps)
+    ordered: list[LocalService] = []
+    seen: set[str] = set()
+
+    def visit(n: str, path: tuple[str, ...]) -> None:
+        if n in seen:
+            return
+        if n in path:
+            raise ValueError(f"{compose_path}: dependency cycle {' -> '.join((*path, n))}")
+        for d in out[n].depends_on:
+            visit(d, (*path, n))
+        seen.add(n)
+        ordered.append(out[n])
+
+    for n in names:
+        visit(n, ())
+    return ordered
+
+
+def _executable(name: str) -> str:
+    # The console scripts of this installation first (the virtual environment's bin).
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name}: not installed (run `make install`)")
+    return found
+
+
+class LocalStack:
+    def __init__(self, services: list[LocalService], log_dir: Path, log=print):
+        self.services = services
+        self.log_dir = log_dir
+        self.log = log
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._stopping = threading.Event()
+
+    def _spawn(self, svc: LocalService) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = (self.log_dir / f"{svc.name}.log").open("a")
+        argv = [_executable(svc.argv[0]), *svc.argv[1:]]
+        self.procs[svc.name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL,
+                                                start_new_session=True)
+
+    def _wait_healthy(self, svc: LocalService, deadline: float) -> None:
+        if svc.health is None:
+            return
+        while not check_health(svc.health, timeout_s=1.0):
+            proc = self.procs[svc.name]
+            if proc.poll() is not None:
+                raise RuntimeError(f"{svc.name} exited with code {proc.returncode} at start; "
+                                   f"see {self.log_dir / (svc.name + '.log')}")
+            if time.monotonic() > deadline or self._stopping.is_set():
+                raise TimeoutError(f"{svc.name} not healthy at {svc.health}; see "
+                                   f"{self.log_dir / (svc.name + '.log')}")
+            time.sleep(0.25)
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        started: set[str] = set()
+        for svc in self.services:
+            for dep in svc.depends_on:
+                if dep not in started:
+                    self._wait_healthy(next(s for s in self.services if s.name == dep), deadline)
+                    started.add(dep)
+            self.log(f"starting {svc.name}: {' '.join(svc.argv)}")
+            self._spawn(svc)
+        for svc in self.services:
+            if svc.name not in started:
+                self._wait_healthy(svc, deadline)
+        self.log("all services healthy")
+
+    def supervise(self, stop: threading.Event, poll_s: float = 0.5) -> None:
+        """Restart services that exit, until `stop` is set."""
+        while not stop.wait(poll_s):
+            for svc in self.services:
+                proc = self.procs.get(svc.name)
+                if proc is not None and proc.poll() is not None:
+                    self.log(f"{svc.name} exited with code {proc.returncode}; restarting")
+                    self._spawn(svc)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        self._stopping.set()
+        for svc in reversed(self.services):
+            proc = self.procs.get(svc.name)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.log(f"{svc.name} did not stop within {grace_s:.0f} s; killing it")
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--compose-file", default=str(COMPOSE_FILE))
+    p.add_argument("--log-dir", default=str(Path.home() / ".cache" / "specdec" / "logs"))
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
+
+
+def run(args) -> int:
+    from specdec.models.prepare import prepare_default_model
+
+    model_dir = prepare_default_model()
+    # Local stand-ins for the container paths (the user's environment still wins).
+    environ = {"SPECDEC_MODEL_ROOT": str(model_dir.parent), "SPECDEC_MODEL": model_dir.name,
+               "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ}
+    services = local_services(Path(args.compose_file), environ)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = LocalStack(services, Path(args.log_dir), log=lambda s: print(s, flush=True))
+    try:
+        stack.start(args.timeout)
+    except (RuntimeError, TimeoutError, FileNotFoundError) as e:
+        print(f"specdec up: {e}", file=sys.stderr)
+        stack.stop()
+        return 1
+    gateway = next((s for s in services if s.name == "gateway"), None)
+    port = "8000"
+    if gateway is not None and "--port" in gateway.argv:
+        port = gateway.argv[gateway.argv.index("--port") + 1]
+    print(f"""
+specdec is up: http://127.0.0.1:{port}/v1 (OpenAI-compatible), logs in {args.log_dir}
+
+  curl -s http://127.0.0.1:{port}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"messages": [{{"role": "user", "content": "Rewrite in French: good morning, friends."}}],
+         "max_tokens": 64, "speculative": {{"method": "ngram", "num_speculative_tokens": 4}}}}'
+
+Ctrl-C stops everything.""", flush=True)
+    try:
+        stack.supervise(stop)
+    finally:
+        print("stopping ...", flush=True)
+        stack.stop()
+    return 0

@@ -1,0 +1,80 @@
+"""compose.yaml is the one list of services: the local launcher reads it, and
+every command in it is valid for the CLI it calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from drafter.__main__ import build_parser as drafter_parser
+from gateway.__main__ import build_parser as gateway_parser
+from specdec.launch import COMPOSE_FILE, interpolate, local_services
+from verifier.__main__ import build_parser as verifier_parser
+
+PARSERS = {"specdec-drafter": drafter_parser, "specdec-verifier": verifier_parser,
+           "specdec-gateway": gateway_parser}
+ENV = {"SPECDEC_MODEL_ROOT": "/m", "SPECDEC_MODEL": "target", "EAGLE3_HEAD": "/h"}
+
+
+def test_interpolate():
+    env = {"A": "1", "EMPTY": ""}
+    assert interpolate("x${A}y$A", env) == "x1y1"
+    assert interpolate("${B:-d}|${EMPTY:-d}|${EMPTY-d}|${B-d}", env) == "d|d||d"
+    assert interpolate("$$A ${A:-z}", env) == "$A 1"
+    assert interpolate("${B}", env) == ""
+
+
+def test_local_services_from_compose():
+    services = local_services(environ=ENV)
+    names = [s.name for s in services]
+    assert set(names) == {"ngram", "eagle3", "verifier", "gateway"}
+    # Dependencies first.
+    assert names.index("verifier") > max(names.index("ngram"), names.index("eagle3"))
+    assert names.index("gateway") > names.index("verifier")
+    by_name = {s.name: s for s in services}
+    verifier = by_name["verifier"].argv
+    # Service hostnames became loopback; x-local.env replaced the GPU defaults.
+    assert "ngram=127.0.0.1:50061" in verifier and "eagle3=127.0.0.1:50063" in verifier
+    assert verifier[verifier.index("--device") + 1] == "cpu"
+    assert verifier[verifier.index("--model") + 1] == "/m/target"
+    assert by_name["gateway"].argv[by_name["gateway"].argv.index("--verifier") + 1] == \
+        "127.0.0.1:50051"
+    assert by_name["eagle3"].argv[by_name["eagle3"].argv.index("--model") + 1] == "/h"
+    assert {s.name: s.health for s in services} == {
+        "ngram": "127.0.0.1:50061", "eagle3": "127.0.0.1:50063",
+        "verifier": "127.0.0.1:50051", "gateway": "127.0.0.1:50050"}
+    # The environment wins over x-local.env.
+    again = local_services(environ={**ENV, "SPECDEC_METHOD": "eagle3"})
+    gw = next(s for s in again if s.name == "gateway").argv
+    assert gw[gw.index("--speculative-method") + 1] == "eagle3"
+
+
+@pytest.mark.parametrize("local", [True, False], ids=["local", "compose-defaults"])
+def test_every_command_parses_with_its_cli(local):
+    doc = yaml.safe_load(COMPOSE_FILE.read_text())
+    env = {**doc["x-local"]["env"], **ENV} if local else {}
+    checked = 0
+    for svc in doc["services"].values():
+        command = svc.get("command")
+        if not command or command[0] not in PARSERS:
+            continue
+        argv = [interpolate(str(a), env) for a in command[1:]]
+        PARSERS[command[0]]().parse_args(argv)  # exits (SystemExit) on a bad option
+        checked += 1
+    assert checked == 5
+
+
+def test_bad_compose_files_are_named(tmp_path: Path):
+    f = tmp_path / "compose.yaml"
+    f.write_text("services: {a: {command: [x]}}\n")
+    with pytest.raises(ValueError, match="no x-local.services"):
+        local_services(f, {})
+    f.write_text("services: {a: {command: [x]}}\nx-local: {services: [a, b]}\n")
+    with pytest.raises(ValueError, match=r"unknown services \['b'\]"):
+        local_services(f, {})
+    f.write_text("services: {a: {command: [x], depends_on: [b]}, b: {command: [y], depends_on: "
+                 "{a: {condition: service_healthy}}}}\nx-local: {services: [a, b]}\n")
+    with pytest.raises(ValueError, match="dependency cycle"):
+        local_services(f, {})
