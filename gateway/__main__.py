@@ -11,11 +11,12 @@ import signal
 import sys
 from pathlib import Path
 
+from specdec.models.prepare import cache_dir
 from specdec.server import host_port
 
 log = logging.getLogger("gateway")
 
-DEFAULT_PROFILE = Path.home() / ".cache" / "specdec" / "profile.json"
+DEFAULT_PROFILE = cache_dir() / "profile.json"
 
 
 def build_parser() -> argparse.ArgumentParser:

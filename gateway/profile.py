@@ -121,7 +121,9 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16])
     p.add_argument("--ks", type=_ints, default=[0, 1, 2, 3, 4, 6, 8])
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per request per cell")
-    p.add_argument("--output", default=str(Path.home() / ".cache" / "specdec" / "profile.json"))
+    from specdec.models.prepare import cache_dir
+
+    p.add_argument("--output", default=str(cache_dir() / "profile.json"))
 
 
 def run(args) -> int:

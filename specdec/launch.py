@@ -202,7 +202,9 @@ class LocalStack:
 
 def add_arguments(p) -> None:
     p.add_argument("--compose-file", default=str(COMPOSE_FILE))
-    p.add_argument("--log-dir", default=str(Path.home() / ".cache" / "specdec" / "logs"))
+    from specdec.models.prepare import cache_dir
+
+    p.add_argument("--log-dir", default=str(cache_dir() / "logs"))
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for health")
 
 
