@@ -249,10 +249,15 @@ class DrafterClient:
             rounds = {s: seq.round for s, seq in self._seqs.items()}
         out: dict[int, Proposal] = {}
         for prop in resp.proposals:
-            if prop.seq_id not in wanted or rounds.get(prop.seq_id) != prop.round:
-                continue  # stale or unasked
+            if prop.seq_id not in wanted:
+                continue
+            if rounds.get(prop.seq_id) != prop.round:
+                # Drafted for a context the sequence has already left: as good as late.
+                self.misses[prop.seq_id] = "deadline"
+                continue
             out[prop.seq_id] = Proposal(list(prop.token_ids), self._probs(prop))
-        self.misses.update({s: "deadline" for s in wanted if s not in out})
+        # A sequence the drafter answered for without a proposal had nothing to draft
+        # (no n-gram match, say): the step did not miss anything, so no reason is set.
         return out
 
     def _probs(self, prop: drafter_pb2.DraftProposal) -> torch.Tensor | None:

@@ -244,6 +244,26 @@ def test_slow_drafter_hits_the_deadline_without_changing_output(loop, model):
         stack.close()
 
 
+class SilentMethod(ContextMethod):
+    """Answers every step in time, with nothing to propose."""
+
+    def propose(self, wanted):
+        return {}
+
+
+def test_a_drafter_with_nothing_to_propose_is_not_late(loop, model):
+    stack = Stack(loop, model, {"silent": SilentMethod()}, deadline_ms=2000)
+    try:
+        p = prompts(1, seed=7)[0]
+        tokens, responses = generate(stack.stub, start_msg(p, 12, k=4, drafter="silent"))
+        assert tokens == greedy_generate(model, [p], 12)[0]
+        assert all(r.step_stats.num_drafted == 0 for r in responses)
+        assert {r.step_stats.disabled_reason for r in responses} == {
+            common_pb2.DISABLED_REASON_NONE}
+    finally:
+        stack.close()
+
+
 def test_unreachable_drafter_runs_plain(loop, model):
     stack = Stack(loop, model, {}, down=("ngram",))
     try:
