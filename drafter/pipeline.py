@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from drafter.method import Draft, DraftMethod
 
@@ -40,17 +40,45 @@ class Guess:
         return len(self.drafts) + 1
 
 
+# A verifier's next step waits for the pass drafting ahead to finish, so when bets
+# keep missing, pre-drafting only adds its cost to the critical path. Below this hit
+# rate over the last WINDOW settled bets, pre-drafting pauses, except for one probe
+# pass every PROBE_EVERY steps, which notices when the drafts become good again.
+MIN_HIT_RATE = 0.3
+WINDOW = 32
+PROBE_EVERY = 16
+
+
 @dataclass(slots=True)
 class PipelineStats:
     hits: int = 0
     misses: int = 0
-    predraft_ms: float = 0.0  # draft time spent off the critical path
-    saved_ms: float = 0.0  # pre-drafting time of the hits: taken off the critical path
+    predraft_ms: float = 0.0  # time spent drafting ahead (while the verifier verifies)
+    # Pre-drafting time of the hits: an upper bound on what left the critical path (the
+    # verifier may still have waited for a pass slower than its own step).
+    saved_ms: float = 0.0
+    skipped: int = 0  # steps where pre-drafting paused for a low hit rate
+    recent: list[bool] = field(default_factory=list)  # last WINDOW outcomes, oldest first
 
     @property
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
+
+    def record(self, hit: bool) -> None:
+        if hit:
+            self.hits += 1
+        else:
+            self.misses += 1
+        self.recent.append(hit)
+        del self.recent[:-WINDOW]
+
+    def worth_it(self) -> bool:
+        """Whether to draft ahead this step (always, until a window of outcomes says no)."""
+        if len(self.recent) < WINDOW or sum(self.recent) >= MIN_HIT_RATE * WINDOW:
+            return True
+        self.skipped += 1
+        return self.skipped % PROBE_EVERY == 0
 
 
 def predraft(method: DraftMethod, bets: dict[Hashable, tuple[int, list[int], int]],
@@ -89,9 +117,9 @@ def resolve(method: DraftMethod, key: Hashable, guess: Guess, round_: int, new_t
     and the caller applies the Advance as usual."""
     if (round_ == guess.round and num_rollback_tokens == 0
             and new_token_ids == [*guess.drafts, guess.bonus]):
-        stats.hits += 1
+        stats.record(True)
         stats.saved_ms += guess.cost_ms
         return Draft(guess.block)
-    stats.misses += 1
+    stats.record(False)
     method.advance(key, 0, 0, [], guess.num_guessed_tokens, None, 0)
     return None

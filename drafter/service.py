@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,7 @@ from specdec.server import GrpcService, start_server
 from specdec.telemetry import incoming_context
 from specdec.tensor_codec import decode_tensor, dtype_to_proto, encode_tensor
 
+log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.drafter")
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name  # specdec.v1.Drafter
 
@@ -114,7 +116,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 response.draft_time_ms = (time.perf_counter() - received) * 1e3
                 yield response
-                if self.pipelining:
+                if self.pipelining and self.pipeline_stats.worth_it():
                     bets = {(stream.number, p.seq_id): (p.round, list(p.token_ids),
                                                         stream.wanted[p.seq_id])
                             for p in response.proposals if not p.HasField("probs")}
@@ -122,6 +124,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         stream.predraft = asyncio.ensure_future(
                             asyncio.to_thread(self._predraft, stream, bets))
         finally:
+            if self.pipelining:
+                st = self.pipeline_stats
+                log.info("pipelining so far: %d hits, %d misses (hit rate %.2f), %.0f ms drafted "
+                         "ahead, %d steps paused for a low hit rate", st.hits, st.misses,
+                         st.hit_rate, st.predraft_ms, st.skipped)
             span.set_attribute("specdec.sequences", len(stream.rounds))
             span.end()
             if stream.predraft is not None:

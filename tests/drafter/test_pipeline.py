@@ -84,3 +84,20 @@ def test_draft_model_pipelines_and_releases_its_cache(loop, model):
     assert stats.hits > 0 and stats.hit_rate > 0.7
     assert method.num_sequences == 0
     assert method.cache.num_free_blocks == method.cache.num_blocks
+
+
+def test_drafting_ahead_pauses_while_bets_keep_missing():
+    from drafter.pipeline import MIN_HIT_RATE, PROBE_EVERY, WINDOW, PipelineStats
+
+    stats = PipelineStats()
+    for _ in range(WINDOW):
+        assert stats.worth_it()  # no verdict before a full window
+        stats.record(False)
+    decisions = [stats.worth_it() for _ in range(4 * PROBE_EVERY)]
+    # Only the periodic probes draft ahead.
+    assert sum(decisions) == 4 and decisions[PROBE_EVERY - 1]
+    # Enough hits in the window bring it back for good.
+    for _ in range(int(MIN_HIT_RATE * WINDOW) + 1):
+        stats.record(True)
+    assert all(stats.worth_it() for _ in range(2 * PROBE_EVERY))
+    assert stats.hits == int(MIN_HIT_RATE * WINDOW) + 1 and stats.misses == WINDOW
