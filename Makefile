@@ -59,6 +59,7 @@ bench: model
 	$(PY) bench/decode.py
 	$(PY) -m bench.verifier
 	$(PY) -m bench.drafters
+	$(PY) -m bench.gateway
 
 clean:
 	rm -rf $(VENV) build

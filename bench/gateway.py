@@ -34,7 +34,7 @@ import torch
 
 from bench.prompts import PROMPTS
 from gateway.profile import profile
-from specdec.models.prepare import prepare_default_model
+from specdec.models.prepare import cache_dir, prepare_default_model
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
 from specdec.tokenizer import Tokenizer
 
@@ -98,14 +98,14 @@ def wait_for_verifier(address: str, method: str, timeout_s: float = 300) -> None
 
 
 async def wait_for_gateway(base: str, timeout_s: float = 120) -> None:
-    client = openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            await client.models.list()
-            return
-        except openai.APIError:
-            await asyncio.sleep(0.5)
+    async with openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0) as client:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                await client.models.list()
+                return
+            except openai.APIError:
+                await asyncio.sleep(0.5)
     raise SystemExit(f"gateway at {base} not ready in {timeout_s:.0f} s")
 
 
@@ -164,7 +164,12 @@ def render(result: dict) -> str:
 
 
 async def sweep(args, base: str) -> dict:
-    client = openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0, timeout=600)
+    async with openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0,
+                                  timeout=600) as client:
+        return await _sweep(client, args)
+
+
+async def _sweep(client, args) -> dict:
     prompts = [p for p in PROMPTS if p.category != "long_context"]
     cfgs = configs(args.method, args.ks)
     cells: dict[str, dict] = {}
@@ -205,8 +210,8 @@ def main() -> None:
     model_dir = prepare_default_model()
     ports = {n: _free_port() for n in ("drafter", "verifier", "http")}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    log_dir = RESULTS / "logs"
-    log_dir.mkdir(exist_ok=True)
+    log_dir = cache_dir() / "logs" / "bench-gateway"
+    log_dir.mkdir(parents=True, exist_ok=True)
     verifier = f"127.0.0.1:{ports['verifier']}"
     max_k = max(args.ks)
     with Processes(log_dir, args.threads) as procs:
