@@ -185,3 +185,60 @@ def test_64_concurrent_streams_leave_nothing_behind(stack):
     rss_after = _rss_kb(verifier_pid)
     # Memory returns to its level before the burst (allocator slack aside).
     assert rss_after < rss_before * 1.15 + 50_000, (rss_before, rss_after, elapsed)
+
+
+def test_verifier_replica_killed_mid_request(stack, smollm2_dir, tmp_path):
+    """A second verifier process and a gateway over both: SIGKILL the replica serving a
+    request; the request resumes on the other from the tokens produced so far."""
+    import subprocess
+    import sys
+
+    from specdec.server import check_health
+
+    spare = subprocess.Popen(
+        [sys.executable, "-m", "verifier", "--model", str(smollm2_dir), "--port", "50052",
+         "--max-num-seqs", "4", "--max-model-len", "1024", "--threads", "1",
+         "--drafter", "ngram=127.0.0.1:50061"],
+        stdout=(tmp_path / "spare.log").open("w"), stderr=subprocess.STDOUT)
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--served-model-name",
+         "smollm2", "--verifier", "127.0.0.1:50051", "--verifier", "127.0.0.1:50052",
+         "--port", "8001", "--grpc-port", "50059"],
+        stdout=(tmp_path / "gateway.log").open("w"), stderr=subprocess.STDOUT)
+    try:
+        _wait(lambda: check_health("127.0.0.1:50052") and check_health("127.0.0.1:50059"), 120,
+              "spare verifier or second gateway not healthy")
+        client = openai.OpenAI(base_url="http://127.0.0.1:8001/v1", api_key="x", max_retries=0)
+        want = _chat(client, COPY_PROMPT, "none", 100, ignore_eos=True).choices[0].message.content
+        stream = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": COPY_PROMPT}], temperature=0,
+            max_tokens=100, stream=True, stream_options={"include_usage": True},
+            extra_body={"speculative": {"method": "ngram"}, "ignore_eos": True})
+        chunks = iter(stream)
+        got = [next(chunks) for _ in range(3)]
+        with grpc.insecure_channel("127.0.0.1:50052") as ch:
+            on_spare = verifier_pb2_grpc.VerifierStub(ch).Load(
+                verifier_pb2.LoadRequest(), timeout=5).num_running == 1
+        victim = spare if on_spare else stack.procs["verifier"]
+        victim.send_signal(signal.SIGKILL)
+        got += list(chunks)
+        assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == want
+        assert got[-1].usage.completion_tokens == 100
+    finally:
+        for p in (gateway, spare):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        # The stack's own verifier may have been the victim: wait for its restart.
+        _wait(_load_ok, 120, "stack verifier did not come back")
+
+
+def _load_ok() -> bool:
+    try:
+        _load()
+        return True
+    except grpc.RpcError:
+        return False
