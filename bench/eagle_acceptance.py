@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from drafter.eagle import Eagle3Method
-from drafter.method import DraftMethod, DraftSampling
 from drafter.ngram import NgramMethod
 from specdec.models import load_model
 from specdec.models.prepare import prepare_default_model
 from specdec.tokenizer import Tokenizer
 from verifier.engine import Engine, EngineConfig, Request
-from verifier.engine.proposer import Outcome, Proposal, Proposer
+from verifier.engine.proposer import Proposer
+from verifier.inprocess import InProcessProposer
 from verifier.sampling.params import SamplingParams
 
 DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "drafter/weights/smollm2-135m-eagle3"
@@ -52,33 +52,6 @@ PROMPTS = [
     "Tell me about the planets of the solar system.",
     "How does a bicycle stay upright while moving?",
 ]
-
-
-class MethodProposer(Proposer):
-    """A draft method in process, as the drafter service would drive it."""
-
-    def __init__(self, method: DraftMethod, k: int):
-        self.method = method
-        self.k = k
-        info = method.info()
-        self.layers = tuple(info.hidden_state_layers) if info.needs_hidden_states else ()
-
-    def start(self, seq_id: int, request: Request) -> None:
-        self.method.start(seq_id, list(request.prompt_token_ids), [], DraftSampling(), self.k)
-
-    def propose(self, wanted: dict[int, int], tokens: dict[int, list[int]]) -> dict[int, Proposal]:
-        drafts = self.method.propose(wanted) if wanted else {}
-        return {key: Proposal(d.token_ids) for key, d in drafts.items()}
-
-    def advance(self, seq_id: int, outcome: Outcome) -> None:
-        self.method.advance(seq_id, outcome.num_drafted, outcome.num_accepted,
-                            outcome.new_token_ids, 0, outcome.hidden_states, outcome.hidden_start)
-
-    def free(self, seq_id: int) -> None:
-        self.method.free(seq_id)
-
-    def hidden_layers(self, seq_id: int) -> tuple[int, ...]:
-        return self.layers
 
 
 def run(model, prompts: list[list[int]], tokens: int, k: int,
@@ -202,7 +175,7 @@ def main() -> None:
     drafters = {"eagle3": eagle, "ngram": NgramMethod(max_num_speculative_tokens=args.k)}
     results = {}
     for name, method in drafters.items():
-        r = run(model, prompts, args.tokens, args.k, MethodProposer(method, args.k))
+        r = run(model, prompts, args.tokens, args.k, InProcessProposer(method, args.k))
         assert r["outputs"] == greedy["outputs"], f"{name}: output differs from plain greedy"
         del r["outputs"]
         results[name] = r

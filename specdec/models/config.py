@@ -108,6 +108,26 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json of this model (plain Llama/Mistral fields; read back by
+        from_hf_dict into an equal config)."""
+        if self.qk_norm:
+            raise ValueError("model config: writing Qwen3 configs is not supported")
+        out: dict[str, Any] = {
+            "architectures": [self.architecture], "model_type": "llama",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": dict(self.rope_scaling),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias, "sliding_window": self.sliding_window,
+            "bos_token_id": self.bos_token_id}
+        if self.eos_token_ids:
+            out["eos_token_id"] = list(self.eos_token_ids)
+        return out
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"

@@ -131,3 +131,34 @@ def _target(model: LlamaForCausalLM, hf_name: str) -> tuple[str | None, tuple[in
         fused, shard = _FUSED[module]
         return f"layers.{layer}.{fused}.{kind}", _shard_bounds(model, fused, shard)
     return f"layers.{layer}.{module}.{kind}", None
+
+
+def save_model(model: LlamaForCausalLM, path: str | Path) -> Path:
+    """Write `model` as a Hugging Face directory that load_model (and transformers)
+    reads back: config.json and model.safetensors with q/k/v and gate/up unfused."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    cfg = model.config
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    w = {"model.embed_tokens.weight": model.embed_tokens.weight,
+         "model.norm.weight": model.norm.weight}
+    if not cfg.tie_word_embeddings:
+        w["lm_head.weight"] = model.lm_head.weight
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn = layer.self_attn
+        for kind in ("weight", "bias") if cfg.attention_bias else ("weight",):
+            qw, kw, vw = getattr(attn.qkv_proj, kind).split([q, kv, kv])
+            w.update({p + f"self_attn.q_proj.{kind}": qw, p + f"self_attn.k_proj.{kind}": kw,
+                      p + f"self_attn.v_proj.{kind}": vw})
+        gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+        w.update({p + "self_attn.o_proj.weight": attn.o_proj.weight,
+                  p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                  p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+                  p + "input_layernorm.weight": layer.input_layernorm.weight,
+                  p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=1))
+    return path

@@ -17,7 +17,7 @@ from drafter.__main__ import build_method, build_parser
 from drafter.eagle import Eagle3Method, EagleMethod
 from drafter.method import DraftSampling
 from specdec.generate import greedy_generate
-from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache, load_model
+from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache, load_model, save_model
 from specdec.pb import common_pb2
 from tests.loop_thread import LoopThread
 from tests.verifier.test_service import Stack, generate, prompts, run_concurrently, start_msg
@@ -38,30 +38,6 @@ def hf_config(**extra) -> dict:
                 max_position_embeddings=1024, tie_word_embeddings=False) | extra
 
 
-def save_target(model: LlamaForCausalLM, path, tie: bool = False) -> None:
-    """Write `model` as a Hugging Face directory (q/k/v and gate/up unfused)."""
-    cfg = model.config
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    w = {"model.embed_tokens.weight": model.embed_tokens.weight,
-         "model.norm.weight": model.norm.weight}
-    if not tie:
-        w["lm_head.weight"] = model.lm_head.weight
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        qw, kw, vw = layer.self_attn.qkv_proj.weight.split([q, kv, kv])
-        gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
-        w.update({p + "self_attn.q_proj.weight": qw, p + "self_attn.k_proj.weight": kw,
-                  p + "self_attn.v_proj.weight": vw,
-                  p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
-                  p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                  p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
-                  p + "input_layernorm.weight": layer.input_layernorm.weight,
-                  p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
-    save_file({k: v.detach().contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(hf_config(
-        num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size, tie_word_embeddings=tie)))
-
-
 def make_target(path, num_layers: int = TARGET_LAYERS, hidden: int = H, tie: bool = False,
                 seed: int = 1) -> LlamaForCausalLM:
     torch.manual_seed(seed)
@@ -73,7 +49,7 @@ def make_target(path, num_layers: int = TARGET_LAYERS, hidden: int = H, tie: boo
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # peaked logits: greedy ties are improbable
     path.mkdir(parents=True, exist_ok=True)
-    save_target(model, path, tie)
+    save_model(model, path)
     return model
 
 

@@ -57,3 +57,25 @@ def test_unsupported_architecture_is_refused():
         ModelConfig.from_hf_dict(dict(architectures=["GPT2LMHeadModel"], vocab_size=8,
                                       hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                                       num_attention_heads=2))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_save_model_round_trip(tmp_path, tie):
+    from specdec.models import LlamaForCausalLM, save_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                      rope_theta=5000.0, max_position_embeddings=128, tie_word_embeddings=tie,
+                      attention_bias=not tie, eos_token_ids=(3,))
+    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # zero-initialised biases must round-trip too
+    save_model(model, tmp_path / "m")
+    loaded = load_model(tmp_path / "m", dtype="float64")
+    assert ModelConfig.from_dir(tmp_path / "m") == cfg
+    ours, theirs = dict(model.state_dict()), dict(loaded.state_dict())
+    assert ours.keys() == theirs.keys()
+    for name, value in ours.items():
+        assert torch.equal(value, theirs[name]), name

@@ -22,6 +22,7 @@ import random
 import pytest
 import torch
 
+from bench.stats import chi_square_p_value
 from specdec.models import LlamaForCausalLM, PagedKVCache
 from tests.tiny import tiny_llama
 from tests.verifier.test_rejection import filtered_table
@@ -115,30 +116,6 @@ def target_law(model: LlamaForCausalLM, prompt: list[int], params: SamplingParam
                            params.top_p, params.min_p)
     p1, p2, p3 = table[0], table[1:1 + VOCAB], table[1 + VOCAB:].view(VOCAB, VOCAB, VOCAB)
     return p1[:, None, None] * p2[:, :, None] * p3
-
-
-def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """observed, expected: [G, C] counts in G groups whose totals are fixed
-    (one per prompt). Cells with expected < 5 are pooled per group (with the
-    smallest other cell if the pool is still under 5). An observation in a
-    cell of expected 0 (a token the filters remove) gives p = 0."""
-    if observed[expected == 0].sum() > 0:
-        return 0.0
-    stat, dof = torch.zeros((), dtype=torch.float64), 0
-    for obs, exp in zip(observed.double(), expected, strict=True):
-        obs, exp = obs[exp > 0], exp[exp > 0]
-        order = exp.argsort()
-        obs, exp = obs[order], exp[order]
-        n_sparse = int((exp < 5).sum())
-        while n_sparse and n_sparse < len(exp) and exp[:n_sparse].sum() < 5:
-            n_sparse += 1
-        if n_sparse:
-            obs = torch.cat([obs[:n_sparse].sum()[None], obs[n_sparse:]])
-            exp = torch.cat([exp[:n_sparse].sum()[None], exp[n_sparse:]])
-        stat += ((obs - exp) ** 2 / exp).sum()
-        dof += len(exp) - 1
-    # The chi-square survival function, without scipy.
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
 def cell_counts(prompt_index: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
