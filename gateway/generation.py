@@ -1,0 +1,288 @@
+"""One admitted request's stream: from one verifier replica or, after a failure,
+resumed on another from the tokens already produced.
+
+Verifier tokens become text deltas (incremental detokenization, stop strings);
+dynamic K sends PolicyUpdates mid-request; metrics are recorded per step and per
+request. Closing the iterator early (a client that went away) cancels the
+verifier stream, which frees the sequence in the verifier and its drafter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+from opentelemetry import propagate, trace
+
+from gateway.policy import Decision, DynamicK
+from gateway.replicas import NoReplicaError, Replica
+from gateway.types import (
+    METHOD_TO_PROTO,
+    REASON_FROM_PROTO,
+    REASON_TO_PROTO,
+    Delta,
+    GatewayError,
+    GenerationRequest,
+    InvalidRequest,
+    SpecDecodeSummary,
+    Unavailable,
+)
+from specdec.detokenizer import IncrementalDetokenizer
+from specdec.pb import common_pb2, verifier_pb2
+from specdec.stop import StopStringMatcher
+
+if TYPE_CHECKING:
+    from gateway.core import Gateway
+
+tracer = trace.get_tracer("specdec.gateway")
+
+
+@dataclass
+class _Progress:
+    """A request's state across verifier replicas."""
+
+    prompt: list[int]
+    max_tokens: int
+    generated: list[int] = field(default_factory=list)
+    # SpecDecodeStats of streams on replicas that failed, added to the current one's.
+    done_drafts: int = 0
+    done_draft_tokens: int = 0
+    done_accepted: int = 0
+
+
+class Generation:
+    """One admitted request: its deltas, streamed from one replica or, after a failure,
+    resumed on another."""
+
+    def __init__(self, gw: Gateway, req: GenerationRequest, request_id: str, decision: Decision,
+                 max_tokens: int, t0: float, replica: Replica):
+        self.gw = gw
+        self.replica = replica
+        self.req = req
+        self.request_id = request_id
+        self.decision = decision
+        self.progress = _Progress(list(req.prompt_token_ids), max_tokens)
+        self.detok = IncrementalDetokenizer(gw.tokenizer, prompt_ids=req.prompt_token_ids)
+        self.stop = StopStringMatcher(req.stop)
+        self.t0 = t0
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        # The current stream's cumulative SpecDecodeStats (streams restart counting).
+        self.spec = common_pb2.SpecDecodeStats()
+        self.dynamic = (DynamicK(gw.profile, decision.method, decision.k,
+                                 warmup_steps=gw.config.dynamic_k_warmup_steps)
+                        if decision.auto_k and gw.profile is not None and decision.k > 0 else None)
+        self.k = decision.k
+        self.enabled = decision.disabled_reason is None and decision.k > 0
+        self.summary = SpecDecodeSummary(method=decision.method,
+                                         disabled_reason=decision.disabled_reason)
+
+    def _start(self, replica: Replica) -> verifier_pb2.GenerateRequest:
+        p, d = self.progress, self.decision
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(self.req.sampling)
+        sampling.max_tokens = p.max_tokens - len(p.generated)
+        speculation = common_pb2.SpeculationPolicy(method=METHOD_TO_PROTO[d.method])
+        reason = common_pb2.DISABLED_REASON_NONE
+        if d.method != "none":
+            if self.dynamic is not None:
+                self.k = self.dynamic.next_k(replica.load + 1)
+            speculation.num_speculative_tokens = self.k
+            if d.disabled_reason is not None:
+                reason = REASON_TO_PROTO[d.disabled_reason]
+            elif self.k == 0:  # dynamic K chose plain decoding for the first step
+                reason = common_pb2.DISABLED_REASON_DYNAMIC_K
+                speculation.num_speculative_tokens = d.k
+            speculation.auto_k = self.dynamic is not None
+        if d.method != "none" and d.method not in replica.drafter_methods():
+            # Known method without a drafter on this replica: run plainly, say why.
+            speculation.method = common_pb2.SPEC_METHOD_NONE
+            self.summary.disabled_reason = "drafter_unavailable"
+        self.enabled = reason == common_pb2.DISABLED_REASON_NONE and self.k > 0
+        return verifier_pb2.GenerateRequest(start=verifier_pb2.GenerateRequest.Start(
+            request_id=self.request_id, prompt_token_ids=p.prompt + p.generated,
+            sampling=sampling, speculation=speculation, disabled_reason=reason))
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        metrics = self.gw.metrics
+        with tracer.start_as_current_span("gateway.generate") as span:
+            span.set_attribute("specdec.request_id", self.request_id)
+            span.set_attribute("specdec.method", self.decision.method)
+            span.set_attribute("specdec.num_speculative_tokens", self.decision.k)
+            metrics.running.inc()
+            try:
+                async for delta in self._stream(self.replica):
+                    yield delta
+            except GatewayError as e:
+                metrics.request_errors.labels(type(e).__name__).inc()
+                span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
+                raise
+            finally:
+                metrics.running.dec()
+
+    async def _stream(self, replica: Replica) -> AsyncIterator[Delta]:
+        failed: list[Replica] = []
+        while True:
+            resumable = False
+            try:
+                async for delta in self._stream_on(replica):
+                    yield delta
+                return
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidRequest(e.details() or "invalid request") from None
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                                grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
+                                grpc.StatusCode.ABORTED):
+                    raise GatewayError(f"verifier {replica.address}: {code.name}: "
+                                       f"{e.details()}") from None
+                error = f"verifier {replica.address} failed: {code.name}: {e.details()}"
+                resumable = True
+            except _ReplicaAborted as e:
+                error = f"verifier {replica.address} aborted the request: {e}"
+                resumable = True
+            if resumable:
+                self._rebase(self.spec)
+                self.spec = common_pb2.SpecDecodeStats()
+                failed.append(replica)
+                replica.healthy = False
+                replica.error = error
+                try:
+                    replica = await self.gw.replicas.choose(exclude=failed)
+                except NoReplicaError:
+                    raise Unavailable(f"{error}; no other verifier replica to resume on") from None
+                if self.progress.generated:
+                    self.gw.metrics.resumed.inc()
+
+    async def _stream_on(self, replica: Replica) -> AsyncIterator[Delta]:
+        metadata: dict[str, str] = {}
+        propagate.inject(metadata)
+        call = replica.stub.Generate(metadata=tuple(metadata.items()))
+        replica.inflight += 1
+        try:
+            await call.write(self._start(replica))
+            while True:
+                resp = await call.read()
+                if resp == grpc.aio.EOF:
+                    # The stream ended without a final message: the replica went away.
+                    raise _ReplicaAborted("stream ended without a finish reason")
+                if resp.finish_reason == common_pb2.FINISH_REASON_ABORTED:
+                    raise _ReplicaAborted("the verifier is shutting down")
+                delta = self._on_response(resp)
+                if self.stop.matched is not None and not delta.finish:
+                    # A stop string ended the text: stop the verifier too.
+                    await call.write(verifier_pb2.GenerateRequest(
+                        cancel=verifier_pb2.GenerateRequest.Cancel()))
+                    self._finish(delta, common_pb2.FINISH_REASON_STOP_STRING, resp)
+                if delta.finish:
+                    yield delta
+                    return
+                update = self._next_policy(resp)
+                if update is not None:
+                    await call.write(update)
+                if delta.text or delta.token_ids:
+                    yield delta
+        finally:
+            replica.inflight -= 1
+            # Frees the sequence in the verifier if the stream is still open (client gone,
+            # stop string, error); a no-op on a stream that already ended.
+            call.cancel()
+
+    def _on_response(self, resp: verifier_pb2.GenerateResponse) -> Delta:
+        now = time.perf_counter()
+        metrics = self.gw.metrics
+        ids = list(resp.token_ids)
+        if ids:
+            if self.t_last is None:
+                self.t_first = now
+                metrics.ttft.observe(now - self.t0)
+            else:
+                for _ in ids:
+                    metrics.itl.observe((now - self.t_last) / len(ids))
+            self.t_last = now
+        self.progress.generated.extend(ids)
+        self.spec = resp.spec_decode
+        step = resp.step_stats
+        if step.num_drafted:
+            method = self.summary.method
+            metrics.num_drafts.labels(method).inc()
+            metrics.num_draft_tokens.labels(method).inc(step.num_drafted)
+            metrics.num_accepted_tokens.labels(method).inc(step.num_accepted)
+            for pos in range(1, step.num_accepted + 1):
+                metrics.accepted_per_pos.labels(method, str(pos)).inc()
+        text = self.stop.feed(self.detok.add(ids)) if ids else ""
+        delta = Delta(text=text, token_ids=ids, logprobs=list(resp.logprobs))
+        if resp.finish_reason:
+            self._finish(delta, resp.finish_reason, resp)
+        return delta
+
+    def _finish(self, delta: Delta, finish: int, resp: verifier_pb2.GenerateResponse) -> None:
+        if finish != common_pb2.FINISH_REASON_STOP_STRING:
+            delta.text += self.stop.feed(self.detok.flush())
+            delta.text += self.stop.flush()
+            if self.stop.matched is not None:
+                finish = common_pb2.FINISH_REASON_STOP_STRING
+        delta.finish = finish
+        p = self.progress
+        spec = resp.spec_decode
+        s = self.summary
+        s.num_drafts = p.done_drafts + spec.num_drafts
+        s.num_draft_tokens = p.done_draft_tokens + spec.num_draft_tokens
+        s.num_accepted_tokens = p.done_accepted + spec.num_accepted_tokens
+        if spec.method == common_pb2.SPEC_METHOD_NONE and s.num_drafts == 0 \
+                and s.disabled_reason is None and self.decision.method != "none":
+            s.disabled_reason = REASON_FROM_PROTO.get(spec.disabled_reason) or "drafter_unavailable"
+        elif spec.disabled_reason and s.disabled_reason is None and not self.enabled:
+            s.disabled_reason = REASON_FROM_PROTO.get(spec.disabled_reason)
+        delta.usage = common_pb2.Usage(prompt_tokens=len(self.req.prompt_token_ids),
+                                       completion_tokens=len(p.generated))
+        delta.spec_decode = s
+        m = self.gw.metrics
+        elapsed = time.perf_counter() - self.t0
+        m.e2e.observe(elapsed)
+        n = len(p.generated)
+        if n > 1 and self.t_first is not None and self.t_last is not None:
+            m.tpot.observe((self.t_last - self.t_first) / (n - 1))
+        m.prompt_tokens.inc(len(self.req.prompt_token_ids))
+        m.generation_tokens.inc(n)
+        if s.num_drafts:
+            m.acceptance_length.labels(s.method).observe(s.acceptance_length)
+        m.requests.labels(s.method, delta.finish_reason or "abort").inc()
+
+    def _next_policy(self, resp: verifier_pb2.GenerateResponse
+                     ) -> verifier_pb2.GenerateRequest | None:
+        """Dynamic K: observe this step's acceptance, pick the next step's K."""
+        if self.dynamic is None or self.decision.disabled_reason is not None:
+            return None
+        step = resp.step_stats
+        if step.num_drafted:
+            self.dynamic.observe(step.num_drafted, step.num_accepted)
+        k = self.dynamic.next_k(max(step.batch_size, 1))
+        if k == (self.k if self.enabled else 0):
+            return None
+        self.gw.metrics.k_updates.inc()
+        update = verifier_pb2.GenerateRequest.PolicyUpdate()
+        if k == 0:
+            update.enabled = False
+            update.disabled_reason = common_pb2.DISABLED_REASON_DYNAMIC_K
+            self.enabled = False
+        else:
+            update.num_speculative_tokens = k
+            if not self.enabled:
+                update.enabled = True
+            self.k, self.enabled = k, True
+        return verifier_pb2.GenerateRequest(policy_update=update)
+
+    def _rebase(self, spec: common_pb2.SpecDecodeStats) -> None:
+        p = self.progress
+        p.done_drafts += spec.num_drafts
+        p.done_draft_tokens += spec.num_draft_tokens
+        p.done_accepted += spec.num_accepted_tokens
+
+
+class _ReplicaAborted(Exception):
+    pass

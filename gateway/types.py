@@ -1,0 +1,131 @@
+"""Types the gateway's front ends and its request path share: requests, deltas,
+speculation summaries, errors with their HTTP and gRPC mappings, enum names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.policy import SpeculativeRequest
+from specdec.pb import common_pb2
+
+METHOD_TO_PROTO = {
+    "none": common_pb2.SPEC_METHOD_NONE,
+    "ngram": common_pb2.SPEC_METHOD_NGRAM,
+    "draft_model": common_pb2.SPEC_METHOD_DRAFT_MODEL,
+    "eagle": common_pb2.SPEC_METHOD_EAGLE,
+    "eagle3": common_pb2.SPEC_METHOD_EAGLE3,
+}
+METHOD_FROM_PROTO = {v: k for k, v in METHOD_TO_PROTO.items()}
+REASON_TO_PROTO = {
+    None: common_pb2.DISABLED_REASON_NONE,
+    "request": common_pb2.DISABLED_REASON_REQUEST,
+    "queue_size": common_pb2.DISABLED_REASON_QUEUE_SIZE,
+    "drafter_unavailable": common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE,
+    "deadline": common_pb2.DISABLED_REASON_DEADLINE,
+    "dynamic_k": common_pb2.DISABLED_REASON_DYNAMIC_K,
+    "tokenizer_mismatch": common_pb2.DISABLED_REASON_TOKENIZER_MISMATCH,
+    "drafter_max_len": common_pb2.DISABLED_REASON_DRAFTER_MAX_LEN,
+}
+REASON_FROM_PROTO = {v: k for k, v in REASON_TO_PROTO.items()}
+# OpenAI reports "stop" for every natural end that is not the length limit.
+FINISH_NAMES = {
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_EOS: "stop",
+    common_pb2.FINISH_REASON_STOP_TOKEN: "stop",
+    common_pb2.FINISH_REASON_STOP_STRING: "stop",
+    common_pb2.FINISH_REASON_CANCELLED: "abort",
+}
+
+
+class GatewayError(Exception):
+    """An error for the client: HTTP status and gRPC code, OpenAI error type and param."""
+
+    http_status = 500
+    grpc_code = grpc.StatusCode.INTERNAL
+    error_type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(GatewayError):
+    http_status = 400
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    error_type = "invalid_request_error"
+
+
+class ModelNotFound(GatewayError):
+    # 400 rather than OpenAI's 404: an unknown model is a mistake in the request body.
+    http_status = 400
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class Unavailable(GatewayError):
+    http_status = 503
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    error_type = "service_unavailable"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_token_ids: tuple[int, ...]
+    sampling: common_pb2.SamplingParams
+    stop: tuple[str, ...] = ()
+    speculative: SpeculativeRequest = SpeculativeRequest()
+    request_id: str = ""
+    # Which request field the prompt came from, for error messages.
+    prompt_field: str = "prompt"
+
+
+@dataclass
+class SpecDecodeSummary:
+    method: str = "none"
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    disabled_reason: str | None = None
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def to_json(self) -> dict:
+        out = {"method": self.method, "num_drafts": self.num_drafts,
+               "num_draft_tokens": self.num_draft_tokens,
+               "num_accepted_tokens": self.num_accepted_tokens,
+               "acceptance_length": round(self.acceptance_length, 4)}
+        if self.disabled_reason is not None:
+            out["disabled_reason"] = self.disabled_reason
+        return out
+
+    def to_proto(self) -> common_pb2.SpecDecodeStats:
+        return common_pb2.SpecDecodeStats(
+            method=METHOD_TO_PROTO[self.method], num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,
+            acceptance_length=self.acceptance_length,
+            disabled_reason=REASON_TO_PROTO.get(self.disabled_reason,
+                                                common_pb2.DISABLED_REASON_NONE))
+
+
+@dataclass
+class Delta:
+    """What one verifier step added, as the client sees it."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    # Last delta only: the proto reason, its OpenAI name, usage and speculation summary.
+    finish: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    usage: common_pb2.Usage | None = None
+    spec_decode: SpecDecodeSummary | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_NAMES.get(self.finish) if self.finish else None
