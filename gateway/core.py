@@ -12,13 +12,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.policy import Decision, Deployment, ItlProfile, decide
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
 from gateway.types import (
+    METHOD_FROM_PROTO,
     METHOD_TO_PROTO,
     Delta,
     GatewayError,
@@ -144,8 +145,20 @@ class Gateway:
             default_k=min(self.config.default_k, report.max_num_speculative_tokens),
             k_max=report.max_num_speculative_tokens,
             disable_queue_size=self.config.disable_queue_size)
+        spec = req.speculative
+        if spec.drafter is not None:
+            configured = {d.name: METHOD_FROM_PROTO.get(d.method) for d in report.drafters}
+            if spec.drafter not in configured:
+                raise InvalidRequest(f"speculative.drafter: unknown drafter {spec.drafter!r} "
+                                     f"(configured: {', '.join(configured) or 'none'})",
+                                     param="speculative")
+            method = configured[spec.drafter]
+            if spec.method not in (None, method):
+                raise InvalidRequest(f"speculative.drafter: {spec.drafter!r} drafts with "
+                                     f"{method}, not {spec.method}", param="speculative")
+            spec = replace(spec, method=method)
         try:
-            return decide(req.speculative, dep, num_running=replica.load)
+            return decide(spec, dep, num_running=replica.load)
         except ValueError as e:
             raise InvalidRequest(str(e), param="speculative") from None
 

@@ -85,7 +85,8 @@ class Generation:
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(self.req.sampling)
         sampling.max_tokens = p.max_tokens - len(p.generated)
-        speculation = common_pb2.SpeculationPolicy(method=METHOD_TO_PROTO[d.method])
+        speculation = common_pb2.SpeculationPolicy(method=METHOD_TO_PROTO[d.method],
+                                                   drafter=self.req.speculative.drafter or "")
         reason = common_pb2.DISABLED_REASON_NONE
         if d.method != "none":
             if self.dynamic is not None:
@@ -100,6 +101,7 @@ class Generation:
         if d.method != "none" and d.method not in replica.drafter_methods():
             # Known method without a drafter on this replica: run plainly, say why.
             speculation.method = common_pb2.SPEC_METHOD_NONE
+            speculation.drafter = ""
             self.summary.disabled_reason = "drafter_unavailable"
         self.enabled = reason == common_pb2.DISABLED_REASON_NONE and self.k > 0
         return verifier_pb2.GenerateRequest(start=verifier_pb2.GenerateRequest.Start(

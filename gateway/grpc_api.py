@@ -23,12 +23,9 @@ _METHOD_NAMES = {
 def speculative_from_proto(p: common_pb2.SpeculationPolicy) -> SpeculativeRequest:
     if p.method not in _METHOD_NAMES:
         raise InvalidRequest(f"speculation.method: unknown value {p.method}")
-    if p.drafter:
-        raise InvalidRequest("speculation.drafter: choosing a drafter by name is not "
-                             "supported by the gateway; choose a method")
     return SpeculativeRequest(method=_METHOD_NAMES[p.method],
                               num_speculative_tokens=p.num_speculative_tokens or None,
-                              auto=p.auto_k)
+                              auto=p.auto_k, drafter=p.drafter or None)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):

@@ -58,8 +58,14 @@ class SpeculativeRequest:
     method: str | None = None
     num_speculative_tokens: int | None = None
     auto: bool = False
+    # A configured drafter by name (LoadReport.drafters), for deployments with several
+    # drafters of one method; None = the method's default drafter.
+    drafter: str | None = None
 
     def __post_init__(self) -> None:
+        if self.drafter is not None and not (isinstance(self.drafter, str) and self.drafter):
+            raise ValueError(f"speculative.drafter: must be a non-empty string, "
+                             f"got {self.drafter!r}")
         if self.method is not None:
             if not isinstance(self.method, str):
                 raise ValueError(f"speculative.method: must be a string, got {self.method!r}")
@@ -79,14 +85,16 @@ class SpeculativeRequest:
             return cls()
         if not isinstance(obj, dict):
             raise ValueError(f"speculative: must be an object or null, got {type(obj).__name__}")
-        unknown = [key for key in obj if key not in ("method", "num_speculative_tokens")]
+        unknown = [key for key in obj if key not in ("method", "num_speculative_tokens",
+                                                     "drafter")]
         if unknown:
             raise ValueError(f"speculative: unknown field(s) {', '.join(map(repr, unknown))} "
-                             "(expected method, num_speculative_tokens)")
+                             "(expected method, num_speculative_tokens, drafter)")
         k = obj.get("num_speculative_tokens")
         if isinstance(k, str) and k == "auto":
-            return cls(method=obj.get("method"), auto=True)
-        return cls(method=obj.get("method"), num_speculative_tokens=k)
+            return cls(method=obj.get("method"), auto=True, drafter=obj.get("drafter"))
+        return cls(method=obj.get("method"), num_speculative_tokens=k,
+                   drafter=obj.get("drafter"))
 
 
 @dataclass(frozen=True)

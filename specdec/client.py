@@ -169,14 +169,14 @@ def _completion(chunks: Sequence[Chunk]) -> Completion:
 def _speculation(spec: Mapping[str, Any] | None) -> common_pb2.SpeculationPolicy:
     if spec is None:
         return common_pb2.SpeculationPolicy()
-    unknown = set(spec) - {"method", "num_speculative_tokens"}
+    unknown = set(spec) - {"method", "num_speculative_tokens", "drafter"}
     if unknown:
         raise InvalidRequestError(f"speculative: unknown keys {sorted(unknown)}")
     method = spec.get("method")
     if method not in _METHODS:
         raise InvalidRequestError(f"speculative.method: unknown method {method!r}")
     k = spec.get("num_speculative_tokens")
-    policy = common_pb2.SpeculationPolicy(method=_METHODS[method])
+    policy = common_pb2.SpeculationPolicy(method=_METHODS[method], drafter=spec.get("drafter") or "")
     if k == "auto":
         policy.auto_k = True
     elif k is not None:

@@ -5,6 +5,7 @@ speculation reports, auto-disable, errors, auth, disconnects and metrics."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -154,6 +155,23 @@ def test_stop_strings_and_seeded_sampling(stack, client):
     for spec in ({"method": "none"}, {"method": "draft_model"}):
         assert sampled(spec, 1234) == sampled(spec, 1234)
     assert len({sampled({"method": "none"}, seed) for seed in (1, 2, 3)}) > 1
+
+
+def test_drafter_chosen_by_name(stack, client):
+    content = PROMPTS[0]
+    want, _ = stack.reference(stack.chat_ids(content), 16)
+    resp = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": content}], temperature=0,
+        max_tokens=16, extra_body={"speculative": {"drafter": "draft_model"}})
+    assert resp.choices[0].message.content == want
+    spec = resp.model_extra["spec_decode"]
+    assert spec["method"] == "draft_model" and spec["num_accepted_tokens"] > 0
+    for bad, needle in [({"drafter": "medusa"}, "unknown drafter 'medusa' (configured: "),
+                        ({"drafter": "ngram", "method": "draft_model"}, "drafts with ngram")]:
+        with pytest.raises(openai.BadRequestError, match=re.escape(needle)):
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                extra_body={"speculative": bad})
 
 
 def test_models_and_health(stack, client):
