@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sample-drafts", action="store_true", default=None,
                         help="sample drafts from q for requests with temperature > 0 and send "
                              "q along (default: greedy drafts)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads (0 = torch's default)")
     parser.add_argument("--grace-s", type=float, default=5.0,
                         help="on SIGTERM, seconds open streams get to finish (default %(default)s)")
     return parser
@@ -114,6 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"specdec-drafter: error: --port {args.port} is not in 0..65535", file=sys.stderr)
         return 2
+    if args.threads < 0:
+        parser.print_usage(sys.stderr)
+        print(f"specdec-drafter: error: --threads {args.threads} is negative", file=sys.stderr)
+        return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         method = build_method(args)
     except ValueError as e:

@@ -35,6 +35,7 @@ def _free_port() -> int:
     (["--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "min_n=3, max_n=2"),
     (["--method", "ngram", "--max-num-speculative-tokens", "0"], "max_num_speculative_tokens"),
     (["--method", "ngram", "--port", "70000"], "--port 70000 is not in 0..65535"),
+    (["--method", "ngram", "--threads", "-1"], "--threads -1 is negative"),
     (["--method", "ngram", "--target", "/nonexistent/model"],
      "--target /nonexistent/model: not a directory"),
 ])
