@@ -8,6 +8,7 @@ validation, because clients of the OpenAI API expect status 400 with an
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -30,6 +31,8 @@ from gateway.policy import SpeculativeRequest
 from specdec.pb import common_pb2
 
 MAX_TOP_LOGPROBS = 20
+# How often a non-streamed request checks that its client is still there.
+_DISCONNECT_POLL_S = 0.25
 
 
 class _Body(BaseModel):
@@ -270,14 +273,13 @@ class OpenAIFrontend:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return _sse(self._chat_chunks(generation.deltas(), rid, body.logprobs, top,
                                           include_usage))
-        text, logprobs = [], []
         try:
-            async for delta in generation.deltas():
-                text.append(delta.text)
-                logprobs.extend(delta.logprobs)
-                last = delta
+            whole = await _collect(request, generation.deltas())
         except GatewayError as e:
             return _from_gateway_error(e)
+        if whole is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        text, logprobs, last = whole
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": self.model,
@@ -326,14 +328,13 @@ class OpenAIFrontend:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return _sse(self._completion_chunks(generation.deltas(), rid, want_logprobs, top,
                                                 include_usage))
-        text, logprobs = [], []
         try:
-            async for delta in generation.deltas():
-                text.append(delta.text)
-                logprobs.extend(delta.logprobs)
-                last = delta
+            whole = await _collect(request, generation.deltas())
         except GatewayError as e:
             return _from_gateway_error(e)
+        if whole is None:
+            return Response(status_code=499)
+        text, logprobs, last = whole
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": int(time.time()),
             "model": self.model,
@@ -396,6 +397,36 @@ class _TooLarge(Exception):
     def response(self) -> JSONResponse:
         return _error_response(413, f"the request body is over this server's limit of "
                                f"{self.limit} bytes", "invalid_request_error")
+
+
+async def _collect(request: Request, deltas: AsyncIterator[Delta]
+                   ) -> tuple[list[str], list[common_pb2.TokenLogprob], Delta] | None:
+    """A whole non-streamed completion, or None if the client went away first. Starlette
+    does not cancel a handler whose client disconnects, so this watches for it: a request
+    nobody will read must not keep its sequence running in the verifier."""
+    text: list[str] = []
+    logprobs: list[common_pb2.TokenLogprob] = []
+    last: list[Delta] = []
+
+    async def consume() -> None:
+        async for delta in deltas:
+            text.append(delta.text)
+            logprobs.extend(delta.logprobs)
+            last[:] = [delta]
+
+    task = asyncio.create_task(consume())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                task.result()  # raises what the generation raised
+                return text, logprobs, last[0]
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()  # closes the generation, which cancels the verifier stream
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:

@@ -313,6 +313,21 @@ def test_disconnect_frees_the_sequence(stack):
     assert len(drafter.freed) == before + 1
 
 
+def test_disconnect_of_a_non_streamed_request_frees_it(stack):
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 450,
+            "ignore_eos": True}
+    t0 = time.time()
+    with pytest.raises(httpx2.TimeoutException):
+        httpx2.post(stack.base_url + "/chat/completions", json=body, timeout=0.5)
+    # Well before the 450 tokens could be done, the sequence is gone.
+    deadline = time.time() + 1.0
+    while time.time() < deadline and stack.replicas[0].load().num_running:
+        time.sleep(0.05)
+    assert time.time() - t0 < 2.0
+    load = stack.replicas[0].load()
+    assert load.num_running == 0 and load.num_free_kv_tokens == load.num_total_kv_tokens
+
+
 def test_metrics(stack, client):
     client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "a"}],
                                    temperature=0, max_tokens=12,
