@@ -47,6 +47,9 @@ def render(results: Path = RESULTS) -> str:
         parts += [f"### {heading}", "",
                   f"`{command}` wrote [bench/results/{name}](bench/results/{name}):", "",
                   path.read_text().strip(), ""]
+        plot = path.with_suffix(".png")
+        if plot.is_file():
+            parts += [f"![{heading}](bench/results/{plot.name})", ""]
     matrix = results / MATRIX
     if matrix.is_file():
         summary = _summary_line(matrix.read_text()) or "see the file"
