@@ -11,6 +11,7 @@ heading. `make bench` runs this last; a test checks that the README matches.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ SECTIONS = [
     ("peers.md", "Against peers", "make bench-peers"),
 ]
 MATRIX = "matrix.md"
+_RELATIVE_LINK = re.compile(r"\]\((?![a-z]+:|/|#)([^)]+)\)")
 
 
 def _summary_line(text: str) -> str | None:
@@ -44,12 +46,11 @@ def render(results: Path = RESULTS) -> str:
         path = results / name
         if not path.is_file():
             continue
+        # Links in the results files are relative to bench/results/; the README is not.
+        text = _RELATIVE_LINK.sub(r"](bench/results/\1)", path.read_text().strip())
         parts += [f"### {heading}", "",
                   f"`{command}` wrote [bench/results/{name}](bench/results/{name}):", "",
-                  path.read_text().strip(), ""]
-        plot = path.with_suffix(".png")
-        if plot.is_file():
-            parts += [f"![{heading}](bench/results/{plot.name})", ""]
+                  text, ""]
     matrix = results / MATRIX
     if matrix.is_file():
         summary = _summary_line(matrix.read_text()) or "see the file"
