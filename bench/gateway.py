@@ -233,7 +233,8 @@ def main() -> None:
         prof = asyncio.run(profile(verifier, chat, sorted({1, *args.concurrency}),
                                    [0, *range(1, max_k + 1)], 24, args.method,
                                    log=lambda s: print("  " + s, file=sys.stderr, flush=True)))
-        profile_path = RESULTS / "gateway_profile.json"
+        out = Path(args.out)
+        profile_path = out.with_name(out.stem + "_profile.json")
         prof.save(profile_path)
         procs.spawn("gateway", [
             "-m", "gateway", "--model", str(model_dir), "--served-model-name", "smollm2",

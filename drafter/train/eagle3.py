@@ -9,8 +9,9 @@ Recipe:
   * draft vocabulary: the N most frequent tokens of the data, with EAGLE-3's
     d2t offsets (target id = draft id + d2t[draft id]); the head's lm_head has
     N rows instead of the target's 49k, initialised from the target's rows;
-  * teacher forcing: the target runs once per sequence and its three feature
-    layers are cached (float16, under the cache directory) for every epoch;
+  * teacher forcing: the target's three feature layers, recorded by
+    drafter/train/data.py while generating (DATA.features/) or computed here
+    once per sequence and cached (float16, under the cache directory);
   * training-time test: S steps unrolled as drafting runs them
     (drafter/eagle.py). Step 1 is row i = (t_{i+1}, f_i) over the target's
     features; step j > 1 of chain i is the row at position i + j - 1 with
@@ -68,12 +69,17 @@ def load_examples(path: Path, max_len: int) -> list[Example]:
 
 # -- draft vocabulary ---------------------------------------------------------------------
 
-def draft_vocabulary(examples: list[Example], size: int, vocab_size: int) -> torch.Tensor:
-    """[size] target ids of the `size` most frequent tokens (replies and prompts), sorted;
-    filled with the lowest unused ids when the data has fewer distinct tokens."""
-    counts = Counter()
+def draft_vocabulary(examples: list[Example], size: int, vocab_size: int,
+                     prompt_weight: float = 1.0) -> torch.Tensor:
+    """[size] target ids of the `size` most frequent tokens, sorted, prompt tokens counted
+    with `prompt_weight` against reply tokens; filled with the lowest unused ids when the
+    data has fewer distinct tokens."""
+    counts: Counter = Counter()
     for ex in examples:
-        counts.update(ex.tokens.tolist())
+        counts.update(ex.tokens[ex.prompt_len:].tolist())
+        if prompt_weight:
+            for t, c in Counter(ex.tokens[:ex.prompt_len].tolist()).items():
+                counts[t] += prompt_weight * c
     ids = [t for t, _ in counts.most_common(size)]
     if len(ids) < size:
         have = set(ids)
@@ -103,18 +109,38 @@ def target_features(model: LlamaForCausalLM, tokens: torch.Tensor,
     return out.hidden_states.transpose(0, 1).to(torch.float16).contiguous()
 
 
+def default_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's three target layers (HF numbering): low, middle, high."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def feature_key(tokens: list[int], layers: tuple[int, ...]) -> str:
+    return hashlib.sha1(f"{tuple(layers)}{list(tokens)}".encode()).hexdigest()
+
+
 def attach_features(model: LlamaForCausalLM, examples: list[Example], layers: tuple[int, ...],
-                    store: Path | None) -> float:
-    """Fill each example's hidden states, from `store` where it has them (keyed by the
-    token ids and layers) and by running the target otherwise. Returns seconds spent."""
+                    store: Path | None, shards: list[Path] = (), compute: bool = True) -> float:
+    """Fill each example's hidden states, from `store` or the `shards` directories
+    (features recorded by drafter/train/data.py) where they have them, keyed by the
+    token ids and layers, and by running the target otherwise (unless `compute` is
+    False: those examples keep hidden None). Returns seconds spent."""
     t0 = time.perf_counter()
     cached: dict[str, torch.Tensor] = {}
     if store is not None and store.exists():
         cached = torch.load(store)
+    recorded: dict[str, torch.Tensor] = {}
+    for d in shards:
+        for f in sorted(d.glob("*.pt")) if d.is_dir() else ():
+            recorded.update(torch.load(f))
     fresh = 0
     for ex in examples:
-        key = hashlib.sha1(f"{layers}{ex.tokens.tolist()}".encode()).hexdigest()
+        key = feature_key(ex.tokens.tolist(), layers)
+        if key not in cached and key in recorded:
+            ex.hidden = recorded[key]
+            continue
         if key not in cached:
+            if not compute:
+                continue
             cached[key] = target_features(model, ex.tokens, layers)
             fresh += 1
         ex.hidden = cached[key]
@@ -320,15 +346,24 @@ def train(args: argparse.Namespace) -> dict:
     target = load_model(target_dir, dtype="float32")
     tcfg: ModelConfig = target.config
     L = tcfg.num_layers
-    layers = tuple(args.layers) if args.layers else (2, L // 2, L - 3)
-    examples = load_examples(args.data, args.max_len)
+    layers = tuple(args.layers) if args.layers else default_layers(L)
+    examples = [ex for path in args.data for ex in load_examples(path, args.max_len)]
     rng = random.Random(args.seed)
     rng.shuffle(examples)
-    num_eval = max(1, int(len(examples) * args.eval_fraction))
-    held_out, train_set = examples[:num_eval], examples[num_eval:]
-    store = None if args.no_cache else cache_dir() / "train" / "eagle3_features.pt"
-    tf_seconds = attach_features(target, examples, layers, store)
-    draft_ids = draft_vocabulary(train_set, args.draft_vocab, tcfg.vocab_size)
+    if args.eval_data:  # a held-out split of its own (other prompts by construction)
+        held_out, train_set = load_examples(args.eval_data, args.max_len), examples
+    else:
+        num_eval = max(1, int(len(examples) * args.eval_fraction))
+        held_out, train_set = examples[:num_eval], examples[num_eval:]
+    store = None if args.no_cache else (args.feature_cache or
+                                        cache_dir() / "train" / "eagle3_features.pt")
+    shards = [path.with_suffix(".features") for path in [*args.data, args.eval_data] if path]
+    tf_seconds = attach_features(target, train_set + held_out, layers, store, shards,
+                                 compute=not args.stored_features_only)
+    train_set = [ex for ex in train_set if ex.hidden is not None]
+    held_out = [ex for ex in held_out if ex.hidden is not None]
+    draft_ids = draft_vocabulary(train_set, args.draft_vocab, tcfg.vocab_size,
+                                 args.vocab_prompt_weight)
     t2d = target_to_draft(draft_ids, tcfg.vocab_size)
     head = build_head(target, draft_ids, args.intermediate_size, layers, args.seed)
     del target
@@ -415,9 +450,10 @@ def training_card(args: argparse.Namespace, r: dict) -> str:
         "# EAGLE-3 head: how it was trained", "",
         "Produced by `drafter/train/eagle3.py` (its docstring has the recipe):", "",
         f"    {command}", "",
-        f"- data: `{args.data.name}`, {r['sequences']} prompt + reply sequences "
-        f"({r['tokens']} tokens) for training, {r['held_out']} held out; the target's own "
-        "greedy replies (drafter/train/data.py)",
+        f"- data: {', '.join(f'`{d.name}`' for d in args.data)}, {r['sequences']} prompt + "
+        f"reply sequences ({r['tokens']} tokens) for training, {r['held_out']} held out"
+        + (f" (`{args.eval_data.name}`)" if args.eval_data else "")
+        + "; the target's own greedy replies (drafter/train/data.py)",
         f"- target layers (HF numbering): {r['layers']}; draft vocabulary {r['draft_vocab']}; "
         f"MLP width {args.intermediate_size}; training-time-test steps {args.ttt_steps} "
         f"(loss weight {args.step_decay}^(j-1)); prompt-token weight {args.prompt_weight}; "
@@ -442,12 +478,19 @@ def training_card(args: argparse.Namespace, r: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, required=True, help="JSON lines {prompt, reply} of ids")
+    p.add_argument("--data", type=Path, nargs="+", required=True,
+                   help="JSON lines {prompt, reply} of ids (one file or more)")
+    p.add_argument("--eval-data", type=Path,
+                   help="held-out JSON lines (default: --eval-fraction of --data)")
+    p.add_argument("--feature-cache", type=Path,
+                   help="target features on disk (default: eagle3_features.pt in the cache)")
     p.add_argument("--out", type=Path, required=True, help="head directory to write")
     p.add_argument("--target", help="target model dir (default: the prepared default model)")
     p.add_argument("--minutes", type=float, default=30.0, help="training time budget")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps too")
     p.add_argument("--draft-vocab", type=int, default=2048)
+    p.add_argument("--vocab-prompt-weight", type=float, default=1.0,
+                   help="weight of prompt tokens against reply tokens in the draft vocabulary")
     p.add_argument("--intermediate-size", type=int, default=768, help="the head's MLP width")
     p.add_argument("--layers", type=int, nargs="*", help="target layers (HF numbering)")
     p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
@@ -467,6 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between checkpoints at least (taken at reports that improve "
                         "on the held-out accuracy)")
     p.add_argument("--no-cache", action="store_true", help="do not keep target features on disk")
+    p.add_argument("--stored-features-only", action="store_true",
+                   help="train on the sequences whose features are stored or were recorded by "
+                        "drafter/train/data.py only (no target pass)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     return p
