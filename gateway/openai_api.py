@@ -258,15 +258,22 @@ class OpenAIFrontend:
 
     # -- handlers -----------------------------------------------------------------
 
-    async def chat(self, request: Request) -> Response:
+    async def _admit(self, request: Request, cls: type[_Body], build):
+        """Parse, translate (`build`) and admit the request: (body, generation), or the
+        error response of the first step that refuses it."""
         try:
-            body = await self._parse(request, ChatBody)
-            req = self.chat_request(body)
-            generation = await self.gw.open(req)
+            body = await self._parse(request, cls)
+            return body, await self.gw.open(build(body))
         except GatewayError as e:
             return _from_gateway_error(e)
         except _TooLarge as e:
             return e.response()
+
+    async def chat(self, request: Request) -> Response:
+        admitted = await self._admit(request, ChatBody, self.chat_request)
+        if isinstance(admitted, Response):
+            return admitted
+        body, generation = admitted
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         top = body.top_logprobs or 0
         if body.stream:
@@ -313,14 +320,10 @@ class OpenAIFrontend:
                 yield chunk({"content": delta.text}, None, lp)
 
     async def completions(self, request: Request) -> Response:
-        try:
-            body = await self._parse(request, CompletionBody)
-            req = self.completion_request(body)
-            generation = await self.gw.open(req)
-        except GatewayError as e:
-            return _from_gateway_error(e)
-        except _TooLarge as e:
-            return e.response()
+        admitted = await self._admit(request, CompletionBody, self.completion_request)
+        if isinstance(admitted, Response):
+            return admitted
+        body, generation = admitted
         rid = f"cmpl-{uuid.uuid4().hex}"
         want_logprobs = body.logprobs is not None
         top = body.logprobs or 0

@@ -19,22 +19,10 @@ from specdec.client import (
     UnavailableError,
 )
 from tests.gateway.stack import GatewayStack
-from tests.loop_thread import LoopThread
-from tests.tiny import tiny_llama
 
 
 @pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
-@pytest.fixture(scope="module")
-def stack(loop, smollm2_dir):
-    from specdec.tokenizer import Tokenizer
-
-    model = tiny_llama(Tokenizer.from_dir(smollm2_dir).vocab_size, seed=3, max_len=512)
+def stack(loop, model, smollm2_dir):
     s = GatewayStack(loop, model, smollm2_dir, default_method="ngram")
     yield s
     s.close()

@@ -12,22 +12,6 @@ import pytest
 from gateway.policy import ItlProfile
 from gateway.profile import profile
 from tests.gateway.stack import MODEL_NAME, GatewayStack, OracleDraftModel
-from tests.loop_thread import LoopThread
-from tests.tiny import tiny_llama
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
-@pytest.fixture(scope="module")
-def model(smollm2_dir):
-    from specdec.tokenizer import Tokenizer
-
-    return tiny_llama(Tokenizer.from_dir(smollm2_dir).vocab_size, seed=3, max_len=512)
 
 
 class FirstRightDrafter(OracleDraftModel):

@@ -14,25 +14,13 @@ import openai
 import pytest
 
 from tests.gateway.stack import MODEL_NAME, GatewayStack
-from tests.loop_thread import LoopThread
-from tests.tiny import tiny_llama
 
 PROMPTS = ["Write a haiku about the sea.", "List three prime numbers.",
            "Explain what a compiler does in one sentence."]
 
 
 @pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
-@pytest.fixture(scope="module")
-def stack(loop, smollm2_dir):
-    from specdec.tokenizer import Tokenizer
-
-    model = tiny_llama(Tokenizer.from_dir(smollm2_dir).vocab_size, seed=3, max_len=512)
+def stack(loop, model, smollm2_dir):
     s = GatewayStack(loop, model, smollm2_dir, default_method="none")
     yield s
     s.close()

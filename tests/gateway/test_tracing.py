@@ -13,8 +13,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from specdec.telemetry import setup_tracing
 from tests.gateway.stack import MODEL_NAME, GatewayStack
-from tests.loop_thread import LoopThread
-from tests.tiny import tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +26,7 @@ def exporter():
     return exporter
 
 
-def test_spans_link_gateway_verifier_drafter(exporter, smollm2_dir):
-    from specdec.tokenizer import Tokenizer
-
-    model = tiny_llama(Tokenizer.from_dir(smollm2_dir).vocab_size, seed=3, max_len=512)
-    loop = LoopThread()
+def test_spans_link_gateway_verifier_drafter(exporter, loop, model, smollm2_dir):
     s = GatewayStack(loop, model, smollm2_dir)
     try:
         client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
@@ -41,7 +35,6 @@ def test_spans_link_gateway_verifier_drafter(exporter, smollm2_dir):
             extra_body={"speculative": {"method": "draft_model"}})
     finally:
         s.close()
-        loop.close()
     spans = {}
     for span in exporter.get_finished_spans():
         spans.setdefault(span.name, []).append(span)
