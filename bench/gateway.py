@@ -114,17 +114,20 @@ async def one_request(client, messages, max_tokens: int, spec: dict) -> dict:
     ttft = None
     tokens = 0
     spec_decode = {}
+    text = []
     stream = await client.chat.completions.create(
         model="smollm2", messages=messages, temperature=0, max_tokens=max_tokens, stream=True,
         stream_options={"include_usage": True}, extra_body={"speculative": spec})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content and ttft is None:
-            ttft = time.perf_counter() - t0
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+            if ttft is None:
+                ttft = time.perf_counter() - t0
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
             spec_decode = chunk.model_extra.get("spec_decode", {})
     return {"tokens": tokens, "ttft_s": ttft or 0.0, "seconds": time.perf_counter() - t0,
-            "acceptance_length": spec_decode.get("acceptance_length", 0.0)}
+            "acceptance_length": spec_decode.get("acceptance_length", 0.0), "text": "".join(text)}
 
 
 async def run_cell(client, prompts, concurrency: int, max_tokens: int, spec: dict,

@@ -5,10 +5,13 @@ the project's packages. Nothing here imports the project.
     run:  vLLM in process, one mode (plain or ngram speculative decoding) over the
           prompt token ids of a request file from bench/peers.py; writes the runs
           as a JSON fragment that bench/peers.py merges.
+    grid: the same for bench/serving.py: each cell's requests in waves of its
+          concurrency, one `LLM.generate` call per wave, timed per cell.
     plot: bench/results/peers.json -> a bar chart of decode tok/s per system,
           grouped by copy-heavy and other prompts.
 
     .venv-peers/bin/python bench/peers_vllm.py run --mode ngram --request R.json --out F.json
+    .venv-peers/bin/python bench/peers_vllm.py grid --mode ngram --request R.json --out F.json
     .venv-peers/bin/python bench/peers_vllm.py plot --results bench/results/peers.json --out P.png
 
 vLLM's CPU engine starts worker processes, so the work sits under a `__main__`
@@ -40,16 +43,9 @@ def cpu_env(threads: int) -> dict[str, str] | None:
     return env if changed else None
 
 
-def run(args: argparse.Namespace) -> None:
-    request = json.loads(Path(args.request).read_text())
-    if (env := cpu_env(request["threads"])) is not None:
-        # LD_PRELOAD only takes effect in a new process image.
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
-    import torch
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def start_llm(args: argparse.Namespace, request: dict, max_num_seqs: int):
+    """(vLLM engine for the request's model and mode, seconds it took to start)."""
+    from vllm import LLM
 
     speculative = None
     if args.mode == "ngram":
@@ -58,9 +54,32 @@ def run(args: argparse.Namespace) -> None:
                        "prompt_lookup_max": request["ngram_max"]}
     t0 = time.perf_counter()
     llm = LLM(model=request["model"], dtype="float32", gpu_memory_utilization=0.3,
-              kv_cache_memory_bytes=1 << 30, max_model_len=4096, max_num_seqs=1, seed=0,
-              speculative_config=speculative)
-    startup_s = time.perf_counter() - t0
+              kv_cache_memory_bytes=1 << 30, max_model_len=4096, max_num_seqs=max_num_seqs,
+              seed=0, speculative_config=speculative)
+    return llm, time.perf_counter() - t0
+
+
+def load_request(args: argparse.Namespace) -> dict:
+    request = json.loads(Path(args.request).read_text())
+    if (env := cpu_env(request["threads"])) is not None:
+        # LD_PRELOAD only takes effect in a new process image.
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    return request
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import vllm
+
+    return {"vllm": vllm.__version__, "torch": torch.__version__}
+
+
+def run(args: argparse.Namespace) -> None:
+    request = load_request(args)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm, startup_s = start_llm(args, request, 1)
 
     def timed(ids: list[int], n: int) -> tuple[float, list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=n)
@@ -85,7 +104,37 @@ def run(args: argparse.Namespace) -> None:
         print(f"  {p['name']}: {best['decode_tokens'] / best['decode_s']:.1f} tok/s", flush=True)
     Path(args.out).write_text(json.dumps({
         "mode": args.mode, "startup_s": round(startup_s, 1), "runs": runs,
-        "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}))
+        "versions": versions()}))
+
+
+def grid(args: argparse.Namespace) -> None:
+    request = load_request(args)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm, startup_s = start_llm(args, request, request["max_num_seqs"])
+    params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"])
+
+    def wave(prompts: list[list[int]]) -> list[list[int]]:
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params,
+                           use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in out]
+
+    wave([min((ids for cell in request["cells"] for ids in cell["prompts"]), key=len)])  # warm-up
+    cells: dict[str, list[dict]] = {}
+    for cell in request["cells"]:
+        c, prompts = cell["concurrency"], cell["prompts"]
+        for _ in range(request["repeats"]):
+            t0 = time.perf_counter()
+            tokens = [t for i in range(0, len(prompts), c) for t in wave(prompts[i:i + c])]
+            wall = time.perf_counter() - t0
+            cells.setdefault(str(c), []).append(
+                {"wall_s": wall, "tokens": sum(map(len, tokens)), "ttft_ms": None,
+                 "acceptance_length": None, "token_ids": tokens})
+            print(f"  C={c}: {sum(map(len, tokens)) / wall:.1f} tok/s", flush=True)
+    Path(args.out).write_text(json.dumps({
+        "mode": args.mode, "startup_s": round(startup_s, 1), "cells": cells,
+        "versions": versions()}))
 
 
 def plot(args: argparse.Namespace) -> None:
@@ -118,12 +167,13 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="vLLM in process over a request file")
-    r.add_argument("--mode", choices=["plain", "ngram"], required=True)
-    r.add_argument("--request", required=True, help="JSON written by bench/peers.py")
-    r.add_argument("--out", required=True)
+    for command, writer in (("run", "bench/peers.py"), ("grid", "bench/serving.py")):
+        r = sub.add_parser(command, help=f"vLLM in process over a request file of {writer}")
+        r.add_argument("--mode", choices=["plain", "ngram"], required=True)
+        r.add_argument("--request", required=True, help=f"JSON written by {writer}")
+        r.add_argument("--out", required=True)
     p = sub.add_parser("plot", help="PNG bar chart from peers.json")
     p.add_argument("--results", required=True)
     p.add_argument("--out", required=True)
     cli = ap.parse_args()
-    run(cli) if cli.command == "run" else plot(cli)
+    {"run": run, "grid": grid, "plot": plot}[cli.command](cli)

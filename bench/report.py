@@ -23,6 +23,7 @@ END = "<!-- bench:end -->"
 
 # (results file, heading, what produced it). Files that do not exist yet are skipped.
 SECTIONS = [
+    ("serving.md", "Serving grid: drafters x K x concurrency, beside peers", "python -m bench.serving"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),
     ("verifier.md", "Verify step against decode step", "python -m bench.verifier"),
     ("drafters.md", "Drafters, single stream", "python -m bench.drafters"),

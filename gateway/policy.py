@@ -8,7 +8,10 @@ Dynamic K (DESIGN.md section 5): a step that drafts k tokens yields on average
 AL(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens, where a_j is the probability that draft
 position j is accepted given that positions 1..j-1 were, and costs ITL(batch size, k)
 ms, read from a profiled table. K is the k in 0..K_max with the highest goodput
-AL(k) / ITL(batch size, k); K=0 is plain decoding.
+AL(k) / ITL(batch size, k); K=0 is plain decoding. A drafter's own time is part of
+every speculative step, so the profile may hold one table per method: an ngram
+drafter costs next to nothing, a draft model tens of ms, and one shared table would
+make the slow drafter's K too large.
 """
 
 from __future__ import annotations
@@ -173,13 +176,17 @@ class ItlProfile:
     """Measured time of one verifier step by batch size and K, for one deployment.
 
     Written by the profiling command; `acceptance` holds per-method prior rates
-    a_1, a_2, ... measured on a reference prompt set.
+    a_1, a_2, ... measured on a reference prompt set. `method_itl_ms` holds step
+    times of drafter methods profiled on their own (same grid as itl_ms); a method
+    without a table there uses the shared itl_ms.
     """
 
     batch_sizes: tuple[int, ...]  # strictly increasing, >= 1
     ks: tuple[int, ...]  # strictly increasing, starting at 0
     itl_ms: tuple[tuple[float, ...], ...]  # [len(batch_sizes)][len(ks)]
     acceptance: dict[str, tuple[float, ...]] = field(default_factory=dict, hash=False)
+    method_itl_ms: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict,
+                                                                     hash=False)
 
     def __post_init__(self) -> None:
         for name, least in (("batch_sizes", 1), ("ks", 0)):
@@ -194,19 +201,14 @@ class ItlProfile:
         # Plain decoding is always a candidate; its cost must be measured, not guessed.
         if self.ks[0] != 0:
             raise ValueError(f"ITL profile: ks must include 0, got {self.ks}")
-        rows = tuple(tuple(row) for row in self.itl_ms)
-        object.__setattr__(self, "itl_ms", rows)
-        if len(rows) != len(self.batch_sizes):
-            raise ValueError(f"ITL profile: itl_ms must have {len(self.batch_sizes)} rows "
-                             f"(one per batch size), got {len(rows)}")
-        for i, row in enumerate(rows):
-            if len(row) != len(self.ks):
-                raise ValueError(f"ITL profile: itl_ms[{i}] must have {len(self.ks)} entries "
-                                 f"(one per k), got {len(row)}")
-            for j, ms in enumerate(row):
-                if not (_is_number(ms) and ms > 0):
-                    raise ValueError(f"ITL profile: itl_ms[{i}][{j}] must be a positive "
-                                     f"number, got {ms!r}")
+        object.__setattr__(self, "itl_ms", self._checked_table("itl_ms", self.itl_ms))
+        method_tables = {}
+        for method, rows in dict(self.method_itl_ms).items():
+            if method not in DRAFTER_METHODS:
+                raise ValueError(f"ITL profile: method_itl_ms has unknown method {method!r} "
+                                 f"(expected one of {', '.join(DRAFTER_METHODS)})")
+            method_tables[method] = self._checked_table(f"method_itl_ms[{method!r}]", rows)
+        object.__setattr__(self, "method_itl_ms", method_tables)
         acceptance = {}
         for method, rates in dict(self.acceptance).items():
             if method not in DRAFTER_METHODS:
@@ -219,28 +221,50 @@ class ItlProfile:
             acceptance[method] = rates
         object.__setattr__(self, "acceptance", acceptance)
 
-    def itl(self, batch_size: float, k: float) -> float:
-        """Bilinear interpolation of itl_ms, clamped to the table's edges.
+    def _checked_table(self, name: str, table: object) -> tuple[tuple[float, ...], ...]:
+        """`table` as a tuple of rows, one per batch size and one positive ms per k."""
+        rows = tuple(tuple(row) for row in table)
+        if len(rows) != len(self.batch_sizes):
+            raise ValueError(f"ITL profile: {name} must have {len(self.batch_sizes)} rows "
+                             f"(one per batch size), got {len(rows)}")
+        for i, row in enumerate(rows):
+            if len(row) != len(self.ks):
+                raise ValueError(f"ITL profile: {name}[{i}] must have {len(self.ks)} entries "
+                                 f"(one per k), got {len(row)}")
+            for j, ms in enumerate(row):
+                if not (_is_number(ms) and ms > 0):
+                    raise ValueError(f"ITL profile: {name}[{i}][{j}] must be a positive "
+                                     f"number, got {ms!r}")
+        return rows
+
+    def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
+        """Bilinear interpolation of the method's table (else itl_ms), clamped to its edges.
 
         Clamped rather than extrapolated: the slope of the last cell carries the
         noise of two measurements, and extended far it can turn an ITL negative.
         """
         if not (math.isfinite(batch_size) and math.isfinite(k)):
             raise ValueError(f"itl: batch_size and k must be finite, got {batch_size}, {k}")
+        table = self.method_itl_ms.get(method, self.itl_ms)  # None: the shared table
         i0, i1, tb = _bracket(self.batch_sizes, batch_size)
         j0, j1, tk = _bracket(self.ks, k)
-        low = _lerp(self.itl_ms[i0][j0], self.itl_ms[i0][j1], tk)
-        high = _lerp(self.itl_ms[i1][j0], self.itl_ms[i1][j1], tk)
+        low = _lerp(table[i0][j0], table[i0][j1], tk)
+        high = _lerp(table[i1][j0], table[i1][j1], tk)
         return _lerp(low, high, tb)
 
     def to_json(self) -> dict:
-        return {
+        obj = {
             "version": PROFILE_VERSION,
             "batch_sizes": list(self.batch_sizes),
             "ks": list(self.ks),
             "itl_ms": [list(row) for row in self.itl_ms],
             "acceptance": {m: list(r) for m, r in sorted(self.acceptance.items())},
         }
+        # Only when present, so that a single-table profile is written as before.
+        if self.method_itl_ms:
+            obj["method_itl_ms"] = {m: [list(row) for row in rows]
+                                    for m, rows in sorted(self.method_itl_ms.items())}
+        return obj
 
     @classmethod
     def from_json(cls, obj: object) -> ItlProfile:
@@ -266,9 +290,17 @@ class ItlProfile:
         if not (isinstance(acceptance, dict)
                 and all(isinstance(r, list) for r in acceptance.values())):
             raise ValueError("ITL profile: key 'acceptance' must map method names to lists")
+        method_itl_ms = obj.get("method_itl_ms", {})
+        if not (isinstance(method_itl_ms, dict)
+                and all(isinstance(rows, list) and all(isinstance(row, list) for row in rows)
+                        for rows in method_itl_ms.values())):
+            raise ValueError("ITL profile: key 'method_itl_ms' must map method names to "
+                             "lists of lists")
         return cls(batch_sizes=tuple(obj["batch_sizes"]), ks=tuple(obj["ks"]),
                    itl_ms=tuple(tuple(row) for row in obj["itl_ms"]),
-                   acceptance={m: tuple(r) for m, r in acceptance.items()})
+                   acceptance={m: tuple(r) for m, r in acceptance.items()},
+                   method_itl_ms={m: tuple(tuple(row) for row in rows)
+                                  for m, rows in method_itl_ms.items()})
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -286,7 +318,7 @@ class ItlProfile:
             raise ValueError(f"{path}: {e}") from e
 
 
-_PROFILE_KEYS = ("version", "batch_sizes", "ks", "itl_ms", "acceptance")
+_PROFILE_KEYS = ("version", "batch_sizes", "ks", "itl_ms", "acceptance", "method_itl_ms")
 
 
 def _bracket(grid: Sequence[int], x: float) -> tuple[int, int, float]:
@@ -321,21 +353,26 @@ def acceptance_length(rates: Sequence[float], k: int) -> float:
     return expected
 
 
-def goodput(profile: ItlProfile, batch_size: float, rates: Sequence[float], k: int) -> float:
-    """Tokens per ms for one sequence speculating k tokens at this batch size."""
-    return acceptance_length(rates, k) / profile.itl(batch_size, k)
+def goodput(profile: ItlProfile, batch_size: float, rates: Sequence[float], k: int,
+            method: str | None = None) -> float:
+    """Tokens per ms for one sequence speculating k tokens at this batch size.
+
+    `method` picks the method's own ITL table where the profile has one.
+    """
+    return acceptance_length(rates, k) / profile.itl(batch_size, k, method)
 
 
-def choose_k(profile: ItlProfile, batch_size: float, rates: Sequence[float], k_max: int) -> int:
-    """argmax over k in 0..k_max of goodput; ties go to the smaller k.
+def choose_k(profile: ItlProfile, batch_size: float, rates: Sequence[float], k_max: int,
+             method: str | None = None) -> int:
+    """argmax over k in 0..k_max of goodput (with `method`'s ITL); ties go to the smaller k.
 
     K above the profile's largest measured k is never chosen: its ITL would be
     clamped to that k's, which would make the extra draft positions look free.
     """
     _check_count("choose_k: k_max", k_max)
-    best_k, best = 0, goodput(profile, batch_size, rates, 0)
+    best_k, best = 0, goodput(profile, batch_size, rates, 0, method)
     for k in range(1, min(k_max, profile.ks[-1]) + 1):
-        g = goodput(profile, batch_size, rates, k)
+        g = goodput(profile, batch_size, rates, k, method)
         if g > best:
             best_k, best = k, g
     return best_k
@@ -406,6 +443,7 @@ class DynamicK:
         _check_count("dynamic K: k_max", k_max)
         _check_count("dynamic K: warmup_steps", warmup_steps)
         self.profile = profile
+        self.method = method
         self.k_max = k_max
         self.warmup_steps = warmup_steps
         self.prior: tuple[float, ...] = profile.acceptance.get(method, (NEUTRAL_ACCEPTANCE,))
@@ -416,5 +454,5 @@ class DynamicK:
 
     def next_k(self, batch_size: float) -> int:
         rates = self.acceptance.rates(self.prior, self.warmup_steps, self.k_max)
-        return choose_k(self.profile, batch_size, rates, self.k_max)
+        return choose_k(self.profile, batch_size, rates, self.k_max, self.method)
 

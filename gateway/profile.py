@@ -4,13 +4,18 @@ Dynamic K needs ITL(batch size, K) of the deployment as it runs (verifier,
 drafter, wire), so this drives a verifier's Generate API directly: for each
 batch size b and K, b concurrent greedy requests with that K, and the step
 time is the median of StepStats.step_time_ms over the steps that ran exactly
-b sequences (prefill steps excluded). Per-position acceptance of every
-configured drafter is measured too, as the prior dynamic K starts from.
-Writes the JSON that `specdec-gateway --profile` loads.
+b sequences (prefill steps excluded). Drafters differ in cost per step (ngram
+next to nothing, a draft model tens of ms), so the step times can be measured
+for several methods (`--method ngram,draft_model`): the first method's table is
+the profile's shared itl_ms, each further method's goes to method_itl_ms.
+Per-position acceptance of every configured drafter is measured too, as the
+prior dynamic K starts from. Writes the JSON that `specdec-gateway --profile`
+loads.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import sys
@@ -65,32 +70,50 @@ async def measure_cell(stub, prompts: Sequence[list[int]], batch: int, k: int, m
 
 
 async def profile(address: str, prompts: Sequence[list[int]], batch_sizes: Sequence[int],
-                  ks: Sequence[int], max_tokens: int, method: str | None,
+                  ks: Sequence[int], max_tokens: int, method: str | Sequence[str] | None,
                   log=print) -> ItlProfile:
+    """Profile the verifier at `address`.
+
+    `method`: the drafter method(s) whose step times are measured, one name or a
+    sequence of names; None = the verifier's first drafter. The first method's
+    table becomes itl_ms, which methods without a table of their own also use;
+    each further method's table goes to method_itl_ms[method].
+    """
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         report = await stub.Load(verifier_pb2.LoadRequest(), timeout=10)
         methods = {_METHOD_NAMES[d.method]: d.method for d in report.drafters
                    if d.method in _METHOD_NAMES}
         if method is None:
-            method = next(iter(methods), None)
-        if method is not None and method not in methods:
-            raise SystemExit(f"--method {method}: the verifier has no such drafter "
+            wanted = list(methods)[:1]
+        elif isinstance(method, str):
+            wanted = [method]
+        else:
+            wanted = list(dict.fromkeys(method))  # order kept: the first is the shared table
+        missing = [m for m in wanted if m not in methods]
+        if missing:
+            raise SystemExit(f"--method {','.join(missing)}: the verifier has no such drafter "
                              f"(it has {', '.join(methods) or 'none'})")
         k_max = report.max_num_speculative_tokens
-        ks = sorted({0, *(k for k in ks if k <= k_max)}) if method else [0]
+        ks = sorted({0, *(k for k in ks if k <= k_max)}) if wanted else [0]
         batch_sizes = sorted(b for b in set(batch_sizes) if b <= report.max_num_seqs)
-        itl: list[list[float]] = []
+
+        async def step_ms(b: int, k: int, name: str | None) -> float:
+            ms, _ = await measure_cell(stub, prompts, b, k, methods.get(name, 0), max_tokens,
+                                       f"{b}-{k}-{name or 'none'}")
+            if ms is None:  # never ran b at once (KV or batch limits): next best
+                raise SystemExit(f"batch {b} never ran as one step; lower --batch-sizes")
+            log(f"batch {b:3d}  K {k}{f' {name}' if k else ''}: {ms:8.2f} ms/step")
+            return ms
+
+        # Without a drafter only K=0 is measured, as the shared table's single column.
+        tables: dict[str | None, list[list[float]]] = {m: [] for m in wanted or [None]}
         for b in batch_sizes:
-            row = []
-            for k in ks:
-                ms, _ = await measure_cell(stub, prompts, b, k, methods.get(method, 0),
-                                           max_tokens, f"{b}-{k}")
-                if ms is None:  # never ran b at once (KV or batch limits): next best
-                    raise SystemExit(f"batch {b} never ran as one step; lower --batch-sizes")
-                log(f"batch {b:3d}  K {k}: {ms:8.2f} ms/step")
-                row.append(ms)
-            itl.append(row)
+            # A K=0 step drafts nothing, so its time is the same for every method:
+            # measured once, it is every table's first column.
+            plain = await step_ms(b, 0, None)
+            for name, table in tables.items():
+                table.append([plain] + [await step_ms(b, k, name) for k in ks[1:]])
         acceptance = {}
         for name, value in methods.items():
             acc = OnlineAcceptance()
@@ -104,20 +127,32 @@ async def profile(address: str, prompts: Sequence[list[int]], batch_sizes: Seque
             rates = acc.rates([0.0] * k, 0, k)
             acceptance[name] = tuple(round(r, 4) for r in rates)
             log(f"acceptance {name}: " + " ".join(f"{r:.2f}" for r in rates))
+    shared, *own = tables.values()
     return ItlProfile(batch_sizes=tuple(batch_sizes), ks=tuple(ks),
-                      itl_ms=tuple(tuple(r) for r in itl), acceptance=acceptance)
+                      itl_ms=tuple(tuple(r) for r in shared), acceptance=acceptance,
+                      method_itl_ms={name: tuple(tuple(r) for r in table)
+                                     for name, table in zip(wanted[1:], own, strict=True)})
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected one or more method names, comma-separated")
+    return names
+
+
 def add_arguments(p) -> None:
     p.add_argument("--verifier", default="127.0.0.1:50051", help="HOST:PORT of a verifier")
     p.add_argument("--model", help="model directory for the tokenizer (default: the prepared "
                    "default model)")
-    p.add_argument("--method", help="drafter method whose step times are measured (default: "
-                   "the verifier's first drafter)")
+    p.add_argument("--method", type=_names,
+                   help="drafter method(s) whose step times are measured, comma-separated, "
+                   "e.g. ngram,eagle3; the first gives the shared table, each further one a "
+                   "table of its own (default: the verifier's first drafter)")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16])
     p.add_argument("--ks", type=_ints, default=[0, 1, 2, 3, 4, 6, 8])
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per request per cell")

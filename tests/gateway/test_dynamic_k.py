@@ -3,6 +3,7 @@ a request's K changes mid-request once its own acceptance replaces the prior."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import httpx2
@@ -10,7 +11,7 @@ import openai
 import pytest
 
 from gateway.policy import ItlProfile
-from gateway.profile import profile
+from gateway.profile import add_arguments, profile
 from tests.gateway.stack import MODEL_NAME, GatewayStack, OracleDraftModel
 
 
@@ -85,8 +86,50 @@ def test_profile_command_measures_a_running_verifier(loop, model, smollm2_dir, t
         # The oracle drafter's drafts are all accepted; ngram on random text rarely is.
         assert result.acceptance["draft_model"] == (1.0,) * 4
         assert set(result.acceptance) == {"ngram", "draft_model"}
+        assert result.method_itl_ms == {}  # one method: the shared table only
         path = tmp_path / "profile.json"
         result.save(path)
         assert ItlProfile.load(path) == result
     finally:
         s.close()
+
+
+def test_profile_command_measures_each_method(loop, model, smollm2_dir, tmp_path):
+    s = GatewayStack(loop, model, smollm2_dir)
+    try:
+        prompts = [s.chat_ids(t) for t in ("one two three", "red green blue")]
+        logged: list[str] = []
+        result = asyncio.run(profile(s.replicas[0].address, prompts, [1, 2], [0, 2, 3], 8,
+                                     ["draft_model", "ngram", "draft_model"],
+                                     log=logged.append))
+        assert result.batch_sizes == (1, 2) and result.ks == (0, 2, 3)
+        # The first method's table is the shared one; each further method has its own.
+        assert set(result.method_itl_ms) == {"ngram"}
+        own = result.method_itl_ms["ngram"]
+        assert len(own) == 2 and all(len(row) == 3 and all(v > 0 for v in row) for row in own)
+        # K=0 drafts nothing: measured once per batch size and shared by both tables.
+        assert [row[0] for row in own] == [row[0] for row in result.itl_ms]
+        assert sum(" K 0:" in line for line in logged) == 2
+        assert sum(" K 2 ngram:" in line for line in logged) == 2
+        assert sum(" K 2 draft_model:" in line for line in logged) == 2
+        assert result.itl(2, 3, "ngram") == own[1][2]
+        assert result.itl(2, 3, "draft_model") == result.itl(2, 3) == result.itl_ms[1][2]
+        path = tmp_path / "profile.json"
+        result.save(path)
+        assert ItlProfile.load(path) == result
+        with pytest.raises(SystemExit, match="--method eagle3: the verifier has no such drafter"):
+            asyncio.run(profile(s.replicas[0].address, prompts, [1], [0, 2], 4,
+                                ["ngram", "eagle3"], log=lambda _: None))
+    finally:
+        s.close()
+
+
+def test_profile_cli_method_takes_a_comma_separated_list(capsys):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).method is None
+    assert p.parse_args(["--method", "ngram"]).method == ["ngram"]
+    assert p.parse_args(["--method", "ngram, eagle3,"]).method == ["ngram", "eagle3"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--method", ","])
+    assert "--method: expected one or more method names" in capsys.readouterr().err

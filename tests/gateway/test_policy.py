@@ -7,6 +7,7 @@ brute-force argmax over k for K.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -286,6 +287,21 @@ def test_itl_single_row_and_column():
     assert p.itl(1, 0) == p.itl(64, 3) == 7.5
 
 
+def test_itl_uses_the_method_table_where_there_is_one():
+    def dear(b, k):  # a slow drafter: 3 ms more per draft token, at every batch size
+        return curved(b, k) + 3.0 * k
+
+    p = ItlProfile(B, K, table(B, K, curved).itl_ms,
+                   method_itl_ms={"eagle3": table(B, K, dear).itl_ms})
+    for b, k in itertools.product(B, K):
+        assert p.itl(b, k, "eagle3") == dear(b, k)
+        assert p.itl(b, k, "ngram") == p.itl(b, k) == p.itl(b, k, None) == curved(b, k)
+    # Interpolated within the method's own table: the cell of test_itl_midpoints_by_hand
+    # plus 3 ms x the corners' mean k (3).
+    assert p.itl(3, 3, "eagle3") == pytest.approx((13 + 37 + 21 + 69) / 4 + 9.0)
+    assert p.itl(100, 9, "eagle3") == dear(8, 4)
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"batch_sizes": (1, 4, 2)}, "batch_sizes"),
     ({"batch_sizes": (1, 1, 8)}, "batch_sizes"),
@@ -302,6 +318,17 @@ def test_itl_single_row_and_column():
     ({"acceptance": {"eagle": (0.5, 1.2)}}, "acceptance"),
     ({"acceptance": {"eagle": ()}}, "acceptance"),
     ({"acceptance": {"none": (0.5,)}}, "acceptance has unknown method 'none'"),
+    ({"method_itl_ms": {"none": ((1.0, 2.0),) * 3}}, "method_itl_ms has unknown method 'none'"),
+    ({"method_itl_ms": {"eagel": ((1.0, 2.0),) * 3}}, "unknown method 'eagel'"),
+    ({"method_itl_ms": {"eagle": ((1.0, 2.0),) * 2}}, r"method_itl_ms\['eagle'\] must have 3 rows"),
+    ({"method_itl_ms": {"eagle": ((1.0, 2.0), (1.0,), (1.0, 2.0))}},
+     r"method_itl_ms\['eagle'\]\[1\] must have 2 entries"),
+    ({"method_itl_ms": {"eagle": ((1.0, 2.0), (1.0, 0.0), (1.0, 2.0))}},
+     r"method_itl_ms\['eagle'\]\[1\]\[1\] must be a positive number"),
+    ({"method_itl_ms": {"ngram": ((1.0, 2.0), (1.0, 2.0), (-1.0, 2.0))}},
+     r"method_itl_ms\['ngram'\]\[2\]\[0\]"),
+    ({"method_itl_ms": {"ngram": ((1.0, 2.0), (1.0, math.nan), (1.0, 2.0))}},
+     r"method_itl_ms\['ngram'\]\[1\]\[1\]"),
 ])
 def test_profile_is_checked_on_construction(kwargs, name):
     args = {"batch_sizes": (1, 4, 8), "ks": (0, 2), "itl_ms": ((1.0, 2.0),) * 3} | kwargs
@@ -333,6 +360,14 @@ def test_goodput_is_tokens_per_ms():
     p = table((1, 8), (0, 2), lambda b, k: 10 + b * k)
     assert goodput(p, 8, (0.5,), 2) == pytest.approx((1 + 0.5 + 0.25) / 26)
     assert goodput(p, 1, (0.5,), 0) == pytest.approx(1 / 10)
+
+
+def test_goodput_uses_the_method_table():
+    p = ItlProfile((1, 8), (0, 2), ((10, 12), (10, 26)), method_itl_ms={"eagle": ((10, 30),) * 2})
+    assert goodput(p, 8, (0.5,), 2) == pytest.approx(1.75 / 26)
+    assert goodput(p, 8, (0.5,), 2, "ngram") == pytest.approx(1.75 / 26)
+    assert goodput(p, 8, (0.5,), 2, "eagle") == pytest.approx(1.75 / 30)
+    assert goodput(p, 1, (0.5,), 0, "eagle") == pytest.approx(1 / 10)
 
 
 RANDOM_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
@@ -504,6 +539,35 @@ def test_dynamic_k_rises_when_the_drafter_beats_its_prior():
     assert dk.next_k(64) <= after
 
 
+def method_cost_profile() -> ItlProfile:
+    """The same verifier with two drafters: ngram's drafting is free, eagle3's 3.5 ms a token.
+
+    With rates 0.8, AL(k) = 1, 1.8, 2.44, 2.952, 3.3616 (k = 0..4). Shared table 10 + 0.5k:
+    goodput rises to k=4 (0.280 tokens/ms). eagle3's 10 + 4k: 0.100, 0.129, 0.136, 0.134,
+    0.129, so k=2.
+    """
+    ks = range(5)
+    return ItlProfile((1,), tuple(ks), (tuple(10 + 0.5 * k for k in ks),),
+                      acceptance={"ngram": (0.8,), "eagle3": (0.8,)},
+                      method_itl_ms={"eagle3": (tuple(10 + 4.0 * k for k in ks),)})
+
+
+def test_choose_k_is_smaller_for_a_costlier_method():
+    p = method_cost_profile()
+    assert choose_k(p, 1, (0.8,), 4) == choose_k(p, 1, (0.8,), 4, "ngram") == 4
+    assert choose_k(p, 1, (0.8,), 4, "eagle3") == 2
+    assert brute_force_k(lambda k: 10 + 0.5 * k, (0.8,), 4) == 4
+    assert brute_force_k(lambda k: 10 + 4.0 * k, (0.8,), 4) == 2
+
+
+def test_dynamic_k_uses_its_methods_table():
+    p = method_cost_profile()
+    eagle3, ngram = DynamicK(p, "eagle3", k_max=4), DynamicK(p, "ngram", k_max=4)
+    assert eagle3.method == "eagle3" and ngram.method == "ngram"
+    assert eagle3.next_k(1) == 2
+    assert ngram.next_k(1) == 4
+
+
 def test_dynamic_k_neutral_prior_for_an_unprofiled_method():
     p = k_profile({"eagle": (0.95,)})
     dk = DynamicK(p, "draft_model", k_max=4)
@@ -546,6 +610,35 @@ def test_profile_json_round_trip(tmp_path):
     assert q.acceptance["eagle"] == (0.8, 0.6, 0.5)
 
 
+def test_profile_json_round_trip_with_method_tables(tmp_path):
+    eagle = ((12.0, 20.0, 28.5), (13, 22, 31), (22, 40, 61))
+    p = dataclasses.replace(sample_profile(), method_itl_ms={"eagle": eagle})
+    obj = json.loads(json.dumps(p.to_json()))
+    assert obj["method_itl_ms"] == {"eagle": [list(row) for row in eagle]}
+    assert obj["version"] == 1
+    q = ItlProfile.from_json(obj)
+    assert q == p and q.method_itl_ms == {"eagle": eagle}
+    path = tmp_path / "profile.json"
+    p.save(path)
+    r = ItlProfile.load(path)
+    assert r == p
+    assert r.itl(8, 4, "eagle") == 31 and r.itl(8, 4, "ngram") == r.itl(8, 4) == 15
+    assert r != sample_profile()
+
+
+def test_profile_without_method_tables_is_written_as_before(tmp_path):
+    # A file of the single-table format loads, and is written back key for key.
+    old = {"version": 1, "batch_sizes": [1, 8], "ks": [0, 2], "itl_ms": [[9.5, 10.0], [11, 13]],
+           "acceptance": {"ngram": [0.4]}}
+    p = ItlProfile.from_json(old)
+    assert p.method_itl_ms == {}
+    assert p.to_json() == old
+    assert "method_itl_ms" not in sample_profile().to_json()
+    path = tmp_path / "profile.json"
+    p.save(path)
+    assert json.loads(path.read_text()) == old
+
+
 def test_profile_without_acceptance_loads(tmp_path):
     obj = sample_profile().to_json()
     del obj["acceptance"]
@@ -577,6 +670,20 @@ def _malformed(**changes):
     (_malformed(acceptance={"eagle": 0.5}), "'acceptance'"),
     (_malformed(acceptance={"eagel": [0.5]}), "'eagel'"),
     (_malformed(acceptence={"eagle": [0.5]}), "unknown key.*'acceptence'"),
+    (_malformed(method_itl={"eagle": [[1, 2, 3]] * 3}), "unknown key.*'method_itl'"),
+    (_malformed(method_itl_ms=[[1, 2, 3]] * 3), "'method_itl_ms'"),
+    (_malformed(method_itl_ms={"eagle": [1, 2, 3]}), "'method_itl_ms'"),
+    (_malformed(method_itl_ms={"eagle": "fast"}), "'method_itl_ms'"),
+    (_malformed(method_itl_ms={"eagel": [[1, 2, 3]] * 3}),
+     "method_itl_ms has unknown method 'eagel'"),
+    (_malformed(method_itl_ms={"eagle": [[1, 2, 3]] * 2}),
+     r"method_itl_ms\['eagle'\] must have 3 rows"),
+    (_malformed(method_itl_ms={"eagle": [[1, 2, 3], [1, 2], [1, 2, 3]]}),
+     r"method_itl_ms\['eagle'\]\[1\] must have 3 entries"),
+    (_malformed(method_itl_ms={"eagle": [[1, 2, 3], [1, 2, 3], [1, 0, 3]]}),
+     r"method_itl_ms\['eagle'\]\[2\]\[1\]"),
+    (_malformed(method_itl_ms={"eagle": [[1, 2, 3], [1, 2, "x"], [1, 2, 3]]}),
+     r"method_itl_ms\['eagle'\]\[1\]\[2\]"),
     ([1, 2], "must be a JSON object"),
 ])
 def test_malformed_profile_names_the_key(tmp_path, obj, name):
