@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from drafter.eagle_model import DraftHead, HeadConfig
+from drafter.eagle_model import DraftHead, HeadConfig, load_head
 from specdec.models import load_model
 from specdec.models.config import ModelConfig
 from specdec.models.llama import LlamaForCausalLM
@@ -347,6 +347,15 @@ def train(args: argparse.Namespace) -> dict:
     tcfg: ModelConfig = target.config
     L = tcfg.num_layers
     layers = tuple(args.layers) if args.layers else default_layers(L)
+    init = None
+    if args.init:
+        # Training goes on from a saved head: its draft vocabulary and target layers
+        # stay, since its lm_head rows and fc columns are tied to them.
+        init = load_head("eagle3", args.init, target_dir, dtype="float32")
+        if args.layers and tuple(args.layers) != init.config.target_layers:
+            raise SystemExit(f"--layers {args.layers}: --init {args.init} was trained on "
+                             f"target layers {list(init.config.target_layers)}")
+        layers = init.config.target_layers
     examples = [ex for path in args.data for ex in load_examples(path, args.max_len)]
     rng = random.Random(args.seed)
     rng.shuffle(examples)
@@ -362,10 +371,17 @@ def train(args: argparse.Namespace) -> dict:
                                  compute=not args.stored_features_only)
     train_set = [ex for ex in train_set if ex.hidden is not None]
     held_out = [ex for ex in held_out if ex.hidden is not None]
-    draft_ids = draft_vocabulary(train_set, args.draft_vocab, tcfg.vocab_size,
-                                 args.vocab_prompt_weight)
+    if init is None:
+        draft_ids = draft_vocabulary(train_set, args.draft_vocab, tcfg.vocab_size,
+                                     args.vocab_prompt_weight)
+        head = build_head(target, draft_ids, args.intermediate_size, layers, args.seed)
+    else:
+        head = init.train()
+        head.embed_tokens.weight.requires_grad_(False)
+        draft_ids = head.d2t + torch.arange(len(head.d2t))
+        args.draft_vocab = len(draft_ids)
+        args.intermediate_size = head.config.decoder.intermediate_size
     t2d = target_to_draft(draft_ids, tcfg.vocab_size)
-    head = build_head(target, draft_ids, args.intermediate_size, layers, args.seed)
     del target
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -376,10 +392,18 @@ def train(args: argparse.Namespace) -> dict:
           f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters", flush=True)
 
     budget = args.minutes * 60
-    t0 = last_report = last_save = time.perf_counter()
-    step = epoch = 0
     history = []
     best = -1.0  # held-out accuracy of the saved head, mean over steps
+    if init is not None:
+        # The starting point is a candidate too: a worse head is never written over it.
+        ev = evaluate(head, held_out, t2d, args.ttt_steps)
+        history.append({"minutes": 0.0, "step": 0, "epoch": 0, "train_loss": float("nan"), **ev})
+        best = _score(ev)
+        print(f"--init {args.init}: held-out {ev['loss']:.3f} acc "
+              + " ".join(f"{a:.3f}" for a in ev["accuracy"]), flush=True)
+        save_head(head, args.out, target_dir, layers)
+    t0 = last_report = last_save = time.perf_counter()
+    step = epoch = 0
     done = False
     while not done:
         epoch += 1
@@ -450,6 +474,8 @@ def training_card(args: argparse.Namespace, r: dict) -> str:
         "# EAGLE-3 head: how it was trained", "",
         "Produced by `drafter/train/eagle3.py` (its docstring has the recipe):", "",
         f"    {command}", "",
+        *([f"- went on from the head in `{args.init}` (its draft vocabulary, MLP width and "
+           "target layers; minute 0 below is that head)"] if args.init else []),
         f"- data: {', '.join(f'`{d.name}`' for d in args.data)}, {r['sequences']} prompt + "
         f"reply sequences ({r['tokens']} tokens) for training, {r['held_out']} held out"
         + (f" (`{args.eval_data.name}`)" if args.eval_data else "")
@@ -488,6 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target model dir (default: the prepared default model)")
     p.add_argument("--minutes", type=float, default=30.0, help="training time budget")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps too")
+    p.add_argument("--init", type=Path,
+                   help="head directory to go on training from (keeps its draft vocabulary, "
+                        "MLP width and target layers)")
     p.add_argument("--draft-vocab", type=int, default=2048)
     p.add_argument("--vocab-prompt-weight", type=float, default=1.0,
                    help="weight of prompt tokens against reply tokens in the draft vocabulary")

@@ -107,3 +107,33 @@ def test_training_writes_a_loadable_head_and_learns(tmp_path):
     assert set(mapped.tolist()) == set(expected.tolist())
     assert loaded.lm_head.weight.dtype == torch.float32
 
+
+
+def test_training_goes_on_from_a_saved_head(tmp_path):
+    target_dir = tmp_path / "target"
+    make_target(target_dir)
+    write_data(tmp_path / "data.jsonl", n=16)
+    common = ["--data", str(tmp_path / "data.jsonl"), "--target", str(target_dir),
+              "--minutes", "1", "--batch", "2", "--no-cache", "--eval-fraction", "0.25"]
+    first = tmp_path / "first"
+    eagle3.train(eagle3.build_parser().parse_args(
+        [*common, "--out", str(first), "--max-steps", "3", "--draft-vocab", "16",
+         "--intermediate-size", "64"]))
+    start = load_head("eagle3", first, target_dir, dtype="float32")
+
+    second = tmp_path / "second"
+    result = eagle3.train(eagle3.build_parser().parse_args(
+        [*common, "--out", str(second), "--init", str(first), "--max-steps", "3",
+         "--draft-vocab", "8", "--intermediate-size", "32", "--lr", "0.05"]))
+    # The saved head's vocabulary and width stay whatever the flags say.
+    loaded = load_head("eagle3", second, target_dir, dtype="float32")
+    assert torch.equal(loaded.d2t, start.d2t)
+    assert loaded.config.decoder.intermediate_size == 64
+    # Minute 0 is the starting head as it scores on the held-out rows, and the head
+    # written is never worse than that on them.
+    assert result["history"][0]["step"] == 0
+    score = sum(result["final"]["accuracy"]) / len(result["final"]["accuracy"])
+    start_score = sum(result["history"][0]["accuracy"]) / len(result["history"][0]["accuracy"])
+    assert score >= start_score
+    assert result["steps"] == 3
+    assert "went on from the head" in (second / "TRAINING.md").read_text()
