@@ -439,7 +439,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peer-k", type=int, default=4, help="draft tokens of the peers' n-gram modes")
     ap.add_argument("--head", type=Path, default=HEAD, help="EAGLE-3 head directory")
     ap.add_argument("--draft-layers", type=int, default=6)
-    ap.add_argument("--profile-tokens", type=int, default=16, help="tokens per profile request")
+    ap.add_argument("--profile-tokens", type=int, default=12,
+                    help="tokens per profile request, times K + 1")
     ap.add_argument("--peers-python", default=str(PEERS_PYTHON))
     ap.add_argument("--vllm-timeout-s", type=float, default=600.0, help="per vLLM mode")
     ap.add_argument("--quick", action="store_true",

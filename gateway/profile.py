@@ -61,8 +61,12 @@ async def _one(stub, msg) -> list[common_pb2.StepStats]:
 
 async def measure_cell(stub, prompts: Sequence[list[int]], batch: int, k: int, method: int,
                        max_tokens: int, tag: str) -> tuple[float | None, list]:
-    msgs = [_start(prompts[i % len(prompts)], k, method, max_tokens, f"profile-{tag}-{i}")
-            for i in range(batch)]
+    # max_tokens per K + 1: a request then lasts about as many steps at any K. With the
+    # same token count at every K, requests at large K ended while later ones of the
+    # batch were still in chunked prefill, so the batch never decoded all at once and
+    # the only full-batch steps carried prefill chunks (seconds instead of ms).
+    msgs = [_start(prompts[i % len(prompts)], k, method, max_tokens * (k + 1),
+                   f"profile-{tag}-{i}") for i in range(batch)]
     results = await asyncio.gather(*(_one(stub, m) for m in msgs))
     steps = [s for r in results for s in r]
     full = [s.step_time_ms for s in steps if s.batch_size == batch]
@@ -155,7 +159,8 @@ def add_arguments(p) -> None:
                    "table of its own (default: the verifier's first drafter)")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16])
     p.add_argument("--ks", type=_ints, default=[0, 1, 2, 3, 4, 6, 8])
-    p.add_argument("--max-tokens", type=int, default=24, help="tokens per request per cell")
+    p.add_argument("--max-tokens", type=int, default=24,
+                   help="tokens per request per cell, times K + 1")
     from specdec.models.prepare import cache_dir
 
     p.add_argument("--output", default=str(cache_dir() / "profile.json"))
