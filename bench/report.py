@@ -26,7 +26,11 @@ SECTIONS = [
     ("serving.md", "Serving grid: drafters x K x concurrency, beside peers", "python -m bench.serving"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),
     ("verifier.md", "Verify step against decode step", "python -m bench.verifier"),
-    ("drafters.md", "Drafters, single stream", "python -m bench.drafters"),
+    ("drafters.md", "Drafters, single stream (its eagle3 rows are an earlier head's)",
+     "python -m bench.drafters"),
+    ("drafters_eagle3.md", "The current EAGLE-3 head, single stream",
+     "python -m bench.drafters --methods eagle3 --ks 1,2,4 --no-pipelining "
+     "--out bench/results/drafters_eagle3.json"),
     ("gateway.md", "Static against dynamic K under concurrency", "python -m bench.gateway"),
     ("peers.md", "Against peers", "make bench-peers"),
 ]
