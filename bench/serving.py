@@ -434,7 +434,6 @@ def main(argv: list[str] | None = None) -> None:
         args.methods, args.ks, args.concurrency = ["ngram"], [2], [1, 4]
         args.requests, args.max_tokens, args.profile_tokens = 2, 8, 4
     systems = set(args.systems.split(","))
-    torch.set_num_threads(args.threads)
 
     t_start = time.perf_counter()
     load0 = round(os.getloadavg()[0], 2)
