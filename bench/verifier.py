@@ -339,7 +339,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="torch CPU threads (default: all cores)")
     ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--ks", default="1,2,4,8")
     ap.add_argument("--context", type=int, default=256, help="prefilled tokens per sequence")
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=3)

@@ -46,11 +46,18 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
 
+# Rows from which a projection runs on the oneDNN-packed weight. Below, F.linear
+# (MKL's GEMV-like path) is faster; from 4 rows on it falls off a cliff (SmolLM2's
+# lm_head, 2 threads: 4.4 / 5.6 / 6.4 ms for 1 / 2 / 3 rows, then 9.3 / 12.5 ms for
+# 4 / 5, packed 5.0 / 5.2). Whole verify steps at batch 1 (K = 1, 2) cost 1.04x /
+# 1.12x a decode step this way, 1.22x / 1.27x with packed weights from 2 rows on.
+PACKED_MIN_ROWS = 4
+
+
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    # One row (a decode step) stays on F.linear: measured ~10% faster there.
     # getattr: the EAGLE head swaps in a plain nn.Linear for some projections.
     packed = getattr(layer, "packed", None)
-    if packed is not None and x.shape[0] > 1:
+    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
     return F.linear(x, layer.weight, layer.bias)
 
