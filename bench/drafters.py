@@ -207,6 +207,7 @@ class Run:
     decode_tokens: int = 0  # tokens after the first message's
     decode_steps: int = 0
     draft_wait_ms: float = 0.0  # summed over decode steps
+    step_ms: float = 0.0  # the verifier's step times (draft wait included), summed likewise
     # Steps the verifier ran without drafts, reason DEADLINE: `late` waited out the
     # deadline; `empty` did not (the step right after a late one, which does not ask the
     # drafter; verifiers before commit a697400 also gave this reason to a drafter that
@@ -247,6 +248,7 @@ def generate(stub, prompt_ids: list[int], max_tokens: int, method: str, k: int, 
             run.decode_tokens += len(resp.token_ids)
             run.decode_steps += bool(resp.token_ids)
             run.draft_wait_ms += resp.step_stats.draft_wait_ms
+            run.step_ms += resp.step_stats.step_time_ms
         if resp.step_stats.disabled_reason == common_pb2.DISABLED_REASON_DEADLINE:
             if resp.step_stats.draft_wait_ms >= 0.9 * deadline_ms:
                 run.late += 1
@@ -338,6 +340,10 @@ def aggregate(runs: list[dict]) -> dict:
         "mean_draft_len": sum(r["num_draft_tokens"] for r in runs) / drafts if drafts else 0.0,
         "drafting_step_share": drafts / max(steps + len(runs), 1),
         "draft_wait_ms_per_step": sum(r["draft_wait_ms"] for r in runs) / steps if steps else 0.0,
+        # The verifier's step against the client's time per step: the difference is what
+        # passes between steps (the service's loop, the wire to the client).
+        "step_ms_per_step": sum(r.get("step_ms", 0.0) for r in runs) / steps if steps else 0.0,
+        "wall_ms_per_step": 1e3 * seconds / steps if steps else 0.0,
         "late_steps": sum(r["late"] for r in runs),
         "empty_steps": sum(r["empty"] for r in runs),
         "identical": sum(r.get("identical", True) for r in runs),
@@ -520,11 +526,12 @@ def render(result: dict) -> str:
         f"{result['load_average_1min'][1]}.",
         "",
         "AL = acceptance length; tok/s = decode tokens/s (prefill excluded); x = speedup over "
-        "plain decoding of the same prompts in the same run; wait = draft wait per decode step.",
+        "plain decoding of the same prompts in the same run; wait = draft wait per decode step; "
+        "step / wall = the verifier's step time (wait included) / the client's time per decode step.",
         "",
         "| method | K | copy-heavy AL | tok/s | x | chat/other AL | tok/s | x | all AL | x "
-        "| identical | TTFT ms | wait ms | late / empty steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| identical | TTFT ms | wait ms | step / wall ms | late / empty steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["summary"]:
         g = row["groups"]
@@ -540,7 +547,8 @@ def render(result: dict) -> str:
                                                       if a["near_ties"] else "")
         lines.append(f"| {row['method']} | {row['k'] or '-'} | {cells[0]} | {cells[1]} | {al} | "
                      f"{a['speedup']:.2f}x | {ident} | {a['ttft_ms_mean']:.0f} | "
-                     f"{a['draft_wait_ms_per_step']:.1f} | {a['late_steps']} / {a['empty_steps']} |")
+                     f"{a['draft_wait_ms_per_step']:.1f} | {a.get('step_ms_per_step', 0):.1f} / "
+                     f"{a.get('wall_ms_per_step', 0):.1f} | {a['late_steps']} / {a['empty_steps']} |")
     lines += ["", "Targets:", ""]
     for t in result["targets"]:
         lines.append(f"- {t['target']}: {t['value']:.2f} at K={t['k']} -> "
