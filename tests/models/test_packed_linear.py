@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from specdec.models import load_model
-from specdec.models.llama import Linear
+from specdec.models.llama import PACKED_MIN_ROWS, Linear, linear
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -58,3 +58,21 @@ def test_smollm2_packed_matches_plain(smollm2_dir):
     plain = load_model(smollm2_dir, dtype="float32", pack_linear=False)
     torch.testing.assert_close(step_logits(packed, [1, 5, 9]), step_logits(plain, [1, 5, 9]),
                                rtol=0, atol=1e-4)
+
+
+
+def test_packed_path_from_min_rows():
+    """Fewer rows than PACKED_MIN_ROWS run on F.linear (faster there), more on the
+    packed weight: bit-for-bit the output of the path each takes. (At this size the
+    two kernels round differently, so each path is told apart.)"""
+    torch.manual_seed(0)
+    layer = Linear(576, 256, bias=True)
+    layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, PACKED_MIN_ROWS + 3):
+        x = torch.randn(rows, 576, generator=gen)
+        plain = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        packed = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+        assert not torch.equal(plain, packed), f"{rows} rows: the paths agree bit for bit"
+        want = packed if rows >= PACKED_MIN_ROWS else plain
+        assert torch.equal(linear(x, layer), want), f"{rows} rows took the other path"
