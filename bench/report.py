@@ -23,9 +23,7 @@ END = "<!-- bench:end -->"
 
 # (results file, heading, what produced it). Files that do not exist yet are skipped.
 SECTIONS = [
-    ("serving.md", "Serving grid: drafters x K x concurrency, beside peers (run before the "
-     "2-3-row projections moved to F.linear; its eagle3 rows are the stage-2 head's)",
-     "python -m bench.serving"),
+    ("serving.md", "Serving grid: drafters x K x concurrency, beside peers", "python -m bench.serving"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),
     ("verifier.md", "Verify step against decode step", "python -m bench.verifier"),
     ("drafters.md", "Drafters, single stream (its eagle3 rows are an earlier head's)",
