@@ -342,7 +342,7 @@ def aggregate(runs: list[dict]) -> dict:
         "draft_wait_ms_per_step": sum(r["draft_wait_ms"] for r in runs) / steps if steps else 0.0,
         # The verifier's step against the client's time per step: the difference is what
         # passes between steps (the service's loop, the wire to the client).
-        "step_ms_per_step": sum(r.get("step_ms", 0.0) for r in runs) / steps if steps else 0.0,
+        "step_ms_per_step": sum(r["step_ms"] for r in runs) / steps if steps else 0.0,
         "wall_ms_per_step": 1e3 * seconds / steps if steps else 0.0,
         "late_steps": sum(r["late"] for r in runs),
         "empty_steps": sum(r["empty"] for r in runs),
@@ -547,8 +547,8 @@ def render(result: dict) -> str:
                                                       if a["near_ties"] else "")
         lines.append(f"| {row['method']} | {row['k'] or '-'} | {cells[0]} | {cells[1]} | {al} | "
                      f"{a['speedup']:.2f}x | {ident} | {a['ttft_ms_mean']:.0f} | "
-                     f"{a['draft_wait_ms_per_step']:.1f} | {a.get('step_ms_per_step', 0):.1f} / "
-                     f"{a.get('wall_ms_per_step', 0):.1f} | {a['late_steps']} / {a['empty_steps']} |")
+                     f"{a['draft_wait_ms_per_step']:.1f} | {a['step_ms_per_step']:.1f} / "
+                     f"{a['wall_ms_per_step']:.1f} | {a['late_steps']} / {a['empty_steps']} |")
     lines += ["", "Targets:", ""]
     for t in result["targets"]:
         lines.append(f"- {t['target']}: {t['value']:.2f} at K={t['k']} -> "

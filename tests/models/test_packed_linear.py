@@ -60,7 +60,6 @@ def test_smollm2_packed_matches_plain(smollm2_dir):
                                rtol=0, atol=1e-4)
 
 
-
 def test_packed_path_from_min_rows():
     """Fewer rows than PACKED_MIN_ROWS run on F.linear (faster there), more on the
     packed weight: bit-for-bit the output of the path each takes. (At this size the
