@@ -127,10 +127,18 @@ def _executable(name: str) -> str:
 
 
 class LocalStack:
-    def __init__(self, services: list[LocalService], log_dir: Path, log=print):
+    def __init__(self, services: list[LocalService], log_dir: Path, log=print,
+                 start_attempts: int = 3):
         self.services = services
         self.log_dir = log_dir
         self.log = log
+        # A service that exits before it is healthy is started again, as compose's
+        # `restart: unless-stopped` would, up to this many starts in all. The local ports
+        # (50050-50063) lie in Linux's ephemeral range (32768-60999): any client socket on
+        # the host (a drafter stream of the verifier, a health check) can hold one as its
+        # source port at the moment a service binds it, and a new start binds it once the
+        # socket has moved on.
+        self.start_attempts = start_attempts
         self.procs: dict[str, subprocess.Popen] = {}
         self._stopping = threading.Event()
 
@@ -145,11 +153,19 @@ class LocalStack:
     def _wait_healthy(self, svc: LocalService, deadline: float) -> None:
         if svc.health is None:
             return
+        starts = 1
         while not check_health(svc.health, timeout_s=1.0):
             proc = self.procs[svc.name]
             if proc.poll() is not None:
-                raise RuntimeError(f"{svc.name} exited with code {proc.returncode} at start; "
-                                   f"see {self.log_dir / (svc.name + '.log')}")
+                if starts >= self.start_attempts:
+                    raise RuntimeError(
+                        f"{svc.name} exited with code {proc.returncode} at start "
+                        f"({starts} starts); see {self.log_dir / (svc.name + '.log')}")
+                self.log(f"{svc.name} exited with code {proc.returncode} at start; "
+                         f"starting it again")
+                time.sleep(1.0)  # a short-lived holder of its port moves on
+                self._spawn(svc)
+                starts += 1
             if time.monotonic() > deadline or self._stopping.is_set():
                 raise TimeoutError(f"{svc.name} not healthy at {svc.health}; see "
                                    f"{self.log_dir / (svc.name + '.log')}")

@@ -1,8 +1,10 @@
 """compose.yaml is the one list of services: the local launcher reads it, and
-every command in it is valid for the CLI it calls."""
+every command in it is valid for the CLI it calls. The launcher starts a service
+again when it exits at start."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,8 @@ import yaml
 
 from drafter.__main__ import build_parser as drafter_parser
 from gateway.__main__ import build_parser as gateway_parser
-from specdec.launch import COMPOSE_FILE, interpolate, local_services
+from specdec.launch import COMPOSE_FILE, LocalService, LocalStack, interpolate, local_services
+from specdec.server import check_health
 from verifier.__main__ import build_parser as verifier_parser
 
 PARSERS = {"specdec-drafter": drafter_parser, "specdec-verifier": verifier_parser,
@@ -78,3 +81,47 @@ def test_bad_compose_files_are_named(tmp_path: Path):
                  "{a: {condition: service_healthy}}}}\nx-local: {services: [a, b]}\n")
     with pytest.raises(ValueError, match="dependency cycle"):
         local_services(f, {})
+
+
+# A service for LocalStack: it exits with code 3 while MARKER holds a positive count
+# (counting it down), then serves gRPC health on PORT until stopped.
+_FLAKY = """
+import asyncio, sys
+from pathlib import Path
+from specdec.server import serve_until_signal, start_server
+marker, port = Path(sys.argv[1]), sys.argv[2]
+left = int(marker.read_text())
+if left > 0:
+    marker.write_text(str(left - 1))
+    sys.exit(3)
+async def main():
+    await serve_until_signal(await start_server(f"127.0.0.1:{port}", lambda s: None, []))
+asyncio.run(main())
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("failures,healthy", [(2, True), (3, False)])
+def test_local_stack_starts_a_service_again_when_it_exits_at_start(tmp_path: Path, failures,
+                                                                   healthy):
+    marker = tmp_path / "left"
+    marker.write_text(str(failures))
+    port = _free_port()
+    svc = LocalService("flaky", ("python", "-c", _FLAKY, str(marker), str(port)),
+                       f"127.0.0.1:{port}", ())
+    logged: list[str] = []
+    with LocalStack([svc], tmp_path / "logs", log=logged.append, start_attempts=3) as stack:
+        if healthy:
+            stack.start(timeout_s=60)
+            assert check_health(f"127.0.0.1:{port}")
+        else:
+            with pytest.raises(RuntimeError, match=r"flaky exited with code 3 at start "
+                                                   r"\(3 starts\); see .*flaky\.log"):
+                stack.start(timeout_s=60)
+    assert marker.read_text() == "0"
+    assert sum("starting it again" in line for line in logged) == 2

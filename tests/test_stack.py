@@ -32,20 +32,9 @@ def stack(smollm2_dir, tmp_path_factory):
     env = {"SPECDEC_MODEL_ROOT": str(smollm2_dir.parent), "SPECDEC_MODEL": smollm2_dir.name,
            "EAGLE3_HEAD": str(EAGLE3_HEAD), "SPECDEC_THREADS": "1", **os.environ}
     stop = threading.Event()
-    # The stack's fixed ports (50050, 50051, ...) lie in Linux's ephemeral range, so a
-    # client socket of this run (a drafter stream of the verifier, a health check) can
-    # hold one as its source port when a service binds it: that service exits at start.
-    # A fresh start draws new source ports.
-    for attempt in range(3):
-        s = LocalStack(local_services(environ=env), tmp_path_factory.mktemp("logs"),
-                       log=lambda _: None)
-        try:
-            s.start(timeout_s=300)
-            break
-        except RuntimeError:
-            s.stop()
-            if attempt == 2:
-                raise
+    s = LocalStack(local_services(environ=env), tmp_path_factory.mktemp("logs"),
+                   log=lambda _: None)
+    s.start(timeout_s=300)
     try:
         supervisor = threading.Thread(target=s.supervise, args=(stop, 0.2), daemon=True)
         supervisor.start()
