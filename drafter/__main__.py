@@ -28,6 +28,8 @@ _METHOD_OPTIONS = {
     "num_kv_blocks": "num_kv_blocks",
     "max_model_len": "max_model_len",
     "sample_drafts": "sample",
+    "lookup_min": "lookup_min_n",
+    "lookup_max": "lookup_max_n",
 }
 
 
@@ -47,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest K a proposal can have (method default: 8)")
     parser.add_argument("--ngram-min", type=int, metavar="N", help="shortest n-gram to match")
     parser.add_argument("--ngram-max", type=int, metavar="N", help="longest n-gram to match")
+    parser.add_argument("--lookup-min", type=int, metavar="N",
+                        help="eagle/eagle3: draft by prompt lookup where the context's last N or "
+                             "more tokens occurred before, by the head elsewhere (0 = the head "
+                             "alone, the default)")
+    parser.add_argument("--lookup-max", type=int, metavar="N",
+                        help="eagle/eagle3: longest n-gram lookup matches (default 4)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                         help="dtype of the draft model's weights (method default: float32)")
     parser.add_argument("--device", help="torch device of the draft model, e.g. cuda:1 "

@@ -16,6 +16,13 @@ as vLLM's EAGLE proposer does, and then drops the draft rows from the cache
 again: the next outcome brings the target's own features for whatever was
 accepted. Drafts are greedy and carry no probabilities (one-hot q, exact).
 
+With lookup on (`lookup_min_n` > 0), a sequence whose context ends in an
+n-gram of at least that many tokens seen earlier in it gets the prompt-lookup
+draft (drafter/ngram.py) instead: the head copies badly (it drafts a quoted
+passage or the code being edited far worse than lookup does), and lookup
+costs no forward. Its features still join the head cache, at the next step
+the head drafts, so the head context never goes stale.
+
 A sequence started without features (a reconnect re-starts it with its
 output so far) has none for its old positions and never will: its head
 context begins at the first position whose feature arrives, and drafting
@@ -29,10 +36,12 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from drafter.eagle_model import DraftHead, load_head
 from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
+from drafter.ngram import find_continuation
 from drafter.registry import register
 from specdec.pb import common_pb2
 
@@ -77,11 +86,14 @@ class _EagleMethod(DraftMethod):
 
     def __init__(self, model_dir: str | Path | None = None, target_dir: str | Path | None = None,
                  dtype: str = "float32", device: str = "cpu", max_num_speculative_tokens: int = 8,
-                 num_kv_blocks: int = 2048, block_size: int = 16):
+                 num_kv_blocks: int = 2048, block_size: int = 16, lookup_min_n: int = 0,
+                 lookup_max_n: int = 4):
         """model_dir: the head (config.json + safetensors); target_dir: the target model
         it drafts for (its config, embedding / lm_head where the head has none, and
         its tokenizer for the fingerprint). num_kv_blocks x block_size positions of head
-        KV cache are shared by all sequences; one that does not fit gets no draft."""
+        KV cache are shared by all sequences; one that does not fit gets no draft.
+        lookup_min_n > 0: prompt lookup (n-grams of lookup_min_n..lookup_max_n tokens)
+        drafts where it finds a match, the head elsewhere; 0 = the head alone."""
         if model_dir is None or target_dir is None:
             raise ValueError(f"{self.name} needs its head (model_dir, --model) and the target "
                              f"model directory (target_dir, --target)")
@@ -90,6 +102,10 @@ class _EagleMethod(DraftMethod):
                              f"{block_size}")
         if not Path(target_dir).is_dir():
             raise ValueError(f"target_dir {target_dir}: not a directory")
+        if lookup_min_n < 0 or (lookup_min_n and lookup_max_n < lookup_min_n):
+            raise ValueError(f"lookup n-gram sizes need 0 <= lookup_min_n <= lookup_max_n, got "
+                             f"lookup_min_n={lookup_min_n}, lookup_max_n={lookup_max_n}")
+        self.lookup_min_n, self.lookup_max_n = lookup_min_n, lookup_max_n
         self.head: DraftHead = load_head(self.name, model_dir, target_dir, dtype, device)
         cfg = self.head.config
         vocab_size, tokenizer_hash = _fingerprint(Path(target_dir), cfg.vocab_size)
@@ -138,10 +154,19 @@ class _EagleMethod(DraftMethod):
     def propose(self, wanted: dict[Hashable, int]) -> dict[Hashable, Draft]:
         cap = self._info.max_num_speculative_tokens
         plan: list[tuple[Hashable, _Seq, int]] = []  # (key, seq, K)
+        looked_up: dict[Hashable, Draft] = {}
         free_blocks = self._cache.num_free_blocks
         for key, k in wanted.items():
             seq, k = self._seqs.get(key), min(k, cap)
-            if seq is None or k < 1 or not self._can_draft(seq):
+            if seq is None or k < 1:
+                continue
+            if self.lookup_min_n:
+                copy = find_continuation(np.asarray(seq.tokens, dtype=np.int64),
+                                         self.lookup_min_n, self.lookup_max_n, k)
+                if copy.size:
+                    looked_up[key] = Draft(copy.tolist())
+                    continue
+            if not self._can_draft(seq):
                 continue
             need = self._cache.blocks_needed(seq.cache_id, self._rows_ready(seq) + k - 1)
             if need > free_blocks:
@@ -149,7 +174,7 @@ class _EagleMethod(DraftMethod):
             free_blocks -= need
             plan.append((key, seq, k))
         if not plan:
-            return {}
+            return looked_up
         self._catch_up([(seq, rows) for _, seq, _ in plan if (rows := self._rows_ready(seq))])
         try:
             steps = self._draft([seq for _, seq, _ in plan], [k for _, _, k in plan])
@@ -160,7 +185,7 @@ class _EagleMethod(DraftMethod):
         for active, ids in steps:
             for i, tok in zip(active, ids.tolist(), strict=True):
                 drafts[i].append(tok)
-        return {key: Draft(d) for (key, _, _), d in zip(plan, drafts, strict=True)}
+        return looked_up | {key: Draft(d) for (key, _, _), d in zip(plan, drafts, strict=True)}
 
     def free(self, key: Hashable) -> None:
         seq = self._seqs.pop(key, None)

@@ -340,6 +340,35 @@ def test_rollback_and_a_full_head_cache(tmp_path, target_dir, target):
     assert method.propose({"t": 2})["t"].token_ids == drv.reference(ref, "t", 2)
 
 
+def test_lookup_drafts_where_the_context_repeats_and_the_head_elsewhere(tmp_path, target_dir,
+                                                                        target):
+    tensors = head_tensors("eagle3", seed=9)
+    save_head(tmp_path / "head", "eagle3", tensors)
+    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64", lookup_min_n=2)
+    ref = Reference("eagle3", tensors, target)
+    drv = Driver(method)
+    # "copy" ends in 5, 6 (the first token), seen before and followed by 7, 8, 9;
+    # "fresh" repeats no 2-gram.
+    drv.start("copy", [20, 5, 6, 7, 8, 9, 21, 22, 5])
+    drv.prefill("copy", [9], 6)
+    drv.start("fresh", [30, 31, 32, 33])
+    drv.prefill("fresh", [4], 34)
+    drafts = method.propose({"copy": 3, "fresh": 3})
+    assert drafts["copy"].token_ids == [7, 8, 9]
+    assert drafts["fresh"].token_ids == drv.reference(ref, "fresh", 3)
+    # Two accepted, then a bonus token that ends the match: the head drafts again, from
+    # a cache that took in the states sent while lookup drafted.
+    drv.decode("copy", [7, 8, 40])
+    assert method.propose({"copy": 2})["copy"].token_ids == drv.reference(ref, "copy", 2)
+    # A 1-token match is below lookup_min_n: still the head.
+    drv.decode("copy", [9])
+    assert method.propose({"copy": 2})["copy"].token_ids == drv.reference(ref, "copy", 2)
+    assert drv.tokens["copy"][-2:] == [40, 9]
+    for bad in (dict(lookup_min_n=-1), dict(lookup_min_n=3, lookup_max_n=2)):
+        with pytest.raises(ValueError, match="0 <= lookup_min_n <= lookup_max_n"):
+            Eagle3Method(tmp_path / "head", target_dir, **bad)
+
+
 @pytest.mark.parametrize(("kind", "config", "layers"), [
     ("eagle", {}, [TARGET_LAYERS]),
     ("eagle3", {}, [2, 4, 5]),
@@ -428,6 +457,11 @@ def test_command_line_builds_the_method(kind, tmp_path, target_dir):
     info = method.info()
     assert (info.max_num_speculative_tokens, info.hidden_state_dtype) == (5, F64)
     assert info.model_name == "head"
+    assert method.lookup_min_n == 0
+    args = build_parser().parse_args([
+        "--method", kind, "--model", str(tmp_path / "head"), "--target", str(target_dir),
+        "--lookup-min", "2", "--lookup-max", "6"])
+    assert (build_method(args).lookup_min_n, build_method(args).lookup_max_n) == (2, 6)
 
 
 # -- end to end: a real verifier, greedy output unchanged --------------------------------

@@ -32,6 +32,7 @@ def _free_port() -> int:
     (["--method", "eagle9"], "invalid choice: 'eagle9' (choose from "),
     ([], "the following arguments are required: --method"),
     (["--method", "ngram", "--model", "/m"], "--model does not apply to method 'ngram'"),
+    (["--method", "ngram", "--lookup-min", "2"], "--lookup-min does not apply to method 'ngram'"),
     (["--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "min_n=3, max_n=2"),
     (["--method", "ngram", "--max-num-speculative-tokens", "0"], "max_num_speculative_tokens"),
     (["--method", "ngram", "--port", "70000"], "--port 70000 is not in 0..65535"),
