@@ -18,10 +18,12 @@ accepted. Drafts are greedy and carry no probabilities (one-hot q, exact).
 
 With lookup on (`lookup_min_n` > 0), a sequence whose context ends in an
 n-gram of at least that many tokens seen earlier in it gets the prompt-lookup
-draft (drafter/ngram.py) instead: the head copies badly (it drafts a quoted
-passage or the code being edited far worse than lookup does), and lookup
-costs no forward. Its features still join the head cache, at the next step
-the head drafts, so the head context never goes stale.
+draft (drafter/ngram.py) instead, and a head chain whose context plus drafts
+runs into such an n-gram takes the lookup continuation from there: the head
+copies badly (it drafts a quoted passage or the code being edited far worse
+than lookup does), and lookup costs no forward. The features of steps drafted
+by lookup still join the head cache at the next step the head drafts, so the
+head context never goes stale.
 
 A sequence started without features (a reconnect re-starts it with its
 output so far) has none for its old positions and never will: its head
@@ -177,14 +179,10 @@ class _EagleMethod(DraftMethod):
             return looked_up
         self._catch_up([(seq, rows) for _, seq, _ in plan if (rows := self._rows_ready(seq))])
         try:
-            steps = self._draft([seq for _, seq, _ in plan], [k for _, _, k in plan])
+            drafts = self._draft([seq for _, seq, _ in plan], [k for _, _, k in plan])
         finally:
             for _, seq, _ in plan:
                 self._cache.truncate(seq.cache_id, seq.kv_end - seq.kv_begin)
-        drafts: list[list[int]] = [[] for _ in plan]
-        for active, ids in steps:
-            for i, tok in zip(active, ids.tolist(), strict=True):
-                drafts[i].append(tok)
         return looked_up | {key: Draft(d) for (key, _, _), d in zip(plan, drafts, strict=True)}
 
     def free(self, key: Hashable) -> None:
@@ -263,16 +261,31 @@ class _EagleMethod(DraftMethod):
             seq.kv_end += rows
             seq.last_out = last[i]
 
-    def _draft(self, seqs: list[_Seq], ks: list[int]) -> list[tuple[list[int], torch.Tensor]]:
-        """Greedy drafts of each sequence, K_i of them: per step, the indices of the
-        sequences still drafting and their [A] token ids."""
+    def _draft(self, seqs: list[_Seq], ks: list[int]) -> list[list[int]]:
+        """Greedy drafts of each sequence, K_i of them, one batched head step per position.
+        With lookup on, a chain whose context plus drafts so far ends in a repeated n-gram
+        takes the lookup continuation for the rest of its K and leaves the batch."""
         dev = self.head.device
+        drafts: list[list[int]] = [[] for _ in seqs]
         hidden = torch.stack([seq.last_out for seq in seqs])  # [B, H]
-        ids = self.head.draft_token_ids(hidden)
+        ids = self.head.draft_token_ids(hidden)  # [B]
         active = list(range(len(seqs)))
-        steps = [(active, ids)]
-        for step in range(1, max(ks)):
-            keep = [j for j, i in enumerate(active) if ks[i] > step]
+        step = 1
+        while True:
+            keep = []
+            for j, (i, tok) in enumerate(zip(active, ids.tolist(), strict=True)):
+                drafts[i].append(tok)
+                left = ks[i] - len(drafts[i])
+                if left and self.lookup_min_n:
+                    copy = find_continuation(np.asarray(seqs[i].tokens + drafts[i], dtype=np.int64),
+                                             self.lookup_min_n, self.lookup_max_n, left)
+                    if copy.size:
+                        drafts[i] += copy.tolist()
+                        continue
+                if left:
+                    keep.append(j)
+            if not keep:
+                return drafts
             if len(keep) < len(active):
                 index = torch.tensor(keep, device=dev)
                 hidden, ids = hidden.index_select(0, index), ids.index_select(0, index)
@@ -281,8 +294,7 @@ class _EagleMethod(DraftMethod):
             positions = torch.tensor([seqs[i].kv_end + step - 1 for i in active], device=dev)
             hidden = self.head(ids, hidden, positions, meta, self._cache)
             ids = self.head.draft_token_ids(hidden)
-            steps.append((active, ids))
-        return steps
+            step += 1
 
 
 def _fingerprint(target_dir: Path, vocab_size: int) -> tuple[int, str]:

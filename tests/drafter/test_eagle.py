@@ -369,6 +369,27 @@ def test_lookup_drafts_where_the_context_repeats_and_the_head_elsewhere(tmp_path
             Eagle3Method(tmp_path / "head", target_dir, **bad)
 
 
+def test_lookup_takes_over_a_head_chain_that_runs_into_a_repeat(tmp_path, target_dir):
+    tensors = head_tensors("eagle3", seed=9)
+    tensors["lm_head.weight"].zero_()  # all logits tie: the head always drafts draft id 0
+    t0 = int(tensors["d2t"][0])
+    save_head(tmp_path / "head", "eagle3", tensors)
+    x, a, b, c, d, e, f = [v for v in range(50, 60) if v != t0][:7]
+    # The context ends in (b, x): x occurred before but after another token, so lookup
+    # has no 2-gram to start from; once the head has drafted t0, (x, t0) has occurred,
+    # followed by c, d, e.
+    prompt = [a, x, t0, c, d, e, f, b]
+    drafts = {}
+    for lookup in (0, 2):
+        method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64",
+                              lookup_min_n=lookup)
+        drv = Driver(method)
+        drv.start("s", prompt)
+        drv.prefill("s", [len(prompt)], x)
+        drafts[lookup] = method.propose({"s": 4})["s"].token_ids
+    assert drafts == {0: [t0] * 4, 2: [t0, c, d, e]}
+
+
 @pytest.mark.parametrize(("kind", "config", "layers"), [
     ("eagle", {}, [TARGET_LAYERS]),
     ("eagle3", {}, [2, 4, 5]),
