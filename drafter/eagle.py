@@ -43,7 +43,7 @@ import torch
 
 from drafter.eagle_model import DraftHead, load_head
 from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
-from drafter.ngram import find_continuation
+from drafter.ngram import TokenBuffer, find_continuation
 from drafter.registry import register
 from specdec.pb import common_pb2
 
@@ -56,7 +56,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 @dataclass(slots=True)
 class _Seq:
     cache_id: int
-    tokens: list[int]  # committed context t_0 .. t_{n-1}
+    tokens: TokenBuffer  # committed context t_0 .. t_{n-1}
     kv_begin: int = 0  # first position in the head cache (> 0 only after features went missing)
     kv_end: int = 0  # positions kv_begin .. kv_end - 1 are committed rows of the head cache
     pending: list[torch.Tensor] = field(default_factory=list)  # [p, H] features of kv_end ..
@@ -133,7 +133,7 @@ class _EagleMethod(DraftMethod):
               sampling: DraftSampling, max_k: int) -> None:
         # Greedy whatever the sampling: one-hot drafts stay exact under rejection sampling.
         self.free(key)
-        seq = _Seq(next(self._cache_ids), list(prompt_ids) + list(output_ids))
+        seq = _Seq(next(self._cache_ids), TokenBuffer(list(prompt_ids) + list(output_ids)))
         self._cache.add(seq.cache_id)
         self._seqs[key] = seq
 
@@ -163,8 +163,8 @@ class _EagleMethod(DraftMethod):
             if seq is None or k < 1:
                 continue
             if self.lookup_min_n:
-                copy = find_continuation(np.asarray(seq.tokens, dtype=np.int64),
-                                         self.lookup_min_n, self.lookup_max_n, k)
+                copy = find_continuation(seq.tokens.view(), self.lookup_min_n,
+                                         self.lookup_max_n, k)
                 if copy.size:
                     looked_up[key] = Draft(copy.tolist())
                     continue
@@ -230,7 +230,7 @@ class _EagleMethod(DraftMethod):
         if n < 0:
             raise ValueError(f"num_rollback_tokens {num} exceeds the context's "
                              f"{len(seq.tokens)} tokens")
-        del seq.tokens[n:]
+        seq.tokens.drop(num)
         # Row i used t_{i+1}; feature f_i used t_0..t_i.
         if seq.kv_end > max(n - 1, seq.kv_begin):
             self._cut(seq, max(n - 1, seq.kv_begin))
@@ -249,9 +249,9 @@ class _EagleMethod(DraftMethod):
             return
         dev = self.head.device
         meta = self._cache.plan([(seq.cache_id, rows) for seq, rows in work])
-        ids = torch.tensor([t for seq, rows in work
-                            for t in seq.tokens[seq.kv_end + 1: seq.kv_end + 1 + rows]],
-                           device=dev)
+        ids = torch.from_numpy(np.concatenate(
+            [seq.tokens.view()[seq.kv_end + 1: seq.kv_end + 1 + rows] for seq, rows in work]
+        )).to(dev, torch.int64)  # [T]
         features = torch.cat([seq.pending_features()[:rows] for seq, rows in work])
         positions = torch.cat([torch.arange(seq.kv_end, seq.kv_end + rows) for seq, rows in work])
         out = self.head(ids, features, positions.to(dev), meta, self._cache)  # [T, H]
@@ -277,8 +277,10 @@ class _EagleMethod(DraftMethod):
                 drafts[i].append(tok)
                 left = ks[i] - len(drafts[i])
                 if left and self.lookup_min_n:
-                    copy = find_continuation(np.asarray(seqs[i].tokens + drafts[i], dtype=np.int64),
-                                             self.lookup_min_n, self.lookup_max_n, left)
+                    context = np.concatenate((seqs[i].tokens.view(),
+                                              np.asarray(drafts[i], dtype=np.int32)))
+                    copy = find_continuation(context, self.lookup_min_n, self.lookup_max_n,
+                                             left)
                     if copy.size:
                         drafts[i] += copy.tolist()
                         continue

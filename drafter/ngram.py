@@ -48,7 +48,7 @@ def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.
     return tokens[best_end + 1:best_end + 1 + k]
 
 
-class _TokenBuffer:
+class TokenBuffer:
     """A sequence's committed tokens: amortised O(1) append, O(1) rollback."""
 
     def __init__(self, tokens: list[int]):
@@ -73,6 +73,9 @@ class _TokenBuffer:
     def view(self) -> np.ndarray:
         return self._data[:self._len]  # [L] int32, valid until the next extend
 
+    def __len__(self) -> int:
+        return self._len
+
 
 @register
 class NgramMethod(DraftMethod):
@@ -92,7 +95,7 @@ class NgramMethod(DraftMethod):
             tokenizer_hash=tokenizer_hash,
             max_num_speculative_tokens=max_num_speculative_tokens,
         )
-        self._contexts: dict[Hashable, _TokenBuffer] = {}
+        self._contexts: dict[Hashable, TokenBuffer] = {}
 
     @property
     def num_sequences(self) -> int:
@@ -104,7 +107,7 @@ class NgramMethod(DraftMethod):
     def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
               sampling: DraftSampling, max_k: int) -> None:
         # Lookup is deterministic whatever the sampling, and reserves nothing per K.
-        self._contexts[key] = _TokenBuffer(list(prompt_ids) + list(output_ids))
+        self._contexts[key] = TokenBuffer(list(prompt_ids) + list(output_ids))
 
     def advance(self, key: Hashable, num_drafted: int, num_accepted: int, new_token_ids: list[int],
                 num_rollback_tokens: int, hidden_states: torch.Tensor | None,
