@@ -30,6 +30,7 @@ _METHOD_OPTIONS = {
     "sample_drafts": "sample",
     "lookup_min": "lookup_min_n",
     "lookup_max": "lookup_max_n",
+    "min_confidence": "min_confidence",
 }
 
 
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "alone, the default)")
     parser.add_argument("--lookup-max", type=int, metavar="N",
                         help="eagle/eagle3: longest n-gram lookup matches (default 4)")
+    parser.add_argument("--min-confidence", type=float, metavar="P",
+                        help="eagle/eagle3: end a head chain before a draft the head gives a "
+                             "probability below P, after the first (default 0: K drafts)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                         help="dtype of the draft model's weights (method default: float32)")
     parser.add_argument("--device", help="torch device of the draft model, e.g. cuda:1 "

@@ -89,13 +89,15 @@ class _EagleMethod(DraftMethod):
     def __init__(self, model_dir: str | Path | None = None, target_dir: str | Path | None = None,
                  dtype: str = "float32", device: str = "cpu", max_num_speculative_tokens: int = 8,
                  num_kv_blocks: int = 2048, block_size: int = 16, lookup_min_n: int = 0,
-                 lookup_max_n: int = 4):
+                 lookup_max_n: int = 4, min_confidence: float = 0.0):
         """model_dir: the head (config.json + safetensors); target_dir: the target model
         it drafts for (its config, embedding / lm_head where the head has none, and
         its tokenizer for the fingerprint). num_kv_blocks x block_size positions of head
         KV cache are shared by all sequences; one that does not fit gets no draft.
         lookup_min_n > 0: prompt lookup (n-grams of lookup_min_n..lookup_max_n tokens)
-        drafts where it finds a match, the head elsewhere; 0 = the head alone."""
+        drafts where it finds a match, the head elsewhere; 0 = the head alone.
+        min_confidence: a head chain stops before a draft the head gives a lower
+        probability (after the first); 0 = always K drafts."""
         if model_dir is None or target_dir is None:
             raise ValueError(f"{self.name} needs its head (model_dir, --model) and the target "
                              f"model directory (target_dir, --target)")
@@ -108,6 +110,9 @@ class _EagleMethod(DraftMethod):
             raise ValueError(f"lookup n-gram sizes need 0 <= lookup_min_n <= lookup_max_n, got "
                              f"lookup_min_n={lookup_min_n}, lookup_max_n={lookup_max_n}")
         self.lookup_min_n, self.lookup_max_n = lookup_min_n, lookup_max_n
+        if not 0.0 <= min_confidence <= 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1], got {min_confidence}")
+        self.min_confidence = min_confidence
         self.head: DraftHead = load_head(self.name, model_dir, target_dir, dtype, device)
         cfg = self.head.config
         vocab_size, tokenizer_hash = _fingerprint(Path(target_dir), cfg.vocab_size)
@@ -262,18 +267,25 @@ class _EagleMethod(DraftMethod):
             seq.last_out = last[i]
 
     def _draft(self, seqs: list[_Seq], ks: list[int]) -> list[list[int]]:
-        """Greedy drafts of each sequence, K_i of them, one batched head step per position.
-        With lookup on, a chain whose context plus drafts so far ends in a repeated n-gram
-        takes the lookup continuation for the rest of its K and leaves the batch."""
+        """Greedy drafts of each sequence, up to K_i of them, one batched head step per
+        position. A chain stops early where the head's probability of its next draft is
+        below min_confidence (the first draft always stays). With lookup on, a chain whose
+        context plus drafts so far ends in a repeated n-gram takes the lookup
+        continuation for the rest of its K and leaves the batch."""
         dev = self.head.device
+        gate = self.min_confidence > 0
         drafts: list[list[int]] = [[] for _ in seqs]
         hidden = torch.stack([seq.last_out for seq in seqs])  # [B, H]
-        ids = self.head.draft_token_ids(hidden)  # [B]
+        ids, confidence = self.head.draft_token_ids(hidden, gate)  # [B], [B] or None
         active = list(range(len(seqs)))
         step = 1
         while True:
             keep = []
+            sure = [True] * len(active) if not gate or step == 1 else \
+                (confidence >= self.min_confidence).tolist()
             for j, (i, tok) in enumerate(zip(active, ids.tolist(), strict=True)):
+                if not sure[j]:
+                    continue
                 drafts[i].append(tok)
                 left = ks[i] - len(drafts[i])
                 if left and self.lookup_min_n:
@@ -295,7 +307,7 @@ class _EagleMethod(DraftMethod):
             meta = self._cache.plan([(seqs[i].cache_id, 1) for i in active])
             positions = torch.tensor([seqs[i].kv_end + step - 1 for i in active], device=dev)
             hidden = self.head(ids, hidden, positions, meta, self._cache)
-            ids = self.head.draft_token_ids(hidden)
+            ids, confidence = self.head.draft_token_ids(hidden, gate)
             step += 1
 
 

@@ -170,12 +170,16 @@ class DraftHead(nn.Module):
             x = layer(x, ctx)
         return x
 
-    def draft_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] row outputs -> [N] greedy drafts as target token ids."""
-        if self.norm is None:
-            return self.lm_head(hidden).argmax(-1)
-        ids = self.lm_head(self.norm(hidden)).argmax(-1)
-        return ids + self.d2t[ids]
+    def draft_token_ids(self, hidden: torch.Tensor,
+                        with_confidence: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden: [N, H] row outputs -> ([N] greedy drafts as target token ids, [N] the
+        head's probability of each draft when `with_confidence`, else None)."""
+        logits = self.lm_head(hidden if self.norm is None else self.norm(hidden))  # [N, V_draft]
+        if with_confidence:
+            confidence, ids = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        else:
+            confidence, ids = None, logits.argmax(-1)
+        return (ids if self.norm is None else ids + self.d2t[ids]), confidence
 
 
 # -- loading -----------------------------------------------------------------------------

@@ -390,6 +390,29 @@ def test_lookup_takes_over_a_head_chain_that_runs_into_a_repeat(tmp_path, target
     assert drafts == {0: [t0] * 4, 2: [t0, c, d, e]}
 
 
+def test_min_confidence_ends_head_chains_and_leaves_lookup_alone(tmp_path, target_dir):
+    tensors = head_tensors("eagle3", seed=9)
+    tensors["lm_head.weight"].zero_()  # every draft: draft id 0, probability 1 / DRAFT_VOCAB
+    t0 = int(tensors["d2t"][0])
+    save_head(tmp_path / "head", "eagle3", tensors)
+    x, a, b, c, d, e, f = [v for v in range(50, 60) if v != t0][:7]
+    got = {}
+    for conf in (0.0, 0.02, 0.5):  # 1 / DRAFT_VOCAB = 0.025
+        method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64", lookup_min_n=2,
+                              min_confidence=conf)
+        drv = Driver(method)
+        drv.start("copy", [a, x, t0, c, d, e, f, b])  # lookup after the head's t0
+        drv.prefill("copy", [8], x)
+        drv.start("fresh", [a, b, c])
+        drv.prefill("fresh", [3], d)
+        out = method.propose({"copy": 4, "fresh": 4})
+        got[conf] = (out["copy"].token_ids, out["fresh"].token_ids)
+    assert got == {0.0: ([t0, c, d, e], [t0] * 4), 0.02: ([t0, c, d, e], [t0] * 4),
+                   0.5: ([t0, c, d, e], [t0])}
+    with pytest.raises(ValueError, match=r"min_confidence must be in \[0, 1\], got 1.5"):
+        Eagle3Method(tmp_path / "head", target_dir, min_confidence=1.5)
+
+
 @pytest.mark.parametrize(("kind", "config", "layers"), [
     ("eagle", {}, [TARGET_LAYERS]),
     ("eagle3", {}, [2, 4, 5]),
@@ -481,8 +504,9 @@ def test_command_line_builds_the_method(kind, tmp_path, target_dir):
     assert method.lookup_min_n == 0
     args = build_parser().parse_args([
         "--method", kind, "--model", str(tmp_path / "head"), "--target", str(target_dir),
-        "--lookup-min", "2", "--lookup-max", "6"])
-    assert (build_method(args).lookup_min_n, build_method(args).lookup_max_n) == (2, 6)
+        "--lookup-min", "2", "--lookup-max", "6", "--min-confidence", "0.3"])
+    method = build_method(args)
+    assert (method.lookup_min_n, method.lookup_max_n, method.min_confidence) == (2, 6, 0.3)
 
 
 # -- end to end: a real verifier, greedy output unchanged --------------------------------
