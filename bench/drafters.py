@@ -61,12 +61,13 @@ from specdec.tokenizer import Tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 HEAD = ROOT / "drafter/weights/smollm2-135m-eagle3"
-# Drafter names of the bench -> their method; eagle3_lookup is the EAGLE-3 head with
-# prompt lookup where the context repeats an n-gram of 2+ tokens (drafter/eagle.py).
+# Drafter names of the bench -> their method; eagle3_lookup is the EAGLE-3 head as
+# compose.yaml deploys it: prompt lookup where the context repeats an n-gram of 2+ tokens,
+# and head chains that end before a draft the head gives less than 0.6 (drafter/eagle.py).
 METHODS = {"ngram": common_pb2.SPEC_METHOD_NGRAM, "eagle3": common_pb2.SPEC_METHOD_EAGLE3,
            "eagle3_lookup": common_pb2.SPEC_METHOD_EAGLE3,
            "draft_model": common_pb2.SPEC_METHOD_DRAFT_MODEL}
-EAGLE_LOOKUP_MIN = 2
+EAGLE_LOOKUP_MIN, EAGLE_MIN_CONFIDENCE = 2, 0.6
 GROUPS = {"copy_heavy": lambda p: p.copy_heavy, "other": lambda p: not p.copy_heavy,
           "all": lambda p: True}
 NEAR_TIE = 1e-4  # DESIGN.md section 4: float32 verify and decode may differ below this
@@ -613,7 +614,8 @@ def main() -> None:
     ap.add_argument("--head", type=Path, default=HEAD, help="EAGLE-3 head directory")
     ap.add_argument("--methods", default="ngram,eagle3",
                     help="drafters to run (ngram, eagle3, eagle3_lookup = eagle3 with prompt "
-                         "lookup, draft_model = a truncated target)")
+                         "lookup and a confidence stop, as deployed, draft_model = a truncated "
+                         "target)")
     ap.add_argument("--ks", default="2,4,6")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompts", help="prompt names or categories, comma-separated (default: all)")
@@ -655,7 +657,8 @@ def main() -> None:
         "ngram": ["--method", "ngram", "--target", str(target)],
         "eagle3": ["--method", "eagle3", "--model", str(args.head), "--target", str(target)],
         "eagle3_lookup": ["--method", "eagle3", "--model", str(args.head), "--target",
-                          str(target), "--lookup-min", str(EAGLE_LOOKUP_MIN)],
+                          str(target), "--lookup-min", str(EAGLE_LOOKUP_MIN),
+                          "--min-confidence", str(EAGLE_MIN_CONFIDENCE)],
     }
     if "draft_model" in methods:
         drafter_argv["draft_model"] = ["--method", "draft_model", "--target", str(target), "--model",
@@ -692,6 +695,9 @@ def main() -> None:
         "late ones waited out the deadline, empty ones did not (verifiers before commit "
         "a697400 also report a drafter that answers in time with no draft, e.g. no n-gram "
         "match, as DEADLINE).",
+        f"eagle3_lookup is eagle3 as compose.yaml deploys it: `--lookup-min {EAGLE_LOOKUP_MIN} "
+        f"--min-confidence {EAGLE_MIN_CONFIDENCE}` (prompt lookup where the context repeats an "
+        "n-gram, the head elsewhere; head chains end before a draft it is less sure of).",
         "eagle3 does not pipeline (DrafterInfo.supports_pipelining is false): its next block "
         "needs the target's hidden states of the accepted tokens, which a bet does not have.",
     ]

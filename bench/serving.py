@@ -135,7 +135,8 @@ def start_ours(args, model_dir: Path, procs: Processes) -> tuple[str, str, Path]
         "ngram": ["--method", "ngram", "--target", str(model_dir), "--ngram-min",
                   str(NGRAM_MIN), "--ngram-max", str(NGRAM_MAX)],
         "eagle3": ["--method", "eagle3", "--target", str(model_dir), "--model", str(args.head),
-                   "--lookup-min", str(args.eagle_lookup_min)],
+                   "--lookup-min", str(args.eagle_lookup_min),
+                   "--min-confidence", str(args.eagle_min_confidence)],
         "draft_model": ["--method", "draft_model", "--target", str(model_dir), "--model",
                         str(truncated_copy(model_dir, args.draft_layers))],
     }
@@ -421,6 +422,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eagle-lookup-min", type=int, default=2,
                     help="eagle3's prompt lookup n-gram size, 0 = the head alone (default "
                          "%(default)s, as compose.yaml deploys it)")
+    ap.add_argument("--eagle-min-confidence", type=float, default=0.6,
+                    help="eagle3 ends a head chain before a draft the head gives less than "
+                         "this (default %(default)s, as compose.yaml deploys it; 0 = K drafts)")
     ap.add_argument("--draft-layers", type=int, default=6)
     ap.add_argument("--profile-tokens", type=int, default=12,
                     help="tokens per profile request, times K + 1")
@@ -509,8 +513,9 @@ def main(argv: list[str] | None = None) -> None:
 def notes(args) -> list[str]:
     return [
         f"eagle3 is the EAGLE-3 head with prompt lookup where the context repeats an n-gram of "
-        f"{args.eagle_lookup_min}+ tokens (`--lookup-min {args.eagle_lookup_min}`, as "
-        "compose.yaml deploys it; 0 = the head alone).",
+        f"{args.eagle_lookup_min}+ tokens, its chains ending before a draft it gives less than "
+        f"{args.eagle_min_confidence} (`--lookup-min {args.eagle_lookup_min} --min-confidence "
+        f"{args.eagle_min_confidence}`, as compose.yaml deploys it).",
         "Ours pays for HTTP, SSE, detokenization and a gRPC hop per token block (gateway -> "
         "verifier) that the in-process peers do not; our drafters run as their own "
         "processes, each with its own thread, as a split deployment gives each its own device.",
