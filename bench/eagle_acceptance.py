@@ -1,4 +1,6 @@
-"""Acceptance of a trained EAGLE-3 head, against n-gram lookup, on held-out chat prompts.
+"""Acceptance of a trained EAGLE-3 head, against n-gram lookup and the two together (the
+head with prompt lookup and a confidence stop, as compose.yaml deploys eagle3), on held-out
+chat prompts.
 
 Each prompt (none of them in drafter/train/prompts.py) is decoded greedily for
 --tokens tokens, batch 1, through the verifier engine with a drafter in
@@ -133,7 +135,8 @@ def step_costs(model, head, context: int = 200, repeats: int = 50) -> dict:
 
 
 def render(result: dict) -> str:
-    lines = [f"EAGLE-3 head `{result['head']}` vs n-gram, {result['prompts']} held-out chat prompts, "
+    lines = [f"EAGLE-3 head `{result['head']}`, n-gram, and both, {result['prompts']} held-out chat "
+             f"prompts, "
              f"greedy, {result['tokens']} tokens each, batch 1, K = {result['k']}, "
              f"{result['threads']} threads, {result['device']} (torch {result['torch']}); "
              "outputs equal plain greedy.", "",
@@ -161,6 +164,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=len(PROMPTS), help="first N prompts only")
+    ap.add_argument("--lookup-min", type=int, default=2,
+                    help="eagle3+lookup's shortest n-gram (default %(default)s, as deployed)")
+    ap.add_argument("--min-confidence", type=float, default=0.6,
+                    help="eagle3+lookup's confidence stop (default %(default)s, as deployed)")
     ap.add_argument("--out", type=Path, default=RESULTS / "eagle_acceptance")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -172,7 +179,11 @@ def main() -> None:
 
     greedy = run(model, prompts, args.tokens, 0, None)
     eagle = Eagle3Method(args.head, target_dir, max_num_speculative_tokens=args.k)
-    drafters = {"eagle3": eagle, "ngram": NgramMethod(max_num_speculative_tokens=args.k)}
+    drafters = {"eagle3": eagle, "ngram": NgramMethod(max_num_speculative_tokens=args.k),
+                f"eagle3+lookup (--lookup-min {args.lookup_min} --min-confidence "
+                f"{args.min_confidence})": Eagle3Method(
+                    args.head, target_dir, max_num_speculative_tokens=args.k,
+                    lookup_min_n=args.lookup_min, min_confidence=args.min_confidence)}
     results = {}
     for name, method in drafters.items():
         r = run(model, prompts, args.tokens, args.k, InProcessProposer(method, args.k))
