@@ -50,10 +50,16 @@ def test_local_services_from_compose():
     assert {s.name: s.health for s in services} == {
         "ngram": "127.0.0.1:50061", "eagle3": "127.0.0.1:50063",
         "verifier": "127.0.0.1:50051", "gateway": "127.0.0.1:50050"}
-    # The environment wins over x-local.env.
-    again = local_services(environ={**ENV, "SPECDEC_METHOD": "eagle3"})
-    gw = next(s for s in again if s.name == "gateway").argv
+    gw = by_name["gateway"].argv
     assert gw[gw.index("--speculative-method") + 1] == "eagle3"
+    assert verifier[verifier.index("--max-num-seqs") + 1] == "16"
+    # The environment wins over x-local.env and over the file's defaults.
+    again = local_services(environ={**ENV, "SPECDEC_METHOD": "ngram",
+                                    "VERIFIER_MAX_NUM_SEQS": "32"})
+    by_name = {s.name: s for s in again}
+    gw, verifier = by_name["gateway"].argv, by_name["verifier"].argv
+    assert gw[gw.index("--speculative-method") + 1] == "ngram"
+    assert verifier[verifier.index("--max-num-seqs") + 1] == "32"
 
 
 @pytest.mark.parametrize("local", [True, False], ids=["local", "compose-defaults"])
