@@ -612,7 +612,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="target directory (default: the prepared default model)")
     ap.add_argument("--head", type=Path, default=HEAD, help="EAGLE-3 head directory")
-    ap.add_argument("--methods", default="ngram,eagle3",
+    ap.add_argument("--methods", default="ngram,eagle3,eagle3_lookup",
                     help="drafters to run (ngram, eagle3, eagle3_lookup = eagle3 with prompt "
                          "lookup and a confidence stop, as deployed, draft_model = a truncated "
                          "target)")
