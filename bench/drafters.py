@@ -54,6 +54,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.prompts import PROMPTS, Prompt
+from specdec.launch import service_flag
 from specdec.models.prepare import cache_dir, prepare_default_model
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.tokenizer import Tokenizer
@@ -62,12 +63,12 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 HEAD = ROOT / "drafter/weights/smollm2-135m-eagle3"
 # Drafter names of the bench -> their method; eagle3_lookup is the EAGLE-3 head as
-# compose.yaml deploys it: prompt lookup where the context repeats an n-gram of 2+ tokens,
-# and head chains that end before a draft the head gives less than 0.6 (drafter/eagle.py).
+# compose.yaml deploys it: prompt lookup where the context repeats an n-gram, and head
+# chains that end before a draft the head is unsure of (drafter/eagle.py).
 METHODS = {"ngram": common_pb2.SPEC_METHOD_NGRAM, "eagle3": common_pb2.SPEC_METHOD_EAGLE3,
            "eagle3_lookup": common_pb2.SPEC_METHOD_EAGLE3,
            "draft_model": common_pb2.SPEC_METHOD_DRAFT_MODEL}
-EAGLE_LOOKUP_MIN, EAGLE_MIN_CONFIDENCE = 2, 0.6
+DEPLOYED_EAGLE3_FLAGS = ("--lookup-min", "--min-confidence")
 GROUPS = {"copy_heavy": lambda p: p.copy_heavy, "other": lambda p: not p.copy_heavy,
           "all": lambda p: True}
 NEAR_TIE = 1e-4  # DESIGN.md section 4: float32 verify and decode may differ below this
@@ -653,12 +654,12 @@ def main() -> None:
     target = Path(args.model) if args.model else prepare_default_model()
     tok = Tokenizer.from_dir(target)
     ids = {p.name: tok.apply_chat_template(list(p.messages)) for p in PROMPTS}
+    deployed = [x for flag in DEPLOYED_EAGLE3_FLAGS for x in (flag, service_flag("eagle3", flag))]
     drafter_argv = {
         "ngram": ["--method", "ngram", "--target", str(target)],
         "eagle3": ["--method", "eagle3", "--model", str(args.head), "--target", str(target)],
         "eagle3_lookup": ["--method", "eagle3", "--model", str(args.head), "--target",
-                          str(target), "--lookup-min", str(EAGLE_LOOKUP_MIN),
-                          "--min-confidence", str(EAGLE_MIN_CONFIDENCE)],
+                          str(target), *deployed],
     }
     if "draft_model" in methods:
         drafter_argv["draft_model"] = ["--method", "draft_model", "--target", str(target), "--model",
@@ -695,9 +696,9 @@ def main() -> None:
         "late ones waited out the deadline, empty ones did not (verifiers before commit "
         "a697400 also report a drafter that answers in time with no draft, e.g. no n-gram "
         "match, as DEADLINE).",
-        f"eagle3_lookup is eagle3 as compose.yaml deploys it: `--lookup-min {EAGLE_LOOKUP_MIN} "
-        f"--min-confidence {EAGLE_MIN_CONFIDENCE}` (prompt lookup where the context repeats an "
-        "n-gram, the head elsewhere; head chains end before a draft it is less sure of).",
+        f"eagle3_lookup is eagle3 as compose.yaml deploys it: `{' '.join(deployed)}` (prompt "
+        "lookup where the context repeats an n-gram, the head elsewhere; head chains end "
+        "before a draft it is less sure of).",
         "eagle3 does not pipeline (DrafterInfo.supports_pipelining is false): its next block "
         "needs the target's hidden states of the accepted tokens, which a bet does not have.",
     ]

@@ -25,6 +25,7 @@ import torch
 
 from drafter.eagle import Eagle3Method
 from drafter.ngram import NgramMethod
+from specdec.launch import service_flag
 from specdec.models import load_model
 from specdec.models.prepare import prepare_default_model
 from specdec.tokenizer import Tokenizer
@@ -164,9 +165,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=len(PROMPTS), help="first N prompts only")
-    ap.add_argument("--lookup-min", type=int, default=2,
+    ap.add_argument("--lookup-min", type=int, default=int(service_flag("eagle3", "--lookup-min")),
                     help="eagle3+lookup's shortest n-gram (default %(default)s, as deployed)")
-    ap.add_argument("--min-confidence", type=float, default=0.6,
+    ap.add_argument("--min-confidence", type=float,
+                    default=float(service_flag("eagle3", "--min-confidence")),
                     help="eagle3+lookup's confidence stop (default %(default)s, as deployed)")
     ap.add_argument("--out", type=Path, default=RESULTS / "eagle_acceptance")
     args = ap.parse_args()

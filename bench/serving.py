@@ -60,6 +60,7 @@ from bench.gateway import Processes, _ints, one_request, wait_for_gateway, wait_
 from bench.peers import NGRAM_MAX, NGRAM_MIN, PEERS_PYTHON, run_vllm_mode, vllm_unavailable
 from bench.prompts import PROMPTS, Prompt
 from gateway.profile import profile
+from specdec.launch import service_flag
 from specdec.models.prepare import cache_dir, prepare_default_model
 from specdec.tokenizer import Tokenizer
 
@@ -419,10 +420,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--systems", default="ours,transformers,vllm")
     ap.add_argument("--peer-k", type=int, default=4, help="draft tokens of the peers' n-gram modes")
     ap.add_argument("--head", type=Path, default=HEAD, help="EAGLE-3 head directory")
-    ap.add_argument("--eagle-lookup-min", type=int, default=2,
+    ap.add_argument("--eagle-lookup-min", type=int,
+                    default=int(service_flag("eagle3", "--lookup-min")),
                     help="eagle3's prompt lookup n-gram size, 0 = the head alone (default "
                          "%(default)s, as compose.yaml deploys it)")
-    ap.add_argument("--eagle-min-confidence", type=float, default=0.6,
+    ap.add_argument("--eagle-min-confidence", type=float,
+                    default=float(service_flag("eagle3", "--min-confidence")),
                     help="eagle3 ends a head chain before a draft the head gives less than "
                          "this (default %(default)s, as compose.yaml deploys it; 0 = K drafts)")
     ap.add_argument("--draft-layers", type=int, default=6)

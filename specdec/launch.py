@@ -115,6 +115,16 @@ def local_services(compose_path: Path = COMPOSE_FILE,
     return ordered
 
 
+def service_flag(service: str, flag: str, compose_path: Path = COMPOSE_FILE) -> str:
+    """The value `flag` has in the local command of `service`, as compose.yaml and its
+    x-local.env give it (not the caller's environment): benchmarks run drafters with
+    the options the deployment uses, from this one place."""
+    svc = next((s for s in local_services(compose_path, {}) if s.name == service), None)
+    if svc is None or flag not in svc.argv[:-1]:
+        raise ValueError(f"{compose_path}: local service {service!r} has no {flag} value")
+    return svc.argv[svc.argv.index(flag) + 1]
+
+
 def _executable(name: str) -> str:
     # The console scripts of this installation first (the virtual environment's bin).
     here = Path(sys.executable).parent / name

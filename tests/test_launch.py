@@ -12,7 +12,14 @@ import yaml
 
 from drafter.__main__ import build_parser as drafter_parser
 from gateway.__main__ import build_parser as gateway_parser
-from specdec.launch import COMPOSE_FILE, LocalService, LocalStack, interpolate, local_services
+from specdec.launch import (
+    COMPOSE_FILE,
+    LocalService,
+    LocalStack,
+    interpolate,
+    local_services,
+    service_flag,
+)
 from specdec.server import check_health
 from verifier.__main__ import build_parser as verifier_parser
 
@@ -75,6 +82,15 @@ def test_every_command_parses_with_its_cli(local):
         PARSERS[command[0]]().parse_args(argv)  # exits (SystemExit) on a bad option
         checked += 1
     assert checked == 5
+
+
+def test_service_flag_reads_the_local_command(tmp_path: Path):
+    assert service_flag("eagle3", "--lookup-min") == "2"
+    assert service_flag("verifier", "--max-num-seqs") == "16"  # x-local.env, not the default
+    with pytest.raises(ValueError, match=r"local service 'ngram' has no --lookup-min value"):
+        service_flag("ngram", "--lookup-min")
+    with pytest.raises(ValueError, match=r"local service 'nope' has no --port value"):
+        service_flag("nope", "--port")
 
 
 def test_bad_compose_files_are_named(tmp_path: Path):
