@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from drafter import registry
 from drafter.__main__ import build_method, build_parser
 from drafter.eagle import Eagle3Method, EagleMethod
 from drafter.method import DraftSampling
+from drafter.ngram import find_continuation
 from specdec.generate import greedy_generate
 from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache, load_model, save_model
 from specdec.pb import common_pb2
@@ -589,3 +591,28 @@ def test_output_equals_plain_greedy(kind, batch, loop, target, target_dir, tmp_p
     for ctx, draft in method.proposals[:24]:
         raw = target_states(target, ctx[:-1], layers)
         assert draft == ref.draft(ctx, raw, len(draft))
+
+
+def test_output_with_lookup_and_confidence_stop_equals_plain_greedy(loop, target, target_dir,
+                                                                    tmp_path):
+    save_head(tmp_path / "head", "eagle3", head_tensors("eagle3", seed=7))
+    method = RecordingEagle3(tmp_path / "head", target_dir, dtype="float64", lookup_min_n=2,
+                             min_confidence=0.3)
+    stack = Stack(loop, target, {"eagle3": method})
+    try:
+        ps = prompts(8, seed=18)
+        expected = greedy_generate(target, ps, 40)
+        msgs = [start_msg(p, 40, k=1 + i % 8, drafter="eagle3") for i, p in enumerate(ps)]
+        results = run_concurrently(lambda m: generate(stack.stub, m), [(m,) for m in msgs])
+        assert [tokens for tokens, _ in results] == expected
+    finally:
+        stack.close()
+    # Both kinds of draft went through the verifier: lookup's where the context repeated a
+    # 2-gram, the head's elsewhere.
+    looked_up = 0
+    for ctx, draft in method.proposals:
+        copy = find_continuation(np.asarray(ctx), 2, 4, len(draft))
+        if copy.size:
+            assert draft == copy.tolist()
+            looked_up += 1
+    assert 0 < looked_up < len(method.proposals)
