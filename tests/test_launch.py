@@ -84,7 +84,7 @@ def test_every_command_parses_with_its_cli(local):
     assert checked == 5
 
 
-def test_service_flag_reads_the_local_command(tmp_path: Path):
+def test_service_flag_reads_the_local_command():
     assert service_flag("eagle3", "--lookup-min") == "2"
     assert service_flag("verifier", "--max-num-seqs") == "16"  # x-local.env, not the default
     with pytest.raises(ValueError, match=r"local service 'ngram' has no --lookup-min value"):

@@ -34,8 +34,8 @@ def stack(smollm2_dir, tmp_path_factory):
     stop = threading.Event()
     s = LocalStack(local_services(environ=env), tmp_path_factory.mktemp("logs"),
                    log=lambda _: None)
-    s.start(timeout_s=300)
     try:
+        s.start(timeout_s=300)
         supervisor = threading.Thread(target=s.supervise, args=(stop, 0.2), daemon=True)
         supervisor.start()
         _wait_drafters(("ngram", "eagle3"))
