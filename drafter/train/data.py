@@ -12,6 +12,7 @@ reads instead of running the target again.
     python -m drafter.train.data --out ~/.cache/specdec/train/selfdistill_v2.jsonl --threads 1
     python -m drafter.train.data --split heldout --limit 64 --threads 1 \\
         --out ~/.cache/specdec/train/selfdistill_v2_heldout.jsonl
+    python -m drafter.train.data --prompts chat --out ~/.cache/specdec/train/selfdistill_chat.jsonl
 
 The prompts are shuffled, so a file stopped early is a sample of its split.
 On a shared 2-core machine use --threads 1: two threads competing with
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from drafter.train.chat_prompts import build_chat_prompts
 from drafter.train.eagle3 import default_layers, feature_key
 from drafter.train.prompts import build_prompts
 from specdec.models import load_model
@@ -37,6 +39,9 @@ from verifier.engine.proposer import Outcome, Proposal, Proposer
 from verifier.sampling.params import SamplingParams
 
 MAX_MODEL_LEN = 1024
+# The prompt sets, by --prompts name: the mixed set (text, code and data tasks, templated
+# questions) and everyday chat (drafter/train/chat_prompts.py).
+PROMPT_SETS = {"mixed": build_prompts, "chat": build_chat_prompts}
 FEATURE_MAX_LEN = 640  # drafter/train/eagle3.py's default --max-len
 
 
@@ -89,7 +94,8 @@ def features_dir(out: Path) -> Path:
 
 
 def generate(model_dir: Path, out: Path, max_tokens: int, batch: int, limit: int | None,
-             split: str = "train", record_features: bool = True) -> int:
+             split: str = "train", record_features: bool = True,
+             prompt_set: str = "mixed") -> int:
     """Replies to the split's prompts that `out` lacks, in waves of `batch` prompts.
 
     Each wave is prefilled together and then decoded to its end, without admitting
@@ -103,7 +109,7 @@ def generate(model_dir: Path, out: Path, max_tokens: int, batch: int, limit: int
     model = load_model(model_dir, dtype="float32")
     layers = default_layers(model.config.num_layers)
     recorder = FeatureRecorder(layers) if record_features else None
-    prompts = build_prompts(split)[:limit]
+    prompts = PROMPT_SETS[prompt_set](split)[:limit]
     # Prompts too long for the engine are left out (deterministically, so resuming works).
     encoded = [tok.apply_chat_template([{"role": "user", "content": text}]) for text in prompts]
     encoded = [ids for ids in encoded if len(ids) + max_tokens <= MAX_MODEL_LEN]
@@ -157,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="target model dir (default: the prepared default model)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--split", choices=("train", "heldout"), default="train")
+    p.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="mixed",
+                   help="prompt set: mixed (drafter/train/prompts.py) or everyday chat "
+                        "(drafter/train/chat_prompts.py)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model) if args.model else prepare_default_model()
     out = args.out or default_path()
     n = generate(model_dir, out, args.max_tokens, args.batch, args.limit, args.split,
-                 not args.no_features)
+                 not args.no_features, args.prompts)
     print(f"wrote {n} replies to {out}")
     return 0
 

@@ -360,13 +360,14 @@ def train(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     rng.shuffle(examples)
     if args.eval_data:  # a held-out split of its own (other prompts by construction)
-        held_out, train_set = load_examples(args.eval_data, args.max_len), examples
+        held_out = [ex for path in args.eval_data for ex in load_examples(path, args.max_len)]
+        train_set = examples
     else:
         num_eval = max(1, int(len(examples) * args.eval_fraction))
         held_out, train_set = examples[:num_eval], examples[num_eval:]
     store = None if args.no_cache else (args.feature_cache or
                                         cache_dir() / "train" / "eagle3_features.pt")
-    shards = [path.with_suffix(".features") for path in [*args.data, args.eval_data] if path]
+    shards = [path.with_suffix(".features") for path in [*args.data, *(args.eval_data or [])]]
     tf_seconds = attach_features(target, train_set + held_out, layers, store, shards,
                                  compute=not args.stored_features_only)
     train_set = [ex for ex in train_set if ex.hidden is not None]
@@ -478,7 +479,7 @@ def training_card(args: argparse.Namespace, r: dict) -> str:
            "target layers; minute 0 below is that head)"] if args.init else []),
         f"- data: {', '.join(f'`{d.name}`' for d in args.data)}, {r['sequences']} prompt + "
         f"reply sequences ({r['tokens']} tokens) for training, {r['held_out']} held out"
-        + (f" (`{args.eval_data.name}`)" if args.eval_data else "")
+        + (f" ({', '.join(f'`{d.name}`' for d in args.eval_data)})" if args.eval_data else "")
         + "; the target's own greedy replies (drafter/train/data.py)",
         f"- target layers (HF numbering): {r['layers']}; draft vocabulary {r['draft_vocab']}; "
         f"MLP width {args.intermediate_size}; training-time-test steps {args.ttt_steps} "
@@ -506,8 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, nargs="+", required=True,
                    help="JSON lines {prompt, reply} of ids (one file or more)")
-    p.add_argument("--eval-data", type=Path,
-                   help="held-out JSON lines (default: --eval-fraction of --data)")
+    p.add_argument("--eval-data", type=Path, nargs="+",
+                   help="held-out JSON lines, one file or more (default: --eval-fraction of "
+                        "--data)")
     p.add_argument("--feature-cache", type=Path,
                    help="target features on disk (default: eagle3_features.pt in the cache)")
     p.add_argument("--out", type=Path, required=True, help="head directory to write")

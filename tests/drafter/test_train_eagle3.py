@@ -108,6 +108,23 @@ def test_training_writes_a_loadable_head_and_learns(tmp_path):
     assert loaded.lm_head.weight.dtype == torch.float32
 
 
+def test_held_out_rows_come_from_every_eval_file(tmp_path):
+    target_dir = tmp_path / "target"
+    make_target(target_dir)
+    write_data(tmp_path / "data.jsonl", n=8)
+    write_data(tmp_path / "mixed_heldout.jsonl", n=3, seed=1)
+    write_data(tmp_path / "chat_heldout.jsonl", n=2, seed=2)
+    out = tmp_path / "head"
+    result = eagle3.train(eagle3.build_parser().parse_args([
+        "--data", str(tmp_path / "data.jsonl"), "--out", str(out), "--target", str(target_dir),
+        "--eval-data", str(tmp_path / "mixed_heldout.jsonl"), str(tmp_path / "chat_heldout.jsonl"),
+        "--minutes", "1", "--max-steps", "1", "--draft-vocab", "16", "--intermediate-size", "32",
+        "--batch", "2", "--no-cache"]))
+    # Every --data row trains and every row of both held-out files scores.
+    assert (result["sequences"], result["held_out"]) == (8, 5)
+    card = (out / "TRAINING.md").read_text()
+    assert "`mixed_heldout.jsonl`, `chat_heldout.jsonl`" in card
+
 
 def test_training_goes_on_from_a_saved_head(tmp_path):
     target_dir = tmp_path / "target"
