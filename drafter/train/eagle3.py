@@ -466,10 +466,19 @@ def train(args: argparse.Namespace) -> dict:
     return result
 
 
+def shell_arg(arg: str) -> str:
+    """`arg` quoted for a shell, a path under the home directory written from ~, so that
+    the command on a card runs for anyone who keeps the data in their own cache."""
+    home = str(Path.home()).rstrip("/") + "/"
+    if arg.startswith(home):
+        return "~/" + shlex.quote(arg[len(home):])
+    return shlex.quote(arg)
+
+
 def training_card(args: argparse.Namespace, r: dict) -> str:
     """TRAINING.md: how the head in this directory was made, and how well it did."""
     command = "python -m drafter.train.eagle3 " + " ".join(
-        shlex.quote(a) for a in (getattr(args, "argv", None) or sys.argv[1:]))
+        shell_arg(a) for a in (getattr(args, "argv", None) or sys.argv[1:]))
     acc = " / ".join(f"{a:.3f}" for a in r["final"]["accuracy"])
     lines = [
         "# EAGLE-3 head: how it was trained", "",

@@ -126,6 +126,15 @@ def test_held_out_rows_come_from_every_eval_file(tmp_path):
     assert "`mixed_heldout.jsonl`, `chat_heldout.jsonl`" in card
 
 
+def test_card_commands_write_home_paths_from_tilde(monkeypatch):
+    monkeypatch.setenv("HOME", "/home/u")
+    assert eagle3.shell_arg("/home/u/.cache/specdec/train/chat.jsonl") == \
+        "~/.cache/specdec/train/chat.jsonl"
+    assert eagle3.shell_arg("/home/u/my data.jsonl") == "~/'my data.jsonl'"
+    assert eagle3.shell_arg("/home/user2/x.jsonl") == "/home/user2/x.jsonl"
+    assert eagle3.shell_arg("a b") == "'a b'"
+
+
 def test_training_goes_on_from_a_saved_head(tmp_path):
     target_dir = tmp_path / "target"
     make_target(target_dir)
