@@ -39,10 +39,10 @@ from verifier.engine.proposer import Outcome, Proposal, Proposer
 from verifier.sampling.params import SamplingParams
 
 MAX_MODEL_LEN = 1024
+FEATURE_MAX_LEN = 640  # drafter/train/eagle3.py's default --max-len
 # The prompt sets, by --prompts name: the mixed set (text, code and data tasks, templated
 # questions) and everyday chat (drafter/train/chat_prompts.py).
 PROMPT_SETS = {"mixed": build_prompts, "chat": build_chat_prompts}
-FEATURE_MAX_LEN = 640  # drafter/train/eagle3.py's default --max-len
 
 
 class FeatureRecorder(Proposer):
