@@ -4,7 +4,6 @@ again when it exits at start."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from specdec.launch import (
     service_flag,
 )
 from specdec.server import check_health
+from tests.ports import free_port
 from verifier.__main__ import build_parser as verifier_parser
 
 PARSERS = {"specdec-drafter": drafter_parser, "specdec-verifier": verifier_parser,
@@ -124,18 +124,12 @@ asyncio.run(main())
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("failures,healthy", [(2, True), (3, False)])
 def test_local_stack_starts_a_service_again_when_it_exits_at_start(tmp_path: Path, failures,
                                                                    healthy):
     marker = tmp_path / "left"
     marker.write_text(str(failures))
-    port = _free_port()
+    port = free_port()
     svc = LocalService("flaky", ("python", "-c", _FLAKY, str(marker), str(port)),
                        f"127.0.0.1:{port}", ())
     logged: list[str] = []

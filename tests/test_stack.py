@@ -19,6 +19,7 @@ import pytest
 from specdec.client import Client
 from specdec.launch import EAGLE3_HEAD, LocalStack, local_services
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -196,20 +197,24 @@ def test_verifier_replica_killed_mid_request(stack, smollm2_dir, tmp_path):
 
     from specdec.server import check_health
 
+    # Ports the kernel hands out: fixed ones in the ephemeral range can be held by a client.
+    spare_port, http_port, grpc_port = free_port(), free_port(), free_port()
     spare = subprocess.Popen(
-        [sys.executable, "-m", "verifier", "--model", str(smollm2_dir), "--port", "50052",
+        [sys.executable, "-m", "verifier", "--model", str(smollm2_dir), "--port", str(spare_port),
          "--max-num-seqs", "4", "--max-model-len", "1024", "--threads", "1",
          "--drafter", "ngram=127.0.0.1:50061"],
         stdout=(tmp_path / "spare.log").open("w"), stderr=subprocess.STDOUT)
     gateway = subprocess.Popen(
         [sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--served-model-name",
-         "smollm2", "--verifier", "127.0.0.1:50051", "--verifier", "127.0.0.1:50052",
-         "--port", "8001", "--grpc-port", "50059"],
+         "smollm2", "--verifier", "127.0.0.1:50051", "--verifier", f"127.0.0.1:{spare_port}",
+         "--port", str(http_port), "--grpc-port", str(grpc_port)],
         stdout=(tmp_path / "gateway.log").open("w"), stderr=subprocess.STDOUT)
     try:
-        _wait(lambda: check_health("127.0.0.1:50052") and check_health("127.0.0.1:50059"), 120,
+        _wait(lambda: check_health(f"127.0.0.1:{spare_port}")
+              and check_health(f"127.0.0.1:{grpc_port}"), 120,
               "spare verifier or second gateway not healthy")
-        client = openai.OpenAI(base_url="http://127.0.0.1:8001/v1", api_key="x", max_retries=0)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x",
+                               max_retries=0)
         want = _chat(client, COPY_PROMPT, "none", 100, ignore_eos=True).choices[0].message.content
         stream = client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": COPY_PROMPT}], temperature=0,
@@ -217,7 +222,7 @@ def test_verifier_replica_killed_mid_request(stack, smollm2_dir, tmp_path):
             extra_body={"speculative": {"method": "ngram"}, "ignore_eos": True})
         chunks = iter(stream)
         got = [next(chunks) for _ in range(3)]
-        with grpc.insecure_channel("127.0.0.1:50052") as ch:
+        with grpc.insecure_channel(f"127.0.0.1:{spare_port}") as ch:
             on_spare = verifier_pb2_grpc.VerifierStub(ch).Load(
                 verifier_pb2.LoadRequest(), timeout=5).num_running == 1
         victim = spare if on_spare else stack.procs["verifier"]

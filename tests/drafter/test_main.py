@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,14 +17,9 @@ from drafter.ngram import NgramMethod
 from drafter.service import SERVICE_NAME
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.server import GRPC_OPTIONS
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -70,7 +64,7 @@ def test_target_sets_the_tokenizer_fingerprint(smollm2_dir):
 
 
 def test_process_serves_health_and_info_then_stops_on_sigterm():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "drafter", "--method", "ngram", "--port", str(port),
          "--max-num-speculative-tokens", "5"],

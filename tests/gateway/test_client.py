@@ -4,7 +4,6 @@ streaming and not, typed errors, and retry before the first token."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -19,6 +18,7 @@ from specdec.client import (
     UnavailableError,
 )
 from tests.gateway.stack import GatewayStack
+from tests.ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +92,8 @@ def test_typed_errors(stack, loop, smollm2_dir):
         s.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_retry_on_unavailable_before_first_token(stack, loop, smollm2_dir):
-    port = _free_port()
+    port = free_port()
     with Client(f"127.0.0.1:{port}", max_retries=0) as client:
         with pytest.raises(UnavailableError):
             client.generate("x", max_tokens=2)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,18 +16,13 @@ import openai
 import pytest
 
 from specdec.client import Client
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD = REPO / "drafter" / "weights" / "smollm2-135m-eagle3"
 PROMPTS = ["Give me three tips for writing clear commit messages.",
            "Repeat after me exactly: the cat sat on the mat, the cat sat on the mat."]
 MAX_TOKENS = 40
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen:
@@ -50,7 +44,7 @@ def _same_greedy(plain, other) -> bool:
 @pytest.mark.slow
 @pytest.mark.model
 def test_gateway_process_over_real_services(smollm2_dir, tmp_path):
-    ports = {name: _free_port() for name in ("ngram", "eagle3", "verifier", "http", "grpc")}
+    ports = {name: free_port() for name in ("ngram", "eagle3", "verifier", "http", "grpc")}
     procs = [
         _spawn(["-m", "drafter", "--method", "ngram", "--target", str(smollm2_dir),
                 "--port", str(ports["ngram"])], tmp_path / "ngram.log"),

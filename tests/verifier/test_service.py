@@ -9,7 +9,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from specdec.generate import greedy_generate
 from specdec.models import LlamaForCausalLM
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.loop_thread import LoopThread
+from tests.ports import free_port
 from tests.tiny import tiny_llama
 from verifier.drafter_client import DrafterClient, TargetInfo
 from verifier.drafting import DrafterPool
@@ -126,7 +126,7 @@ class Stack:
         self.drafter_services = {name: loop.run(serve_drafter(m, "127.0.0.1:0"))
                                  for name, m in drafters.items()}
         ports = {name: s.port for name, s in self.drafter_services.items()}
-        ports.update({name: _free_port() for name in down})
+        ports.update({name: free_port() for name in down})
         cfg = model.config
         self.target = TargetInfo(VOCAB, "", cfg.hidden_size, cfg.num_layers)
         clients = [DrafterClient(name, f"127.0.0.1:{port}", self.target, backoff_s=(0.05, 0.2))
@@ -150,12 +150,6 @@ class Stack:
 
     def load(self) -> verifier_pb2.LoadReport:
         return self.stub.Load(verifier_pb2.LoadRequest(), timeout=5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_msg(prompt, max_tokens, *, k=0, drafter="", method=common_pb2.SPEC_METHOD_UNSPECIFIED,
@@ -399,12 +393,12 @@ def _wait_for(cond, timeout=10.0):
 
 @pytest.mark.model
 def test_cli_serves_health_and_generate_then_stops_on_sigterm(smollm2_dir):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "verifier", "--model", str(smollm2_dir), "--port", str(port),
          "--max-num-seqs", "4", "--max-model-len", "256", "--threads", "1",
-         "--drafter", f"ngram=127.0.0.1:{_free_port()}"],
+         "--drafter", f"ngram=127.0.0.1:{free_port()}"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
