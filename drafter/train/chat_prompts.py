@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 
-from drafter.train.prompts import _split_of
+from drafter.train.prompts import split_of
 
 HOW_TO = [
     "fix a squeaky door", "clean a cast-iron pan", "stop procrastinating", "train a puppy to sit",
@@ -287,7 +287,7 @@ def build_chat_prompts(split: str = "train", seed: int = 0) -> list[str]:
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
     rng = random.Random(f"chat-{split}-{seed}")
-    mine = lambda key: _split_of(key) == split  # noqa: E731
+    mine = lambda key: split_of(key) == split  # noqa: E731
     prompts: list[str] = []
     for items, templates, n, fmt in (
             (HOW_TO, HOW_TO_T, 4, _one), (DEVICES, DEVICES_T, 4, _one), (WHY, WHY_T, 3, _one),

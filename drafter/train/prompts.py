@@ -208,7 +208,7 @@ _MUTATIONS = [(" < ", " <= "), (" <= ", " < "), (" > ", " >= "), (" + 1", " - 1"
               (" - 1", " + 1"), (" == ", " != "), (" and ", " or "), ("return True", "return False")]
 
 
-def _split_of(key: str) -> str:
+def split_of(key: str) -> str:
     """A fixed 1-in-8 assignment to the held-out split (not Python's salted hash)."""
     return "heldout" if hashlib.sha1(key.encode()).digest()[0] % 8 == 0 else "train"
 
@@ -310,7 +310,7 @@ def build_prompts(split: str = "train", seed: int = 0) -> list[str]:
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
     rng = random.Random(f"{split}-{seed}")
-    mine = lambda key: _split_of(key) == split  # noqa: E731
+    mine = lambda key: split_of(key) == split  # noqa: E731
     prompts: list[str] = []
     # Open questions: every topic of the split with a sample of the instruction templates.
     for t in TOPICS:
