@@ -13,6 +13,11 @@ reads instead of running the target again.
     python -m drafter.train.data --split heldout --limit 64 --threads 1 \\
         --out ~/.cache/specdec/train/selfdistill_v2_heldout.jsonl
     python -m drafter.train.data --prompts chat --out ~/.cache/specdec/train/selfdistill_chat.jsonl
+    python -m drafter.train.data --followups-of ~/.cache/specdec/train/selfdistill_chat.jsonl \
+        --out ~/.cache/specdec/train/selfdistill_followups.jsonl
+
+--followups-of builds second-turn prompts from an earlier file's replies
+(drafter/train/followups.py); its split is that file's.
 
 The prompts are shuffled, so a file stopped early is a sample of its split.
 On a shared 2-core machine use --threads 1: two threads competing with
@@ -30,6 +35,7 @@ import torch
 
 from drafter.train.chat_prompts import build_chat_prompts
 from drafter.train.eagle3 import default_layers, feature_key
+from drafter.train.followups import build_followups
 from drafter.train.prompts import build_prompts
 from specdec.models import load_model
 from specdec.models.prepare import cache_dir, prepare_default_model
@@ -93,10 +99,30 @@ def features_dir(out: Path) -> Path:
     return out.with_suffix(".features")
 
 
+def conversations_of(tok: Tokenizer, prompt_set: str, split: str,
+                     followups_of: Path | None = None) -> list[list[dict]]:
+    """The conversations to reply to: one user turn per prompt of the set's split, or,
+    with `followups_of`, second-turn conversations built from that file's rows (whose
+    prompts come from `prompt_set`, either split)."""
+    if followups_of is None:
+        return [[{"role": "user", "content": text}] for text in PROMPT_SETS[prompt_set](split)]
+    # The file keeps token ids; the user's words come back from the prompt set itself,
+    # which is independent of the chat template's markup.
+    text_of = {tuple(tok.apply_chat_template([{"role": "user", "content": t}])): t
+               for s in ("train", "heldout") for t in PROMPT_SETS[prompt_set](s)}
+    rows = [json.loads(line) for line in followups_of.open()]
+    missing = sum(tuple(r["prompt"]) not in text_of for r in rows)
+    if missing:
+        raise ValueError(f"{followups_of}: {missing} of {len(rows)} prompts are not in the "
+                         f"{prompt_set!r} prompt set (pass the set it was generated from)")
+    return build_followups(rows, tok.decode, lambda ids: text_of[tuple(ids)])
+
+
 def generate(model_dir: Path, out: Path, max_tokens: int, batch: int, limit: int | None,
              split: str = "train", record_features: bool = True,
-             prompt_set: str = "mixed") -> int:
-    """Replies to the split's prompts that `out` lacks, in waves of `batch` prompts.
+             prompt_set: str = "mixed", followups_of: Path | None = None) -> int:
+    """Replies to the conversations (`conversations_of`) that `out` lacks, in waves of
+    `batch` prompts.
 
     Each wave is prefilled together and then decoded to its end, without admitting
     new prompts midway: the CPU attention pads a ragged batch to its longest query
@@ -109,9 +135,9 @@ def generate(model_dir: Path, out: Path, max_tokens: int, batch: int, limit: int
     model = load_model(model_dir, dtype="float32")
     layers = default_layers(model.config.num_layers)
     recorder = FeatureRecorder(layers) if record_features else None
-    prompts = PROMPT_SETS[prompt_set](split)[:limit]
+    conversations = conversations_of(tok, prompt_set, split, followups_of)[:limit]
     # Prompts too long for the engine are left out (deterministically, so resuming works).
-    encoded = [tok.apply_chat_template([{"role": "user", "content": text}]) for text in prompts]
+    encoded = [tok.apply_chat_template(c) for c in conversations]
     encoded = [ids for ids in encoded if len(ids) + max_tokens <= MAX_MODEL_LEN]
     have = set()
     if out.exists():
@@ -166,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="mixed",
                    help="prompt set: mixed (drafter/train/prompts.py) or everyday chat "
                         "(drafter/train/chat_prompts.py)")
+    p.add_argument("--followups-of", type=Path, default=None, metavar="FILE",
+                   help="second-turn prompts built from FILE's replies (a file of the "
+                        "--prompts set; its split is FILE's)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
@@ -178,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(args.model) if args.model else prepare_default_model()
     out = args.out or default_path()
     n = generate(model_dir, out, args.max_tokens, args.batch, args.limit, args.split,
-                 not args.no_features, args.prompts)
+                 not args.no_features, args.prompts, args.followups_of)
     print(f"wrote {n} replies to {out}")
     return 0
 
