@@ -13,11 +13,13 @@ reads instead of running the target again.
     python -m drafter.train.data --split heldout --limit 64 --threads 1 \\
         --out ~/.cache/specdec/train/selfdistill_v2_heldout.jsonl
     python -m drafter.train.data --prompts chat --out ~/.cache/specdec/train/selfdistill_chat.jsonl
-    python -m drafter.train.data --followups-of ~/.cache/specdec/train/selfdistill_chat.jsonl \
+    python -m drafter.train.data --prompts chat \\
+        --followups-of ~/.cache/specdec/train/selfdistill_chat.jsonl \\
         --out ~/.cache/specdec/train/selfdistill_followups.jsonl
 
 --followups-of builds second-turn prompts from an earlier file's replies
-(drafter/train/followups.py); its split is that file's.
+(drafter/train/followups.py); its split is that file's, and --prompts names
+the set that file was generated from.
 
 The prompts are shuffled, so a file stopped early is a sample of its split.
 On a shared 2-core machine use --threads 1: two threads competing with
