@@ -13,11 +13,16 @@ costs at most 1.3x a decode step.
 On CUDA every shape is also timed replayed from CUDA graphs (the engine's
 CudaGraphRunner: padded to its buckets, captured during warm-up), next to
 eager; the GPU target is graphs >= 1.5x faster than eager at batch 1, on the
-default model and on `--model random-1b` (random weights, 1.1B parameters):
+default model and on `--model random-1b` (random weights, 1.1B parameters).
+`--random-weights` keeps a model directory's config.json and draws random
+weights: step times depend on the shapes alone, so a machine that cannot hold
+the real weights still times the real model's shapes. On CUDA the Triton
+rejection sampler is timed against the torch reference and its outputs
+compared with it (target: >= 10x faster at batch 64, K = 4, vocabulary 128k):
 
     .venv/bin/python -m bench.verifier [--threads N] [--iters 40] [--quick]
     .venv/bin/python -m bench.verifier --device cuda --dtype bfloat16 \
-        [--model random-1b] --out bench/results/verifier_cuda.json
+        [--model random-1b | --model DIR --random-weights] --out bench/results/verifier_cuda.json
 
 Run it as a module, from the repository root: as a script, its own name
 would hide the `verifier` package.
@@ -41,15 +46,16 @@ from pathlib import Path
 import torch
 
 from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache, load_model, parse_dtype
+from specdec.models.cuda_graphs import CudaGraphRunner
 from specdec.models.prepare import prepare_default_model
 from specdec.models.rope import inv_frequencies
-from verifier.engine.cuda_graphs import CudaGraphRunner
 from verifier.sampling.params import SamplingMetadata
 from verifier.sampling.rejection import apply_sampling, draw_random, rejection_sample_from_random
 from verifier.sampling.rejection_triton import HAS_TRITON, rejection_sample_from_random_triton
 
 TARGET = {"batch": 1, "k": 4, "max_ratio": 1.3}  # the issue's CPU target
 GRAPHS_TARGET = {"batch": 1, "min_speedup": 1.5}  # the GPU target: eager / graphs step time
+SAMPLER_TARGET = {"min_speedup": 10.0}  # the GPU target: torch / Triton sampler time
 BLOCK_SIZE = 16
 # Random-weight targets by name (--model), for shapes no prepared model has.
 RANDOM_MODELS = {
@@ -207,38 +213,59 @@ def sampler_inputs(batch: int, k: int, vocab: int, case: dict, device: torch.dev
     return logits, drafts, q, num_drafts, meta
 
 
-def sampler_steps(core, logits, drafts, q, num_drafts, meta):
+def sampler_steps(core, logits, drafts, q, num_drafts, meta, core_inputs):
     """The whole sampling step with `core` as accept/recover/bonus (what
-    rejection_sample does), and the core alone on precomputed inputs."""
-    vocab = logits.shape[-1]
-    probs, argmax = apply_sampling(logits, meta, num_drafts + 1), logits.argmax(-1)
-    uniform, noise = draw_random(num_drafts, vocab, meta)
+    rejection_sample does), and the core alone on `core_inputs`: probabilities,
+    argmax and random numbers drawn once, so every implementation sees the
+    same ones (told max K, as the engine knows it, so neither reads the device)."""
+    vocab, max_k = logits.shape[-1], core_inputs[-1]
 
     def full():
         p = apply_sampling(logits, meta, num_drafts + 1)
         u, e = draw_random(num_drafts, vocab, meta)
-        return core(p, logits.argmax(-1), drafts, q, num_drafts, meta.is_greedy, u, e)
+        return core(p, logits.argmax(-1), drafts, q, num_drafts, meta.is_greedy, u, e, max_k)
 
     def core_only():
-        return core(probs, argmax, drafts, q, num_drafts, meta.is_greedy, uniform, noise)
+        return core(*core_inputs)
 
     return full, core_only
+
+
+def device_time_ms(fn: Callable[[], object], iters: int) -> float | None:
+    """Mean GPU time of the kernels one call runs (torch.profiler), without the
+    host's launch work; None when the profiler sees no device activity."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1000 / iters if total_us > 0 else None
 
 
 def bench_sampler(batch: int, k: int, vocab: int, iters: int, warmup: int,
                   device: torch.device) -> list[dict]:
     """The whole sampling step (argmax, filters + softmax, random draws,
     accept/recover/bonus) and the accept/recover/bonus core alone, per
-    implementation of the core."""
+    implementation of the core: wall time per call (host and device), and on
+    CUDA also the core's kernel time alone."""
     impls = {"torch": rejection_sample_from_random}
     if device.type == "cuda" and HAS_TRITON:
         impls["triton"] = rejection_sample_from_random_triton
     time_ms = timer(device)
     rows = []
     for name, case in SAMPLER_CASES.items():
-        inputs = sampler_inputs(batch, k, vocab, case, device)
+        logits, drafts, q, num_drafts, meta = sampler_inputs(batch, k, vocab, case, device)
+        core_inputs = (apply_sampling(logits, meta, num_drafts + 1), logits.argmax(-1), drafts, q,
+                       num_drafts, meta.is_greedy, *draw_random(num_drafts, vocab, meta), k)
+        reference = None
         for impl, core in impls.items():
-            full, core_only = sampler_steps(core, *inputs)
+            full, core_only = sampler_steps(core, logits, drafts, q, num_drafts, meta, core_inputs)
+            out = core_only()
+            if reference is None:
+                reference = out
+            equal = all(torch.equal(a, b) for a, b in zip(out, reference, strict=True))
             for _ in range(warmup):
                 full()
                 core_only()
@@ -246,15 +273,36 @@ def bench_sampler(batch: int, k: int, vocab: int, iters: int, warmup: int,
             for _ in range(iters):
                 full_ms.append(time_ms(full))
                 core_ms.append(time_ms(core_only))
-            row = {"case": name, "impl": impl,
+            row = {"case": name, "impl": impl, "equals_torch": equal,
                    "step_median_ms": statistics.median(full_ms),
                    "step_p90_ms": percentile(full_ms, 0.9),
                    "core_median_ms": statistics.median(core_ms),
                    "core_p90_ms": percentile(core_ms, 0.9)}
+            if device.type == "cuda":
+                row["core_device_ms"] = device_time_ms(core_only, iters)
             rows.append(row)
-            print(f"  sampler {name} [{impl}]: step {row['step_median_ms']:.2f} ms, "
-                  f"core {row['core_median_ms']:.2f} ms", flush=True)
+            print(f"  sampler {name} [{impl}]: step {row['step_median_ms']:.3f} ms, "
+                  f"core {row['core_median_ms']:.3f} ms (kernels "
+                  f"{row.get('core_device_ms') or float('nan'):.3f} ms), "
+                  f"outputs equal torch's: {equal}", flush=True)
     return rows
+
+
+def sampler_speedup(rows: list[dict]) -> list[dict]:
+    """torch / Triton per case: the core's wall time and kernel time, the whole step."""
+    torch_rows = {r["case"]: r for r in rows if r["impl"] == "torch"}
+    out = []
+    for r in rows:
+        if r["impl"] != "triton":
+            continue
+        t = torch_rows[r["case"]]
+        kernels = (t["core_device_ms"] / r["core_device_ms"]
+                   if t.get("core_device_ms") and r.get("core_device_ms") else None)
+        out.append({"case": r["case"], "core": t["core_median_ms"] / r["core_median_ms"],
+                    "core_kernels": kernels,
+                    "step": t["step_median_ms"] / r["step_median_ms"],
+                    "equals_torch": r["equals_torch"]})
+    return out
 
 
 # -- report ------------------------------------------------------------------
@@ -308,12 +356,29 @@ def render_table(result: dict) -> str:
         f"{result['device']}, median (p90) of {s['iters']}; step = filters + softmax + random "
         "draws + accept/recover/bonus, core = accept/recover/bonus alone",
         "",
-        "| case | core impl | step ms | core ms |",
-        "|---|---|---|---|",
+        "| case | core impl | step ms | core ms | core kernel ms | outputs = torch's |",
+        "|---|---|---|---|---|---|",
     ]
     for r in s["rows"]:
-        lines.append(f"| {r['case']} | {r['impl']} | {r['step_median_ms']:.2f} "
-                     f"({r['step_p90_ms']:.2f}) | {r['core_median_ms']:.2f} ({r['core_p90_ms']:.2f}) |")
+        kernel = f"{r['core_device_ms']:.3f}" if r.get("core_device_ms") else "-"
+        lines.append(f"| {r['case']} | {r['impl']} | {r['step_median_ms']:.3f} "
+                     f"({r['step_p90_ms']:.3f}) | {r['core_median_ms']:.3f} ({r['core_p90_ms']:.3f}) "
+                     f"| {kernel} | {'yes' if r.get('equals_torch', True) else 'NO'} |")
+    if s.get("speedup"):
+        t = s["target"]
+        lines += [
+            "",
+            "Triton sampler: speedup = torch / Triton, median wall time per call (host launch "
+            "work included) and GPU kernel time (torch.profiler); target: core >= "
+            f"{t['min_speedup']:.0f}x: wall " + ("met" if t["met"] else "NOT met")
+            + ", kernels " + ("met" if t.get("kernels_met") else "NOT met"),
+            "",
+            "| case | core speedup, wall | core speedup, kernels | step speedup, wall |",
+            "|---|---|---|---|",
+        ]
+        for r in s["speedup"]:
+            kernels = f"{r['core_kernels']:.1f}x" if r.get("core_kernels") else "-"
+            lines.append(f"| {r['case']} | {r['core']:.1f}x | {kernels} | {r['step']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -334,6 +399,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="Hugging Face directory (default: the prepared default model), "
                                     f"or random weights: {', '.join(RANDOM_MODELS)}")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="--model DIR's config.json with random weights (its shapes, no weights read)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -370,6 +437,10 @@ def main() -> None:
     if args.model in RANDOM_MODELS:
         model_name = args.model
         model = random_model(RANDOM_MODELS[args.model], args.dtype, device)
+    elif args.random_weights:
+        model_dir = Path(args.model) if args.model else prepare_default_model()
+        model_name = f"{model_dir.name} shapes, random weights"
+        model = random_model(ModelConfig.from_dir(model_dir), args.dtype, device)
     else:
         model_dir = Path(args.model) if args.model else prepare_default_model()
         model_name = model_dir.name
@@ -425,6 +496,16 @@ def main() -> None:
             worst = min(min(r["decode"], r["verify"]) for r in at)
             result["graphs_target"] = {**GRAPHS_TARGET, "speedup_min": worst,
                                        "met": worst >= GRAPHS_TARGET["min_speedup"]}
+    if any(r["impl"] == "triton" for r in sampler_rows):
+        speedup = sampler_speedup(sampler_rows)
+        result["sampler"]["speedup"] = speedup
+        worst = min(r["core"] for r in speedup)
+        kernels = [r["core_kernels"] for r in speedup if r["core_kernels"]]
+        result["sampler"]["target"] = {
+            **SAMPLER_TARGET, "core_speedup_min": worst,
+            "met": worst >= SAMPLER_TARGET["min_speedup"],
+            "core_kernels_speedup_min": min(kernels) if kernels else None,
+            "kernels_met": bool(kernels) and min(kernels) >= SAMPLER_TARGET["min_speedup"]}
     table = render_table(result)
     print()
     print(table, end="")

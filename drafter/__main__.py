@@ -31,6 +31,7 @@ _METHOD_OPTIONS = {
     "lookup_min": "lookup_min_n",
     "lookup_max": "lookup_max_n",
     "min_confidence": "min_confidence",
+    "cuda_graphs": "cuda_graphs",
 }
 
 
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sample-drafts", action="store_true", default=None,
                         help="sample drafts from q for requests with temperature > 0 and send "
                              "q along (default: greedy drafts)")
+    parser.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs",
+                        action="store_const", const=False, default=None,
+                        help="draft_model on a GPU: run every draft step eagerly instead of "
+                             "replaying CUDA graphs")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0 = torch's default)")
     parser.add_argument("--grace-s", type=float, default=5.0,
@@ -86,7 +91,7 @@ def build_method(args: argparse.Namespace) -> DraftMethod:
         if value is None:
             continue
         if keyword not in accepted:
-            flag = "--" + option.replace("_", "-")
+            flag = "--no-cuda-graphs" if option == "cuda_graphs" else "--" + option.replace("_", "-")
             raise ValueError(f"{flag} does not apply to method {args.method!r}")
         kwargs[keyword] = value
     if args.target is not None:

@@ -32,6 +32,7 @@ import torch
 from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
 from drafter.registry import register
 from specdec.models import LlamaForCausalLM, PagedKVCache, load_model
+from specdec.models.cuda_graphs import CudaGraphRunner
 from specdec.pb import common_pb2
 from verifier.sampling.params import SamplingMetadata, SamplingParams
 from verifier.sampling.rejection import apply_sampling
@@ -97,11 +98,14 @@ class DraftModelMethod(DraftMethod):
                  device: str = "cpu", max_num_speculative_tokens: int = 8,
                  num_kv_blocks: int = 1024, block_size: int = 16,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 sample: bool = False, pipeline: bool = True):
+                 sample: bool = False, pipeline: bool = True, cuda_graphs: bool = True,
+                 cuda_graph_max_batch: int = 64):
         """model_dir loads the draft model in `dtype` on `device`; `model` passes one
         already built (tests), used as it is. target_dir: the target model directory;
         its tokenizer and vocabulary must match the draft model's. max_model_len
-        defaults to the draft model's max_position_embeddings."""
+        defaults to the draft model's max_position_embeddings. On a GPU the one-token
+        draft steps of up to cuda_graph_max_batch sequences replay CUDA graphs (the
+        verifier's runner) unless cuda_graphs is False; catch-up steps run eagerly."""
         if (model_dir is None) == (model is None):
             raise ValueError("give exactly one of model_dir (a directory) and model")
         if num_kv_blocks < 1 or block_size < 1:
@@ -141,7 +145,11 @@ class DraftModelMethod(DraftMethod):
             supports_pipelining=pipeline,
             max_model_len=max_model_len,
         )
-        self.cache: PagedKVCache = model.make_kv_cache(num_kv_blocks, block_size)
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        # With graphs, one more block: the scratch block their padding writes to.
+        self.cache: PagedKVCache = model.make_kv_cache(num_kv_blocks + use_graphs, block_size)
+        self.graphs = CudaGraphRunner(model, self.cache, cuda_graph_max_batch, 1,
+                                      max_model_len) if use_graphs else None
         self._seqs: dict[Hashable, _Seq] = {}
         self._slots = itertools.count()
         # Unseeded sampled requests draw from one generator, as in the verifier.
@@ -238,7 +246,9 @@ class DraftModelMethod(DraftMethod):
             # Feed each still-drafting sequence its last draft: logits of the next position.
             meta = self.cache.plan([(job.seq.slot, 1) for job in active])
             ids = torch.tensor([job.token_ids[-1] for job in active], device=self.device)
-            logits = self.model(ids, meta, self.cache).logits
+            # One token per sequence: a graph's shape (its logits are read before the next run).
+            out = self.graphs.run(ids, meta) if self.graphs is not None else None
+            logits = (out or self.model(ids, meta, self.cache)).logits
             for job in active:
                 job.seq.drafted.append(job.token_ids[-1])
         return {job.key: Draft(job.token_ids, torch.stack(job.probs) if job.probs else None)

@@ -35,7 +35,7 @@ class AttentionBackend(ABC):
         length, with keys gathered over every column of meta.block_tables and
         lengths read from positions only: shapes depend on tensor shapes alone
         and nothing syncs with the device, so the step can be captured in a
-        CUDA graph (see verifier/engine/cuda_graphs.py)."""
+        CUDA graph (see specdec/models/cuda_graphs.py)."""
         raise NotImplementedError(f"{type(self).__name__} has no static-shape path")
 
     @abstractmethod

@@ -201,6 +201,19 @@ def test_no_draft_past_max_model_len(draft):
     assert set(drafts) == {"near"} and len(drafts["near"].token_ids) == 3
 
 
+# -- CUDA graphs (tests/drafter/test_draft_model_graphs.py) ------------------------
+
+
+def test_no_cuda_graphs_reaches_the_method(tmp_path):
+    args = build_parser().parse_args(["--method", "draft_model", "--model", str(tmp_path)])
+    assert args.cuda_graphs is None  # the method's default: graphs on a GPU
+    args = build_parser().parse_args(["--method", "draft_model", "--model", str(tmp_path),
+                                      "--no-cuda-graphs"])
+    with pytest.raises(ValueError, match="config.json"):  # reached the constructor, keyword known
+        build_method(args)
+    assert "cuda_graphs" in registry.method_options("draft_model")
+
+
 # -- Hugging Face directories ----------------------------------------------------
 
 

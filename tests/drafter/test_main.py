@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
     ([], "the following arguments are required: --method"),
     (["--method", "ngram", "--model", "/m"], "--model does not apply to method 'ngram'"),
     (["--method", "ngram", "--lookup-min", "2"], "--lookup-min does not apply to method 'ngram'"),
+    (["--method", "eagle3", "--no-cuda-graphs"],
+     "--no-cuda-graphs does not apply to method 'eagle3'"),
     (["--method", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "min_n=3, max_n=2"),
     (["--method", "ngram", "--max-num-speculative-tokens", "0"], "max_num_speculative_tokens"),
     (["--method", "ngram", "--port", "70000"], "--port 70000 is not in 0..65535"),

@@ -12,16 +12,16 @@ import torch
 
 from specdec.generate import greedy_generate
 from specdec.models import LlamaForCausalLM, PagedKVCache
-from tests.tiny import tiny_llama
-from tests.verifier.test_engine import GREEDY, ScriptedProposer
-from verifier.engine import Engine, EngineConfig, Request
-from verifier.engine.cuda_graphs import (
+from specdec.models.cuda_graphs import (
     CudaGraphRunner,
     GraphKey,
     batch_buckets,
     bucket,
     width_buckets,
 )
+from tests.tiny import tiny_llama
+from tests.verifier.test_engine import GREEDY, ScriptedProposer
+from verifier.engine import Engine, EngineConfig, Request
 
 VOCAB = 97
 BLOCK = 4
@@ -205,3 +205,33 @@ def test_replayed_graphs_equal_eager_on_cuda():
     assert engine.graphs is not None and engine.cache.num_free_blocks == 32
     assert Engine(model, EngineConfig(max_model_len=64, block_size=BLOCK, num_kv_blocks=32,
                                       cuda_graphs=False)).graphs is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("k", [0, 3, "mixed"])
+def test_engine_on_cuda_with_graphs_keeps_greedy_exact(k):
+    """The engine on a GPU, graphs captured and replayed (mixed K: ragged steps,
+    eager), gives the tokens of plain greedy decoding on the same device."""
+    model = tiny_llama(VOCAB, seed=0).to("cuda")
+    rng = random.Random(7)
+    batch, max_tokens = 8, 24
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(batch)]
+    plain = greedy_generate(model, prompts, max_tokens)
+    refs = {i: p + g for i, (p, g) in enumerate(zip(prompts, plain, strict=True))}
+    engine = Engine(model, EngineConfig(max_num_seqs=8, max_model_len=64, block_size=BLOCK,
+                                        num_kv_blocks=256, num_speculative_tokens_max=4),
+                    ScriptedProposer(refs, error_rate=0.3, seed=1))
+    assert engine.graphs is not None and engine.graphs.capture
+    for i, p in enumerate(prompts):
+        ki = [0, 1, 2, 4][i % 4] if k == "mixed" else k
+        engine.add_request(Request(f"r{i}", p, max_tokens, GREEDY, num_speculative_tokens=ki))
+    out = {f"r{i}": [] for i in range(batch)}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    assert [out[f"r{i}"] for i in range(batch)] == plain
+    if k == "mixed":  # one query length per step only while the batch is uniform
+        assert engine.graphs.num_runs < max_tokens
+    else:
+        assert engine.graphs.num_runs > max_tokens // (k + 1) // 2 and engine.graphs.graphs

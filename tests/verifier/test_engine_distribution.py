@@ -17,6 +17,7 @@ request asks.
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -164,6 +165,22 @@ def test_first_tokens_follow_the_target(model, prompts, name, with_probs):
     p_value = chi_square_p_value(cell_counts(prompt_index, tokens), expected)
     assert p_value > P_MIN, f"{name}: p-value {p_value:.2e}"
     # Both drafts accepted, the second rejected, the first rejected: all paths ran.
+    assert accepted_at_k2 == {0, 1, 2}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("with_probs", [False, True], ids=["one_hot", "draft_probs"])
+def test_first_tokens_follow_the_target_on_cuda(model, prompts, with_probs):
+    """The same law on a GPU: CUDA graphs for the verify steps, the Triton
+    sampler, device generators."""
+    params = SAMPLING["t0.8_topk5"]
+    cuda_model = copy.deepcopy(model).to("cuda")
+    prompt_index, tokens, accepted_at_k2 = run_engine(cuda_model, prompts, params, with_probs)
+    law = torch.stack([target_law(model, p, params).reshape(-1) for p in prompts])
+    p_value = chi_square_p_value(cell_counts(prompt_index, tokens),
+                                 law * (NUM_REQUESTS // NUM_PROMPTS))
+    assert p_value > P_MIN, f"p-value {p_value:.2e}"
     assert accepted_at_k2 == {0, 1, 2}
 
 

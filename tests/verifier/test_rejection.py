@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from verifier.sampling import rejection_triton
 from verifier.sampling.params import SamplingMetadata, SamplingParams
 from verifier.sampling.rejection import (
     PLACEHOLDER_TOKEN_ID,
@@ -23,6 +24,10 @@ from verifier.sampling.rejection_triton import (
     HAS_TRITON,
     rejection_sample_from_random_triton,
 )
+
+# A CUDA device runs the Triton kernel (when triton is installed) and device generators.
+ON_CUDA = [pytest.mark.gpu,
+           pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def ragged(num_draft_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +207,8 @@ def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
     [(1.0, 0, 1.0, 0.0), (0.7, 4, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.3, 0, 1.0, 0.15)],
     ids=["plain", "t0.7_topk4", "topp0.8", "t1.3_minp0.15"],
 )
-def test_two_tokens_follow_the_target(dense_q, temperature, top_k, top_p, min_p):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
+def test_two_tokens_follow_the_target(dense_q, temperature, top_k, top_p, min_p, device):
     """One step with drafts from q; the first two tokens must be ~ p(t1) p(t2 | t1).
 
     20,000 requests draft K=2; 10,000 more, interleaved, draft K=1, so that their second
@@ -224,9 +230,12 @@ def test_two_tokens_follow_the_target(dense_q, temperature, top_k, top_p, min_p)
     draft_contexts = torch.stack([prevs, x1], dim=1)[is_draft]  # [sum K]
     contexts = torch.stack([prevs, x1, x2], dim=1)[torch.arange(3) < k[:, None] + 1]  # [sum K + n]
     meta = SamplingMetadata.make_dummy(n, temperature=temperature, top_k=top_k, top_p=top_p,
-                                       min_p=min_p, seed=11)
+                                       min_p=min_p, seed=11, device=device)
+    # On CUDA the Triton kernel samples (float32 probabilities, as there).
     out, num_accepted = rejection_sample(
-        target_logits[contexts], drafts, q_table[draft_contexts] if dense_q else None, k, meta)
+        target_logits[contexts].to(device), drafts.to(device),
+        q_table[draft_contexts].float().to(device) if dense_q else None, k.to(device), meta)
+    out, num_accepted = out.cpu(), num_accepted.cpu()
 
     t1 = out[:, 0]
     # A rejection at the first draft emits one token; the next plain step would sample t2.
@@ -351,21 +360,27 @@ def test_triton_kernel_equals_reference_interpreted():
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True, text=True, timeout=300,
     )
-    assert child.returncode == 0 and "2 passed" in child.stdout, child.stdout + child.stderr
+    assert child.returncode == 0 and "4 passed" in child.stdout, child.stdout + child.stderr
 
 
 @pytest.mark.skipif(
     not TRITON_RUNS_HERE, reason="no CUDA: runs in a child with TRITON_INTERPRET=1 (_interpreted)"
 )
+@pytest.mark.parametrize("block_v", [4096, 256], ids=["one_chunk", "ten_chunks"])
 @pytest.mark.parametrize("dense_q", [False, True], ids=["one_hot_q", "dense_q"])
-def test_triton_kernel_equals_reference(dense_q):
+def test_triton_kernel_equals_reference(dense_q, block_v, monkeypatch):
+    # A vocabulary of 2500 in one chunk, and in ten: the cross-chunk reduction, and a
+    # last chunk that is partly past the vocabulary.
+    monkeypatch.setattr(rejection_triton, "BLOCK_V", block_v)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(3)
     accepted, rejected = 0, 0
-    for _ in range(3):
+    for i in range(3):
         inputs = [x.to(device) if x is not None else None for x in random_step(gen, dense_q)]
         ref_out, ref_accepted = rejection_sample_from_random(*inputs)
-        out, num_accepted = rejection_sample_from_random_triton(*inputs)
+        # max_num_drafts given (no device reads) or found: the same outputs.
+        known = int(inputs[4].max()) if i % 2 else None
+        out, num_accepted = rejection_sample_from_random_triton(*inputs, max_num_drafts=known)
         assert torch.equal(out, ref_out)
         assert torch.equal(num_accepted, ref_accepted)
         accepted += int(ref_accepted.sum())

@@ -7,7 +7,7 @@ sequence, 0 allowed) share one forward. Logits are taken only where a token
 is sampled: every position of a verify block, and the last position of a
 prefill chunk that completes its sequence. Rejected drafts are rolled back
 by truncating the sequence in the KV cache. On a GPU, steps with no prefill
-and one query length for all sequences replay a CUDA graph (cuda_graphs.py).
+and one query length for all sequences replay a CUDA graph (specdec/models/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.models import LlamaForCausalLM
-from verifier.engine.cuda_graphs import CudaGraphRunner
+from specdec.models.cuda_graphs import CudaGraphRunner
 from verifier.engine.proposer import Outcome, Proposer
 from verifier.engine.scheduler import Scheduled, Scheduler
 from verifier.engine.sequence import FinishReason, Request, Sequence, Status

@@ -153,12 +153,15 @@ def check_inputs(
     is_greedy: torch.Tensor,
     uniform: torch.Tensor,
     exp_noise: torch.Tensor,
+    max_num_drafts: int | None = None,
 ) -> int:
-    """Assert the shapes and dtypes of `rejection_sample_from_random`; return max K_i."""
+    """Assert the shapes and dtypes of `rejection_sample_from_random`; return max K_i.
+    Given max_num_drafts (the caller knows the K_i), nothing is read from the device."""
     (batch_size,) = num_draft_tokens.shape
     (total_drafts,) = draft_token_ids.shape
     num_rows, vocab_size = target_probs.shape
-    assert int(num_draft_tokens.sum()) == total_drafts, "num_draft_tokens must sum to the drafts"
+    if max_num_drafts is None:
+        assert int(num_draft_tokens.sum()) == total_drafts, "num_draft_tokens must sum to the drafts"
     assert num_rows == total_drafts + batch_size, "target rows must be sum(K_i + 1)"
     assert target_probs.dtype == torch.float32
     assert target_argmax.shape == (num_rows,) and target_argmax.dtype == torch.int64
@@ -169,6 +172,8 @@ def check_inputs(
     assert is_greedy.shape == (batch_size,) and is_greedy.dtype == torch.bool
     assert uniform.shape == (total_drafts,) and uniform.dtype == torch.float32
     assert exp_noise.shape == (batch_size, vocab_size) and exp_noise.dtype == torch.float32
+    if max_num_drafts is not None:
+        return max_num_drafts
     return int(num_draft_tokens.max()) if batch_size else 0
 
 
@@ -181,14 +186,16 @@ def rejection_sample_from_random(
     is_greedy: torch.Tensor,  # [B] bool
     uniform: torch.Tensor,  # [sum K] float32 in [0, 1)
     exp_noise: torch.Tensor,  # [B, V] float32 > 0
+    max_num_drafts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # output_token_ids [B, max_K + 1], num_accepted [B]
     """Accept, recover and add bonus tokens, given the random numbers: a pure function.
 
     Row i of `output_token_ids` holds request i's accepted drafts, then its recovered or
     bonus token, then PLACEHOLDER_TOKEN_ID; `num_accepted[i]` counts the accepted drafts.
+    max_num_drafts: max K_i when the caller knows it (saves a device read).
     """
     max_k = check_inputs(target_probs, target_argmax, draft_token_ids, draft_probs,
-                         num_draft_tokens, is_greedy, uniform, exp_noise)
+                         num_draft_tokens, is_greedy, uniform, exp_noise, max_num_drafts)
     batch_size = num_draft_tokens.shape[0]
     device = target_probs.device
     draft_start = num_draft_tokens.cumsum(0) - num_draft_tokens  # [B]

@@ -1,4 +1,6 @@
-"""CUDA graphs for pure decode and verify steps.
+"""CUDA graphs for pure decode and verify steps: the verifier's engine replays
+its decode and verify steps from them, the draft-model drafter its one-token
+draft steps.
 
 A step with no prefill in which every sequence feeds the same number of
 tokens q (1 for decode, K + 1 for verify) has a shape fixed by three numbers:
