@@ -49,8 +49,8 @@ if HAS_TRITON:
     def _rejection_sample_kernel(
         output_token_ids_ptr,  # [B, max_K + 1] int64
         num_accepted_ptr,  # [B] int64
-        partial_score_ptr,  # [B, 2, C] float32: best residual / E, best p / E per chunk
-        partial_index_ptr,  # [B, 2, C] int32: their token ids
+        partial_score_ptr,  # [B, C] float32: each chunk's best residual / E (or p / E)
+        partial_index_ptr,  # [B, C] int32: its token id
         arrivals_ptr,  # [>= B] int32, zero on entry and on exit
         target_probs_ptr,  # [N, V] float32
         target_argmax_ptr,  # [N] int64
@@ -104,6 +104,8 @@ if HAS_TRITON:
         final_row = row_start + num_accepted
 
         if not is_greedy:  # greedy requests take the argmax of the raw logits instead
+            # One token is sampled: recovered (argmax of residual / E) after a rejection,
+            # else the bonus (argmax of p / E), so one argmax per chunk serves either.
             rejected_draft = draft_start + num_accepted
             p = tl.load(target_probs_ptr + final_row * vocab_size + offs, mask=in_vocab,
                         other=0.0)
@@ -111,23 +113,17 @@ if HAS_TRITON:
                 # No q row to read for the bonus token (it may lie past the drafts).
                 q = tl.load(draft_probs_ptr + rejected_draft * vocab_size + offs,
                             mask=offs < tl.where(rejected, vocab_size, 0), other=0.0)
-                residual = tl.maximum(p - q, 0.0)
+                residual = tl.maximum(p - q, 0.0)  # p itself for the bonus (q = 0)
             else:
                 x_rejected = tl.load(draft_token_ids_ptr + rejected_draft, mask=rejected,
                                      other=-1)
                 residual = tl.where(offs == x_rejected, 0.0, p)
             # Lanes past V score -1, so they never win; ties keep the first maximum.
-            residual_score = tl.where(in_vocab, tl.math.div_rn(residual, e), -1.0)
-            p_score = tl.where(in_vocab, tl.math.div_rn(p, e), -1.0)
-            best_residual, best_residual_idx = tl.max(residual_score, axis=0, return_indices=True,
-                                                      return_indices_tie_break_left=True)
-            best_p, best_p_idx = tl.max(p_score, axis=0, return_indices=True,
-                                        return_indices_tie_break_left=True)
-            base = req * 2 * num_chunks + chunk
-            tl.store(partial_score_ptr + base, best_residual)
-            tl.store(partial_index_ptr + base, chunk * BLOCK_V + best_residual_idx)
-            tl.store(partial_score_ptr + base + num_chunks, best_p)
-            tl.store(partial_index_ptr + base + num_chunks, chunk * BLOCK_V + best_p_idx)
+            score = tl.where(in_vocab, tl.math.div_rn(residual, e), -1.0)
+            best, best_idx = tl.max(score, axis=0, return_indices=True,
+                                    return_indices_tie_break_left=True)
+            tl.store(partial_score_ptr + req * num_chunks + chunk, best)
+            tl.store(partial_index_ptr + req * num_chunks + chunk, chunk * BLOCK_V + best_idx)
 
         # Every thread's stores are issued before the release of the arrival count; the
         # program that arrives last (acquire) sees all the chunks' partial results.
@@ -138,19 +134,28 @@ if HAS_TRITON:
             final_token = tl.load(target_argmax_ptr + final_row)
             if not is_greedy:
                 c = tl.arange(0, BLOCK_C)
-                base = req * 2 * num_chunks
-                valid = c < num_chunks
-                residual = tl.load(partial_score_ptr + base + c, mask=valid, other=-1.0)
-                p = tl.load(partial_score_ptr + base + num_chunks + c, mask=valid, other=-1.0)
+                scores = tl.load(partial_score_ptr + req * num_chunks + c, mask=c < num_chunks,
+                                 other=-1.0)
                 # Chunks are in vocabulary order: the first maximum is the earliest token.
-                best_residual, at_residual = tl.max(residual, axis=0, return_indices=True,
-                                                    return_indices_tie_break_left=True)
-                _, at_p = tl.max(p, axis=0, return_indices=True,
-                                 return_indices_tie_break_left=True)
-                # An all-zero residual only comes from rounding when q ~ p: sample from p.
-                use_residual = rejected & (best_residual > 0)
-                at = tl.where(use_residual, at_residual, num_chunks + at_p)
-                final_token = tl.load(partial_index_ptr + base + at).to(tl.int64)
+                best, at = tl.max(scores, axis=0, return_indices=True,
+                                  return_indices_tie_break_left=True)
+                final_token = tl.load(partial_index_ptr + req * num_chunks + at).to(tl.int64)
+                if best <= 0:
+                    # An all-zero residual only comes from rounding when q ~ p: sample
+                    # from p instead. Rare, so this one program walks the whole row.
+                    best_p = -1.0
+                    for v0 in range(0, vocab_size, BLOCK_V):
+                        o = v0 + tl.arange(0, BLOCK_V)
+                        m = o < vocab_size
+                        p = tl.load(target_probs_ptr + final_row * vocab_size + o, mask=m,
+                                    other=0.0)
+                        e = tl.load(exp_noise_ptr + req * vocab_size + o, mask=m, other=1.0)
+                        tile_best, tile_idx = tl.max(
+                            tl.where(m, tl.math.div_rn(p, e), -1.0), axis=0,
+                            return_indices=True, return_indices_tie_break_left=True)
+                        better = tile_best > best_p
+                        best_p = tl.where(better, tile_best, best_p)
+                        final_token = tl.where(better, v0 + tile_idx, final_token).to(tl.int64)
             # The row: accepted drafts, the recovered or bonus token, placeholders.
             k = tl.arange(0, BLOCK_K)
             row = tl.where(k < num_accepted, x,
@@ -186,8 +191,8 @@ def rejection_sample_from_random_triton(
     if batch_size == 0:
         return output_token_ids, num_accepted
     num_chunks = triton.cdiv(vocab_size, BLOCK_V)
-    partial_score = torch.empty(batch_size, 2, num_chunks, dtype=torch.float32, device=device)
-    partial_index = torch.empty(batch_size, 2, num_chunks, dtype=torch.int32, device=device)
+    partial_score = torch.empty(batch_size, num_chunks, dtype=torch.float32, device=device)
+    partial_index = torch.empty(batch_size, num_chunks, dtype=torch.int32, device=device)
     _rejection_sample_kernel[(batch_size, num_chunks)](
         output_token_ids, num_accepted, partial_score, partial_index,
         _arrival_counters(batch_size, device), target_probs.contiguous(),
