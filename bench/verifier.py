@@ -116,16 +116,18 @@ def random_model(cfg: ModelConfig, dtype: str, device: torch.device) -> LlamaFor
     return model.eval()
 
 
-def make_step(model: LlamaForCausalLM, cache: PagedKVCache, batch: int, num_query: int,
-              context: int, gen: torch.Generator,
+def make_step(model: LlamaForCausalLM, cache: PagedKVCache, batch: int,
+              num_query: int | tuple[int, ...], context: int, gen: torch.Generator,
               graphs: CudaGraphRunner | None = None) -> Callable[[], object]:
-    """One step of `num_query` tokens for each of sequences 0..batch-1, logits at
-    every query row, then the cache rolled back to `context`; through `graphs`
-    (padded to its buckets, replayed) when given, else eager."""
+    """One step of `num_query` tokens for each of sequences 0..batch-1 (or
+    num_query[s] for sequence s), logits at every query row, then the cache
+    rolled back to `context`; through `graphs` (padded to its buckets,
+    replayed) when given, else eager."""
     dev = model.device
-    ids = torch.randint(0, model.config.vocab_size, (batch * num_query,), generator=gen).to(dev)
-    rows = torch.arange(batch * num_query, device=dev)
-    appends = [(s, num_query) for s in range(batch)]
+    qs = num_query if isinstance(num_query, tuple) else (num_query,) * batch
+    ids = torch.randint(0, model.config.vocab_size, (sum(qs),), generator=gen).to(dev)
+    rows = torch.arange(sum(qs), device=dev)
+    appends = list(enumerate(qs))
 
     def step() -> torch.Tensor:
         meta = cache.plan(appends)
@@ -149,20 +151,25 @@ def bench_forward(model: LlamaForCausalLM, cache: PagedKVCache, batches: list[in
     runner = graphs if mode == "graphs" else None
     rows = []
     for batch in batches:
-        shapes = [1] + [k + 1 for k in ks]  # query tokens per sequence: decode, then verify
+        # Query tokens per sequence: decode, then verify at each K, then (batch > 1) a
+        # K per sequence, cycling through ks, as dynamic K makes.
+        shapes: list[int | tuple[int, ...]] = [1] + [k + 1 for k in ks]
+        mixed = tuple(ks[s % len(ks)] + 1 for s in range(batch))
+        if batch > 1 and len(ks) > 1:
+            shapes.append(mixed)
         # Warm-up also captures the graphs.
         steps = {n: make_step(model, cache, batch, n, context, gen, runner) for n in shapes}
         for n in shapes:
             for _ in range(warmup):
                 steps[n]()
-        times: dict[int, list[float]] = {n: [] for n in shapes}
+        times: dict[int | tuple[int, ...], list[float]] = {n: [] for n in shapes}
         for i in range(iters):
             order = shapes[i % len(shapes):] + shapes[: i % len(shapes)]
             for n in order:
                 times[n].append(time_ms(steps[n]))
         decode = times[1]
-        for k in ks:
-            verify = times[k + 1]
+        for k in ks + (["mixed"] if mixed in times else []):
+            verify = times[mixed if k == "mixed" else k + 1]
             row = {
                 "batch": batch, "k": k, "mode": mode,
                 "decode_median_ms": statistics.median(decode),
@@ -336,6 +343,9 @@ def render_table(result: dict) -> str:
                          f"{r['verify_median_ms']:.1f} ({r['verify_p90_ms']:.1f}) | "
                          f"{r['ratio']:.2f}x{mark}")
         lines.append(f"| {batch} | {k} | " + " | ".join(cells) + " |")
+    if any(r["k"] == "mixed" for r in result["forward"]):
+        lines += ["", "K mixed: sequence s verifies the s-th K of the list, cyclically "
+                      "(a K per sequence in one step, as dynamic K makes)."]
     if result.get("graphs_speedup"):
         g = result.get("graphs_target")
         lines += [

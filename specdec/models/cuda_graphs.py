@@ -2,13 +2,14 @@
 its decode and verify steps from them, the draft-model drafter its one-token
 draft steps.
 
-A step with no prefill in which every sequence feeds the same number of
-tokens q (1 for decode, K + 1 for verify) has a shape fixed by three numbers:
-the batch size, q and the block-table width. Such a step is padded up to the
-next captured bucket of batch size and width and replayed from a CUDA graph,
+A step with no prefill in which every sequence feeds at most q tokens (1 for
+decode, K + 1 for verify) has a shape fixed by three numbers once padded: the
+batch size, q and the block-table width. Such a step is padded up to the next
+captured bucket of batch size and width (and a sequence that feeds fewer
+tokens, a smaller K, up to q) and replayed from a CUDA graph,
 which removes the per-kernel launch cost that dominates small batches on a
-GPU. Everything else (prefill chunks, mixed q, shapes past the largest
-bucket) runs eagerly, as vLLM and SGLang do for decode.
+GPU. Everything else (prefill chunks, shapes past the largest bucket) runs
+eagerly.
 
 Padding: extra sequences feed token 0 at position 0 and write their K/V to a
 scratch block that no sequence owns; block-table columns past a sequence's
@@ -108,9 +109,11 @@ class CudaGraphRunner:
         self.num_runs = 0  # steps served by the runner
 
     def key(self, meta: AttentionMetadata, hidden_layers: tuple[int, ...] = ()) -> GraphKey | None:
-        """The graph a step planned as `meta` runs in, or None when it runs eagerly."""
-        q = meta.query_lens[0]
-        if q > self.max_query_len or any(n != q for n in meta.query_lens):
+        """The graph a step planned as `meta` runs in, or None when it runs eagerly.
+        Sequences may feed different numbers of tokens (a verify step with a K per
+        sequence): each is padded to the longest."""
+        q = max(meta.query_lens)
+        if q > self.max_query_len:
             return None
         batch = bucket(self.batch_sizes, meta.batch_size)
         width = bucket(self.widths, meta.block_tables.shape[1])
@@ -132,11 +135,22 @@ class CudaGraphRunner:
         if key is None:
             return None
         graph = self.graphs.get(key) or self._capture(key)
-        t = meta.num_tokens
-        self.ids[:t].copy_(input_ids)
-        self.positions[:t].copy_(meta.positions)
-        self.slots[:t].copy_(meta.slot_mapping)
+        t, q = meta.num_tokens, key.query_len
         w = meta.block_tables.shape[1]
+        # rows: [T] where each fed token sits in the graph's [batch * q] layout; None
+        # when every sequence feeds q tokens (the layouts agree).
+        rows = None
+        if t != meta.batch_size * q:
+            rows = torch.tensor([s * q + j for s, n in enumerate(meta.query_lens) for j in range(n)],
+                                dtype=torch.int64, device=self.ids.device)
+            self._pad(key, 0, w)  # every row padding first, then the real ones over it
+            self.ids.index_copy_(0, rows, input_ids)
+            self.positions.index_copy_(0, rows, meta.positions)
+            self.slots.index_copy_(0, rows, meta.slot_mapping)
+        else:
+            self.ids[:t].copy_(input_ids)
+            self.positions[:t].copy_(meta.positions)
+            self.slots[:t].copy_(meta.slot_mapping)
         self.block_tables[: meta.batch_size, :w].copy_(meta.block_tables)
         self.seq_lens[: meta.batch_size].copy_(meta.seq_lens)
         self._pad(key, meta.batch_size, w)
@@ -144,15 +158,23 @@ class CudaGraphRunner:
         self.num_runs += 1
         hidden = None
         if hidden_layers:
-            hidden = self.hidden[key.hidden_layers][:, :t]  # [L, T, hidden]
-            if hidden_indices is not None:
-                hidden = hidden.index_select(1, hidden_indices)
-        return ForwardOutput(self.logits[:t], hidden)
+            out = self.hidden[key.hidden_layers]  # [L, max_tokens, hidden]
+            if hidden_indices is not None:  # rows of the fed layout -> rows of the graph's
+                hidden_indices = hidden_indices if rows is None else rows[hidden_indices]
+            else:
+                hidden_indices = rows
+            hidden = out[:, :t] if hidden_indices is None else out.index_select(1, hidden_indices)
+        logits = self.logits[:t] if rows is None else self.logits.index_select(0, rows)
+        return ForwardOutput(logits, hidden)
 
     def _pad(self, key: GraphKey, batch: int, width: int) -> None:
         """Sequences batch..key.batch become padding: token 0 at position 0,
         writing to and reading from the scratch block only. Block-table columns
-        width..key.width of real sequences point at the scratch block (masked)."""
+        width..key.width of real sequences point at the scratch block (masked).
+        A real sequence's own padding rows (it feeds fewer than q tokens) are set
+        the same way before its tokens are copied in: position 0 attends to its
+        first key only, and their K/V go to the scratch block, which no real
+        sequence's table holds at a column its positions reach."""
         first, last = batch * key.query_len, key.num_tokens
         self.ids[first:last].zero_()
         self.positions[first:last].zero_()

@@ -66,7 +66,7 @@ def test_graph_key_picks_the_bucket_or_eager(model):
     assert key([(0, 1), (1, 1), (2, 1)]) == GraphKey(4, 1, 4, ())  # 3 -> 4 sequences; 3 -> 4 blocks
     assert key([(0, 5)], LAYERS) == GraphKey(1, 5, 4, LAYERS)
     assert key([(s, 3) for s in range(6)]) == GraphKey(6, 3, 8, ())  # 18 tokens: 5 -> 8 blocks
-    assert key([(0, 2), (1, 3)]) is None  # mixed query lengths
+    assert key([(0, 2), (1, 3)]) == GraphKey(2, 3, 4, ())  # a K per sequence: padded to 3
     assert key([(0, 6)]) is None  # q past K_max + 1
     assert key([(s, 1) for s in range(7)]) is None  # more sequences than the largest bucket
 
@@ -79,22 +79,26 @@ def _prefill(model: LlamaForCausalLM, cache: PagedKVCache, lengths: list[int]) -
               cache, logits_indices=torch.empty(0, dtype=torch.int64, device=model.device))
 
 
-def check_padded_step(model: LlamaForCausalLM, runner: CudaGraphRunner, batch: int, q: int,
-                      atol: float) -> None:
-    """One step of q tokens for sequences 0..batch-1 through the runner equals the
-    eager forward (logits, hidden states, K/V written), and every slot but the
-    step's own and the scratch block's stays as it was."""
+def check_padded_step(model: LlamaForCausalLM, runner: CudaGraphRunner, batch: int,
+                      q: int | list[int], atol: float) -> None:
+    """One step of q tokens (or q[s] for sequence s) for sequences 0..batch-1
+    through the runner equals the eager forward (logits, hidden states, K/V
+    written), and every slot but the step's own and the scratch block's stays
+    as it was."""
     cache, dev = runner.cache, model.device
-    appends = [(s, q) for s in range(batch)]
-    ids = torch.randint(0, VOCAB, (batch * q,), generator=torch.Generator().manual_seed(q)).to(dev)
+    qs = q if isinstance(q, list) else [q] * batch
+    appends = list(enumerate(qs))
+    num_tokens = sum(qs)
+    ids = torch.randint(0, VOCAB, (num_tokens,),
+                        generator=torch.Generator().manual_seed(num_tokens)).to(dev)
     before_k, before_v = cache.k.clone(), cache.v.clone()
 
     meta = cache.plan(appends)
-    rows = torch.arange(batch * q, device=dev)
+    rows = torch.arange(num_tokens, device=dev)
     eager = model(ids, meta, cache, logits_indices=rows, hidden_layers=LAYERS)
     eager_k, eager_v = cache.k[:, meta.slot_mapping].clone(), cache.v[:, meta.slot_mapping].clone()
-    for s, _ in appends:
-        cache.truncate(s, cache.length(s) - q)
+    for s, n in appends:
+        cache.truncate(s, cache.length(s) - n)
     cache.k.copy_(before_k)
     cache.v.copy_(before_v)
 
@@ -102,7 +106,7 @@ def check_padded_step(model: LlamaForCausalLM, runner: CudaGraphRunner, batch: i
     key = runner.key(meta, LAYERS)
     assert key.batch >= batch and key.batch in runner.batch_sizes
     runs = runner.num_runs
-    subset = torch.arange(0, batch * q, 2, device=dev)  # hidden states at some rows, as the engine asks
+    subset = torch.arange(0, num_tokens, 2, device=dev)  # hidden states at some rows, as the engine asks
     out = runner.run(ids, meta, LAYERS, subset)
     assert runner.num_runs == runs + 1
     torch.testing.assert_close(out.logits, eager.logits, rtol=0, atol=atol)
@@ -117,8 +121,8 @@ def check_padded_step(model: LlamaForCausalLM, runner: CudaGraphRunner, batch: i
     untouched[scratch: scratch + cache.block_size] = False
     assert torch.equal(cache.k[:, untouched], before_k[:, untouched])
     assert torch.equal(cache.v[:, untouched], before_v[:, untouched])
-    for s, _ in appends:
-        cache.truncate(s, cache.length(s) - q)
+    for s, n in appends:
+        cache.truncate(s, cache.length(s) - n)
 
 
 @pytest.mark.parametrize("q", [1, 3, 5])
@@ -136,13 +140,28 @@ def test_padded_step_equals_eager_and_leaves_real_blocks_alone(model, batch, q):
         assert not torch.equal(cache.k[:, scratch], before)
 
 
+@pytest.mark.parametrize("qs", [[1, 5, 3], [2, 1], [5, 1, 1, 4, 2, 3, 1]], ids=str)
+def test_ragged_step_pads_each_sequence_and_equals_eager(model, qs):
+    """A K per sequence: each sequence is padded to the longest, and its padding
+    writes only the scratch block."""
+    cache = model.make_kv_cache(96, BLOCK)
+    runner = CudaGraphRunner(model, cache, max_batch=8, max_query_len=5, max_model_len=64,
+                             capture=False, min_context=8)
+    rng = random.Random(len(qs))
+    _prefill(model, cache, [rng.randint(1, 40) for _ in qs])
+    scratch = runner.scratch_block * BLOCK
+    before = cache.k[:, scratch].clone()
+    check_padded_step(model, runner, len(qs), qs, atol=1e-12)
+    assert not torch.equal(cache.k[:, scratch], before)  # the padding rows wrote there
+
+
 def test_shapes_outside_the_buckets_are_left_to_the_eager_path(model):
     cache = model.make_kv_cache(64, BLOCK)
     runner = CudaGraphRunner(model, cache, max_batch=4, max_query_len=3, max_model_len=32,
                              capture=False)
     _prefill(model, cache, [5, 9])
-    meta = cache.plan([(0, 1), (1, 2)])
-    assert runner.run(torch.zeros(3, dtype=torch.int64), meta) is None
+    meta = cache.plan([(0, 1), (1, 4)])  # 4 tokens: past K_max + 1
+    assert runner.run(torch.zeros(5, dtype=torch.int64), meta) is None
     assert runner.num_runs == 0 and not runner.graphs
 
 
@@ -156,26 +175,28 @@ def _engine_with_runner(model: LlamaForCausalLM, proposer, **cfg) -> Engine:
     return engine
 
 
-@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("k", [0, 3, "mixed"])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_engine_with_padded_steps_keeps_greedy_exact(model, batch, k):
-    rng = random.Random(batch + k)
+    rng = random.Random(batch + (5 if k == "mixed" else k))
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(batch)]
     max_tokens = 20
     plain = greedy_generate(model, prompts, max_tokens)
     refs = {i: p + g for i, (p, g) in enumerate(zip(prompts, plain, strict=True))}
-    proposer = ScriptedProposer(refs, error_rate=0.3, seed=k)
+    proposer = ScriptedProposer(refs, error_rate=0.3, seed=batch)
     engine = _engine_with_runner(model, proposer, max_num_seqs=8, max_model_len=64,
                                  block_size=BLOCK, num_kv_blocks=256, num_speculative_tokens_max=4)
     free = engine.cache.num_free_blocks
+    ks = [[0, 1, 2, 4][i % 4] if k == "mixed" else k for i in range(batch)]
     for i, p in enumerate(prompts):
-        engine.add_request(Request(f"r{i}", p, max_tokens, GREEDY, num_speculative_tokens=k))
+        engine.add_request(Request(f"r{i}", p, max_tokens, GREEDY, num_speculative_tokens=ks[i]))
     out = {f"r{i}": [] for i in range(batch)}
     while engine.has_work():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
     assert [out[f"r{i}"] for i in range(batch)] == plain
-    assert engine.graphs.num_runs > max_tokens // (k + 1) // 2  # most steps ran padded
+    # Every step ran padded (mixed K too) but the first, which prefilled every prompt.
+    assert engine.graphs.num_runs == engine.num_steps - 1 > max_tokens // (max(ks) + 1) // 2
     assert engine.cache.num_free_blocks == free  # every real block returned
 
 
@@ -197,9 +218,11 @@ def test_replayed_graphs_equal_eager_on_cuda():
                              min_context=8)
     assert runner.capture
     _prefill(model, cache, [7, 20, 33, 1, 12, 40, 25])
-    for batch, q in [(3, 1), (3, 5), (3, 1), (7, 3), (1, 5), (4, 1)]:  # replays after captures
+    for batch, q in [(3, 1), (3, 5), (3, 1), (7, 3), (1, 5), (4, 1), (3, [1, 5, 2]),
+                     (7, [3, 1, 2, 3, 3, 1, 1])]:  # replays after captures
         check_padded_step(model, runner, batch, q, atol=1e-10)
-    # (3, 1) and (4, 1) share a graph: 4 sequences, 16 blocks
+    # (3, 1) and (4, 1) share a graph (4 sequences, 16 blocks); the ragged steps replay
+    # the graphs of (3, 5) and (7, 3).
     assert len(runner.graphs) == 4
     engine = Engine(model, EngineConfig(max_model_len=64, block_size=BLOCK, num_kv_blocks=32))
     assert engine.graphs is not None and engine.cache.num_free_blocks == 32
@@ -211,8 +234,9 @@ def test_replayed_graphs_equal_eager_on_cuda():
 @needs_cuda
 @pytest.mark.parametrize("k", [0, 3, "mixed"])
 def test_engine_on_cuda_with_graphs_keeps_greedy_exact(k):
-    """The engine on a GPU, graphs captured and replayed (mixed K: ragged steps,
-    eager), gives the tokens of plain greedy decoding on the same device."""
+    """The engine on a GPU, graphs captured and replayed (mixed K: each sequence
+    padded to the longest), gives the tokens of plain greedy decoding on the
+    same device."""
     model = tiny_llama(VOCAB, seed=0).to("cuda")
     rng = random.Random(7)
     batch, max_tokens = 8, 24
@@ -231,7 +255,5 @@ def test_engine_on_cuda_with_graphs_keeps_greedy_exact(k):
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
     assert [out[f"r{i}"] for i in range(batch)] == plain
-    if k == "mixed":  # one query length per step only while the batch is uniform
-        assert engine.graphs.num_runs < max_tokens
-    else:
-        assert engine.graphs.num_runs > max_tokens // (k + 1) // 2 and engine.graphs.graphs
+    # Every step replayed a graph (mixed K too) but the first, which prefilled every prompt.
+    assert engine.graphs.num_runs == engine.num_steps - 1 and engine.graphs.graphs
