@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The checks and benchmarks that need a CUDA GPU, in one go:
 #   bash bench/gpu.sh OUT_DIR [MODEL_DIR]
-# from the repository root, with a python3 that has torch (CUDA), triton and
-# protobuf (the versions pyproject.toml names).
+# from the repository root, with a python3 that has torch (CUDA), triton,
+# protobuf, grpcio, grpcio-health-checking and opentelemetry-api (the versions
+# pyproject.toml names; the serving stack's other packages are not needed).
 # MODEL_DIR: a directory with the default model's config.json (default: the
 # prepared default model); its shapes are timed with random weights, so a GPU
 # machine needs no copy of the weights. Writes into OUT_DIR:
@@ -27,11 +28,11 @@ status=0
 cat "$out/env.txt"
 
 {
-    # The files that hold them: collecting the service tests would need the
-    # serving dependencies too.
+    # The files that hold them: collecting the gateway's tests would need the
+    # whole serving stack.
     $py -m pytest -v -p no:cacheprovider -m gpu tests/verifier/test_cuda_graphs.py \
         tests/verifier/test_rejection.py tests/verifier/test_engine_distribution.py \
-        tests/drafter/test_draft_model_graphs.py || exit 1
+        tests/drafter/test_draft_model_graphs.py tests/drafter/test_eagle.py || exit 1
     $py -m pytest -v -p no:cacheprovider tests/verifier/test_rejection.py \
         -k "triton_kernel_equals_reference and not interpreted"
 } 2>&1 | tee "$out/gpu_tests.txt"

@@ -105,7 +105,8 @@ class DraftModelMethod(DraftMethod):
         its tokenizer and vocabulary must match the draft model's. max_model_len
         defaults to the draft model's max_position_embeddings. On a GPU the one-token
         draft steps of up to cuda_graph_max_batch sequences replay CUDA graphs (the
-        verifier's runner) unless cuda_graphs is False; catch-up steps run eagerly."""
+        runner the verifier uses too) unless cuda_graphs is False; catch-up steps run
+        eagerly."""
         if (model_dir is None) == (model is None):
             raise ValueError("give exactly one of model_dir (a directory) and model")
         if num_kv_blocks < 1 or block_size < 1:

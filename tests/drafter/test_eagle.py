@@ -252,15 +252,22 @@ VARIANTS = {
 }
 
 
+ON_CUDA = [pytest.mark.gpu,
+           pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_drafts_equal_the_reference(variant, tmp_path):
+def test_drafts_equal_the_reference(variant, device, tmp_path):
+    """The head on `device` (hidden states arrive on the CPU, as from the wire)
+    drafts what the CPU reference computes."""
     kind, opts, config, tie = VARIANTS[variant]
     target = make_target(tmp_path / "target", tie=tie)
     tensors = head_tensors(kind, seed=3, **opts)
     save_head(tmp_path / "head", kind, tensors, **config)
     method = registry.create(kind, model_dir=str(tmp_path / "head"),
                              target_dir=str(tmp_path / "target"), dtype="float64",
-                             num_kv_blocks=64, block_size=4)
+                             device=device, num_kv_blocks=64, block_size=4)
     ref = Reference(kind, tensors, target, config.get("norm_before_residual", False))
     drv = Driver(method)
     g = torch.Generator().manual_seed(5)
