@@ -5,6 +5,7 @@ frees everything, and the CLI serves and shuts down cleanly."""
 
 from __future__ import annotations
 
+import copy
 import os
 import queue
 import random
@@ -218,6 +219,26 @@ def test_output_equals_plain_greedy(loop, model, drafter, batch):
             if drafter == "oracle":  # every draft is the target's own choice
                 assert spec.num_accepted_tokens == spec.num_draft_tokens
                 assert len(responses) < 40
+        assert stack.load().num_running == 0
+    finally:
+        stack.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("drafter", ["oracle", "random"])
+def test_output_equals_plain_greedy_on_cuda(loop, model, drafter):
+    """The service with its engine on a GPU: graphs captured on the engine's
+    worker thread, a K per request (ragged steps), the Triton sampler's path."""
+    stack = Stack(loop, copy.deepcopy(model).to("cuda"),
+                  {"oracle": OracleMethod(model), "random": RandomMethod()})
+    try:
+        ps = prompts(8, seed=3)
+        msgs = [start_msg(p, 40, k=1 + i % K_MAX, drafter=drafter) for i, p in enumerate(ps)]
+        results = run_concurrently(lambda m: generate(stack.stub, m), [(m,) for m in msgs])
+        assert [tokens for tokens, _ in results] == greedy_generate(model, ps, 40)
+        graphs = stack.servicer.engine.graphs
+        assert graphs is not None and graphs.num_runs > 10
         assert stack.load().num_running == 0
     finally:
         stack.close()
