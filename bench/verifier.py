@@ -447,14 +447,14 @@ def main() -> None:
     if args.model in RANDOM_MODELS:
         model_name = args.model
         model = random_model(RANDOM_MODELS[args.model], args.dtype, device)
-    elif args.random_weights:
-        model_dir = Path(args.model) if args.model else prepare_default_model()
-        model_name = f"{model_dir.name} shapes, random weights"
-        model = random_model(ModelConfig.from_dir(model_dir), args.dtype, device)
     else:
         model_dir = Path(args.model) if args.model else prepare_default_model()
-        model_name = model_dir.name
-        model = load_model(model_dir, dtype=args.dtype, device=device)
+        if args.random_weights:
+            model_name = f"{model_dir.name} shapes, random weights"
+            model = random_model(ModelConfig.from_dir(model_dir), args.dtype, device)
+        else:
+            model_name = model_dir.name
+            model = load_model(model_dir, dtype=args.dtype, device=device)
     num_parameters = sum(p.numel() for p in model.parameters())
     longest = args.context + max(ks) + 1
     # One block more: the graph runner's scratch block.

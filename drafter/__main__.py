@@ -33,6 +33,8 @@ _METHOD_OPTIONS = {
     "min_confidence": "min_confidence",
     "cuda_graphs": "cuda_graphs",
 }
+# Options whose flag is not "--" + the option's name.
+_FLAGS = {"cuda_graphs": "--no-cuda-graphs"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,7 +93,7 @@ def build_method(args: argparse.Namespace) -> DraftMethod:
         if value is None:
             continue
         if keyword not in accepted:
-            flag = "--no-cuda-graphs" if option == "cuda_graphs" else "--" + option.replace("_", "-")
+            flag = _FLAGS.get(option, "--" + option.replace("_", "-"))
             raise ValueError(f"{flag} does not apply to method {args.method!r}")
         kwargs[keyword] = value
     if args.target is not None:

@@ -33,7 +33,9 @@ import torch
 
 from specdec.models import AttentionMetadata, ForwardOutput, LlamaForCausalLM, PagedKVCache
 
-SCRATCH_SEQ = -1  # the cache pseudo-sequence owning the scratch block; engine ids start at 0
+# The cache pseudo-sequence owning the scratch block; the engine's sequence ids and the
+# draft model's slots start at 0.
+SCRATCH_SEQ = -1
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -143,7 +145,7 @@ class CudaGraphRunner:
         if t != meta.batch_size * q:
             rows = torch.tensor([s * q + j for s, n in enumerate(meta.query_lens) for j in range(n)],
                                 dtype=torch.int64, device=self.ids.device)
-            self._pad(key, 0, w)  # every row padding first, then the real ones over it
+            self._pad_rows(0, meta.batch_size * q)  # padding first, the real rows over it
             self.ids.index_copy_(0, rows, input_ids)
             self.positions.index_copy_(0, rows, meta.positions)
             self.slots.index_copy_(0, rows, meta.slot_mapping)
@@ -159,11 +161,10 @@ class CudaGraphRunner:
         hidden = None
         if hidden_layers:
             out = self.hidden[key.hidden_layers]  # [L, max_tokens, hidden]
-            if hidden_indices is not None:  # rows of the fed layout -> rows of the graph's
-                hidden_indices = hidden_indices if rows is None else rows[hidden_indices]
-            else:
-                hidden_indices = rows
-            hidden = out[:, :t] if hidden_indices is None else out.index_select(1, hidden_indices)
+            # Rows of the fed layout -> rows of the graph's.
+            index = rows if hidden_indices is None else (
+                hidden_indices if rows is None else rows[hidden_indices])
+            hidden = out[:, :t] if index is None else out.index_select(1, index)
         logits = self.logits[:t] if rows is None else self.logits.index_select(0, rows)
         return ForwardOutput(logits, hidden)
 
@@ -175,13 +176,16 @@ class CudaGraphRunner:
         the same way before its tokens are copied in: position 0 attends to its
         first key only, and their K/V go to the scratch block, which no real
         sequence's table holds at a column its positions reach."""
-        first, last = batch * key.query_len, key.num_tokens
-        self.ids[first:last].zero_()
-        self.positions[first:last].zero_()
-        self.slots[first:last].fill_(self.scratch_block * self.cache.block_size)
+        self._pad_rows(batch * key.query_len, key.num_tokens)
         self.block_tables[:batch, width: key.width].fill_(self.scratch_block)
         self.block_tables[batch: key.batch, : key.width].fill_(self.scratch_block)
         self.seq_lens[batch: key.batch].fill_(1)
+
+    def _pad_rows(self, first: int, last: int) -> None:
+        """Rows first..last-1 feed token 0 at position 0 into the scratch block."""
+        self.ids[first:last].zero_()
+        self.positions[first:last].zero_()
+        self.slots[first:last].fill_(self.scratch_block * self.cache.block_size)
 
     def _capture(self, key: GraphKey) -> _Graph:
         dev, q, t = self.model.device, key.query_len, key.num_tokens
