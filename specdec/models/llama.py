@@ -7,11 +7,14 @@ q/k/v and gate/up projections are fused into one matmul each (fewer, larger
 kernels: on CPU the step is bound by reading weights and by per-op
 overhead). Logits are computed only at the positions asked for.
 
-On CPU, `pack_linear_weights()` swaps every projection to oneDNN with the
-weight reordered once into its blocked layout: MKL's plain sgemm slows down
-sharply past a few input rows (at SmolLM2-135M size, 5 rows take ~1.7x the
-time of 1), which makes a verify step of K + 1 tokens cost far more than a
-decode step although both read the same weights.
+On CPU, `pack_linear_weights()` prepares every float32 projection for the
+step sizes that matter: up to SMALL_ROWS_MAX rows (decode and verify steps)
+it runs on a small AVX-512 kernel that streams the weight once for all rows
+(small_rows.py); above, on oneDNN with the weight reordered once into its
+blocked layout. MKL's plain sgemm slows down sharply past a few input rows
+(at SmolLM2-135M size, 5 rows take ~1.7x the time of 1), which makes a verify
+step of K + 1 tokens cost far more than a decode step although both read the
+same weights.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.models import small_rows
 from specdec.models.attention import ATTENTION_BACKENDS, AttentionBackend
 from specdec.models.config import ModelConfig
 from specdec.models.kv_cache import AttentionMetadata, PagedKVCache
@@ -40,10 +44,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that may hold a oneDNN-packed copy of its weight (see
-    LlamaForCausalLM.pack_linear_weights)."""
+    """nn.Linear that may hold a oneDNN-packed copy of its weight and run few
+    rows on the small-rows kernel (see LlamaForCausalLM.pack_linear_weights)."""
 
     packed: torch.Tensor | None = None
+    small_rows: bool = False
 
 
 # Rows from which a projection runs on the oneDNN-packed weight. Below, F.linear
@@ -52,13 +57,22 @@ class Linear(nn.Linear):
 # 4 / 5, packed 5.0 / 5.2). Whole verify steps at batch 1 (K = 1, 2) cost 1.04x /
 # 1.12x a decode step this way, 1.22x / 1.27x with packed weights from 2 rows on.
 PACKED_MIN_ROWS = 4
+# Rows up to which a projection runs on the small-rows kernel where it is
+# available: one pass over the weight. From 9 rows it takes two passes and the
+# packed weight wins (all of SmolLM2's projections, 2 threads, side by side:
+# 1 / 5 / 8 rows 19.6 / 21.2 / 25.8 ms against packed 23.7 / 28.4 / 32.5 and
+# F.linear 20.2 / 37.9 / 47.6; 9 rows 38.1 against packed 33.5).
+SMALL_ROWS_MAX = 8
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     # getattr: the EAGLE head swaps in a plain nn.Linear for some projections.
     packed = getattr(layer, "packed", None)
-    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+    if packed is not None:
+        if x.shape[0] <= SMALL_ROWS_MAX and layer.small_rows:
+            return small_rows.linear(x, layer.weight, layer.bias)
+        if x.shape[0] >= PACKED_MIN_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
     return F.linear(x, layer.weight, layer.bias)
 
 
@@ -183,13 +197,17 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def pack_linear_weights(self, enabled: bool = True) -> bool:
         """Run every projection through oneDNN on a reordered copy of its weight
-        (CPU float32/bfloat16 only; returns whether it did). The copies are
-        not parameters: call again after changing weights, dtype or device."""
+        (CPU float32/bfloat16 only; returns whether it did), and in float32 few
+        rows on the small-rows kernel when this machine can build it. The
+        copies are not parameters: call again after changing weights, dtype or
+        device."""
         enabled = (enabled and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
                    and self.dtype in (torch.float32, torch.bfloat16))
+        small = enabled and self.dtype == torch.float32 and small_rows.available()
         for m in self.modules():
             if isinstance(m, Linear):
                 m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()) if enabled else None
+                m.small_rows = small
         return enabled
 
     def make_kv_cache(self, num_blocks: int, block_size: int = 16,

@@ -1,0 +1,136 @@
+"""Projections of the few rows of a decode or verify step on CPU, through a
+small AVX-512 kernel (small_rows_gemm.c) built here on first use.
+
+MKL and oneDNN lose 1.4-1.9x between 1 and 5 input rows on the default
+model's shapes (see the C file), so a K = 4 verify step cost 1.4x a decode
+step although both stream the same weights once. The kernel streams each
+weight row once for all rows; its rows are batch-invariant (a row's output
+does not depend on what else is in the call).
+
+The shared library is compiled with the system C compiler (`$CC`, else gcc or
+cc) for this CPU (-march=native) into the cache, keyed by the source, the
+compiler and the CPU's flags. Without a compiler, on a CPU without AVX-512,
+or with SPECDEC_SMALL_ROWS_GEMM=0, `available()` is False and callers keep
+torch's kernels; `unavailable_reason()` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specdec.models.prepare import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("small_rows_gemm.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+ENV_SWITCH = "SPECDEC_SMALL_ROWS_GEMM"
+
+_reason: str | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(cc: str) -> Path:
+    """Compile SOURCE into the cache (once per source, compiler and CPU)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join(
+        [SOURCE.read_text(), cc, version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"small_rows_gemm-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name, then renamed: concurrent builders never
+    # load a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{Path(cc).name} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def _kernel():
+    """The C function, or None (with the reason in _reason)."""
+    global _reason
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        _reason = f"turned off by {ENV_SWITCH}=0"
+        return None
+    if " avx512f" not in _cpu_flags() + " ":
+        _reason = "this CPU has no AVX-512F"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _reason = "no C compiler (set CC, or install gcc)"
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError) as e:
+        _reason = f"could not build or load the kernel: {e}"
+        log.warning("small-rows GEMM unavailable, using torch's kernels: %s", _reason)
+        return None
+    fn = lib.small_rows_gemm
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def available() -> bool:
+    return _kernel() is not None
+
+
+def unavailable_reason() -> str | None:
+    _kernel()
+    return _reason
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for float32 CPU tensors: x [M, K], weight [N, K], bias [N] -> [M, N].
+    Call only when available()."""
+    fn = _kernel()
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2:
+        raise ValueError(f"small-rows GEMM takes 2-D float32, got x {x.dtype} {tuple(x.shape)}, "
+                         f"weight {weight.dtype}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[1]} columns, weight {weight.shape[1]}")
+    x = x.contiguous()
+    weight = weight.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    m, n = x.shape[0], weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+           y.data_ptr(), m, n, x.shape[1], torch.get_num_threads())
+    return y

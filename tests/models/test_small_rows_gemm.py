@@ -1,0 +1,105 @@
+"""The small-rows GEMM (specdec/models/small_rows_gemm.c): F.linear's result
+on float32 CPU tensors for the rows of a decode or verify step, each row's
+rounding independent of the rows beside it, and the dispatch of linear()."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.models import small_rows
+from specdec.models.llama import SMALL_ROWS_MAX, Linear, linear
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernel():
+    if not small_rows.available():
+        reason = small_rows.unavailable_reason()
+        if reason.startswith("could not build"):  # a compiler and AVX-512 were there
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+def operands(m: int, n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen),
+            torch.randn(n, generator=gen))
+
+
+@pytest.mark.parametrize("k", [16, 37, 576, 1536])
+@pytest.mark.parametrize("n", [1, 7, 67, 576])
+def test_matches_float64(n, k):
+    """Every row count up to two passes (9..12), N and K with tails, with and without bias."""
+    for m in range(1, 13):
+        x, w, b = operands(m, n, k, seed=m)
+        want = x.double() @ w.double().T
+        # Float32 rounding of a K-term dot product of unit normals: well under 1e-5 * K.
+        tol = 1e-5 * max(k, 16) ** 0.5 * 4
+        torch.testing.assert_close(small_rows.linear(x, w), want.float(), rtol=0, atol=tol)
+        torch.testing.assert_close(small_rows.linear(x, w, b), (want + b.double()).float(),
+                                   rtol=0, atol=tol)
+
+
+def test_rows_batch_invariant():
+    """A row's output is bit-for-bit the same alone, beside any other rows, and
+    with one thread or two: what a verify step's row computes, a decode step
+    of that token computes too."""
+    x, w, b = operands(SMALL_ROWS_MAX, 1003, 576)
+    alone = torch.cat([small_rows.linear(x[i:i + 1], w, b) for i in range(SMALL_ROWS_MAX)])
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            for m in range(1, SMALL_ROWS_MAX + 1):
+                for start in range(SMALL_ROWS_MAX - m + 1):
+                    got = small_rows.linear(x[start:start + m], w, b)
+                    assert torch.equal(got, alone[start:start + m]), (nt, m, start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_refuses_what_it_cannot_run():
+    x, w, _ = operands(2, 8, 16)
+    with pytest.raises(ValueError, match="float32"):
+        small_rows.linear(x.double(), w.double())
+    with pytest.raises(ValueError, match="columns"):
+        small_rows.linear(x, w[:, :8])
+
+
+def test_non_contiguous_input():
+    x, w, b = operands(6, 64, 96)
+    xt = x.T.contiguous().T  # same values, column-major
+    assert not xt.is_contiguous()
+    assert torch.equal(small_rows.linear(xt, w, b), small_rows.linear(x, w, b))
+
+
+def test_linear_dispatch():
+    """Up to SMALL_ROWS_MAX rows on the small-rows kernel, more on the oneDNN-packed weight."""
+    torch.manual_seed(0)
+    layer = Linear(576, 256, bias=True)
+    layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
+    layer.small_rows = True
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for rows in (1, 5, SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1, 16):
+            x = torch.randn(rows, 576, generator=gen)
+            small = small_rows.linear(x, layer.weight, layer.bias)
+            packed = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+            want = small if rows <= SMALL_ROWS_MAX else packed
+            assert torch.equal(linear(x, layer), want), f"{rows} rows took the other path"
+            torch.testing.assert_close(linear(x, layer), F.linear(x, layer.weight, layer.bias),
+                                       rtol=0, atol=1e-5)
+
+
+def test_switched_off_by_environment():
+    code = ("from specdec.models import small_rows as s; "
+            "print(s.available(), s.unavailable_reason())")
+    env = dict(os.environ, SPECDEC_SMALL_ROWS_GEMM="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.startswith("False") and "SPECDEC_SMALL_ROWS_GEMM=0" in out
