@@ -58,11 +58,12 @@ class Linear(nn.Linear):
 # 1.12x a decode step this way, 1.22x / 1.27x with packed weights from 2 rows on.
 PACKED_MIN_ROWS = 4
 # Rows up to which a projection runs on the small-rows kernel where it is
-# available: one pass over the weight. From 9 rows it takes two passes and the
+# available: one pass over the weight. Past 16 rows it takes two passes and the
 # packed weight wins (all of SmolLM2's projections, 2 threads, side by side:
 # 1 / 5 / 8 rows 19.6 / 21.2 / 25.8 ms against packed 23.7 / 28.4 / 32.5 and
-# F.linear 20.2 / 37.9 / 47.6; 9 rows 38.1 against packed 33.5).
-SMALL_ROWS_MAX = 8
+# F.linear 20.2 / 37.9 / 47.6; 12 / 16 rows 27.7 / 35.9 against packed
+# 38.5 / 41.3).
+SMALL_ROWS_MAX = 16
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:

@@ -43,9 +43,9 @@ def test_tiny_packed_matches_plain(tiny_dir):
         isinstance(m, Linear) and m.packed is not None for m in plain.modules())
     assert all(m.small_rows == small_rows.available()
                for m in packed.modules() if isinstance(m, Linear))
-    # 9 rows run on the packed weights; 1 and 5 on the small-rows kernel where
-    # this machine has it.
-    for lens in ([1, 5, 3], [1], [2, 3]):
+    # 18 rows run on the packed weights; 1, 5 and 9 on the small-rows kernel
+    # where this machine has it.
+    for lens in ([1, 5, 3], [1], [2, 3], [9, 9]):
         torch.testing.assert_close(step_logits(packed, lens), step_logits(plain, lens),
                                    rtol=0, atol=1e-5)
 
@@ -62,7 +62,7 @@ def test_smollm2_packed_matches_plain(smollm2_dir):
     packed = load_model(smollm2_dir, dtype="float32")
     assert is_packed(packed)
     plain = load_model(smollm2_dir, dtype="float32", pack_linear=False)
-    for lens in ([1, 5, 9], [5]):
+    for lens in ([1, 5, 9], [5], [9, 9]):
         torch.testing.assert_close(step_logits(packed, lens), step_logits(plain, lens),
                                    rtol=0, atol=1e-4)
 

@@ -34,8 +34,9 @@ def operands(m: int, n: int, k: int, seed: int = 0):
 @pytest.mark.parametrize("k", [16, 37, 576, 1536])
 @pytest.mark.parametrize("n", [1, 7, 67, 576])
 def test_matches_float64(n, k):
-    """Every row count up to two passes (9..12), N and K with tails, with and without bias."""
-    for m in range(1, 13):
+    """Every row count through three passes (17.. and 33.. rows), N and K with
+    tails, with and without bias."""
+    for m in range(1, 35):
         x, w, b = operands(m, n, k, seed=m)
         want = x.double() @ w.double().T
         # Float32 rounding of a K-term dot product of unit normals: well under 1e-5 * K.
@@ -86,7 +87,7 @@ def test_linear_dispatch():
     layer.small_rows = True
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for rows in (1, 5, SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1, 16):
+        for rows in (1, 5, 8, 12, SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1, 24):
             x = torch.randn(rows, 576, generator=gen)
             small = small_rows.linear(x, layer.weight, layer.bias)
             packed = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
