@@ -1,7 +1,7 @@
 /* y[M, N] = x[M, K] @ w[N, K]^T (+ b[N]) for the few rows of a decode or
  * verify step on CPU, float32, AVX-512.
  *
- * Why by hand: at 1-8 rows a projection only has to stream its weight once,
+ * Why by hand: at 1-16 rows a projection only has to stream its weight once,
  * but MKL's sgemm and oneDNN (packed or not, specialised for the batch size
  * or not) lose 1.4-1.9x between 1 and 5 rows on the default model's shapes,
  * which is what made a K = 4 verify step cost 1.4x a decode step. Here every
@@ -40,12 +40,14 @@
     __m512 acc[MB][NB];                                                                  \
     for (int m = 0; m < MB; m++)                                                         \
       for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();                      \
+    /* The next tile's rows, as an integer address: it may lie past the end. */          \
+    const uintptr_t ahead = (uintptr_t)w + sizeof(float) * (uintptr_t)((n + NB) * K);   \
     int64_t k = 0;                                                                       \
     for (; k + 16 <= K; k += 16) {                                                       \
       __m512 wv[NB];                                                                     \
       for (int j = 0; j < NB; j++) {                                                     \
         wv[j] = _mm512_loadu_ps(w + (n + j) * K + k);                                    \
-        _mm_prefetch((const char *)(w + (n + NB) * K + NB * k + 16 * j), _MM_HINT_T1);     \
+        _mm_prefetch((const char *)(ahead + sizeof(float) * (NB * k + 16 * j)), _MM_HINT_T1); \
       }                                                                                  \
       for (int m = 0; m < MB; m++) {                                                     \
         __m512 xv = _mm512_loadu_ps(x + m * K + k);                                      \
