@@ -82,23 +82,22 @@ def _build(cc: str) -> Path:
 
 @functools.cache
 def _kernel():
-    """The C function, or None (with the reason in _reason)."""
+    """The C function, or None (with the reason in _reason, logged once)."""
     global _reason
+    cc = _compiler()
     if os.environ.get(ENV_SWITCH, "1") == "0":
         _reason = f"turned off by {ENV_SWITCH}=0"
-        return None
-    if " avx512f" not in _cpu_flags() + " ":
+    elif " avx512f " not in _cpu_flags() + " ":
         _reason = "this CPU has no AVX-512F"
-        return None
-    cc = _compiler()
-    if cc is None:
+    elif cc is None:
         _reason = "no C compiler (set CC, or install gcc)"
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, RuntimeError) as e:
-        _reason = f"could not build or load the kernel: {e}"
-        log.warning("small-rows GEMM unavailable, using torch's kernels: %s", _reason)
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+        except (OSError, RuntimeError) as e:
+            _reason = f"could not build or load the kernel: {e}"
+    if _reason is not None:
+        log.warning("small-rows GEMM off, CPU projections use torch's kernels: %s", _reason)
         return None
     fn = lib.small_rows_gemm
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
