@@ -118,6 +118,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear for float32 CPU tensors: x [M, K], weight [N, K], bias [N] -> [M, N].
     Call only when available()."""
     fn = _kernel()
+    if fn is None:
+        raise RuntimeError(f"the small-rows GEMM is off: {_reason}")
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"small-rows GEMM takes 2-D float32, got x {x.dtype} {tuple(x.shape)}, "
                          f"weight {weight.dtype}")
