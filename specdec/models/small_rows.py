@@ -51,8 +51,8 @@ def _cpu_flags() -> str:
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "gcc", "cc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        if name and (path := shutil.which(name)):
+            return path
     return None
 
 
