@@ -62,20 +62,24 @@ from specdec.tokenizer import Tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 HEAD = ROOT / "drafter/weights/smollm2-135m-eagle3"
-# Drafter names of the bench -> their method; eagle3_lookup is the EAGLE-3 head as
-# compose.yaml deploys it: prompt lookup where the context repeats an n-gram, and head
-# chains that end before a draft the head is unsure of (drafter/eagle.py).
+# Drafter names of the bench -> their method; eagle3_tree is the EAGLE-3 head alone
+# proposing token trees of K tokens (--tree-width TREE_WIDTH); eagle3_lookup is the
+# EAGLE-3 head as compose.yaml deploys it: prompt lookup where the context repeats an
+# n-gram, and head chains that end before a draft the head is unsure of
+# (drafter/eagle.py).
+TREE_WIDTH = 3
 METHODS = {"ngram": common_pb2.SPEC_METHOD_NGRAM, "eagle3": common_pb2.SPEC_METHOD_EAGLE3,
+           "eagle3_tree": common_pb2.SPEC_METHOD_EAGLE3,
            "eagle3_lookup": common_pb2.SPEC_METHOD_EAGLE3,
            "draft_model": common_pb2.SPEC_METHOD_DRAFT_MODEL}
-DEPLOYED_EAGLE3_FLAGS = ("--lookup-min", "--min-confidence")
+DEPLOYED_EAGLE3_FLAGS = ("--lookup-min", "--min-confidence", "--tree-width")
 GROUPS = {"copy_heavy": lambda p: p.copy_heavy, "other": lambda p: not p.copy_heavy,
           "all": lambda p: True}
 NEAR_TIE = 1e-4  # DESIGN.md section 4: float32 verify and decode may differ below this
 QUICK_PROMPTS = "code_edit_rename,chat_learn_guitar"
 TARGETS = "ngram >= 1.5x plain on copy-heavy prompts; eagle3 acceptance length >= 1.8 at K=4; " \
-          "eagle3 at its best K faster than plain on the chat/other prompts (each for eagle3 " \
-          "and eagle3_lookup)"
+          "eagle3 at its best K faster than plain on the chat/other prompts (each for eagle3, " \
+          "eagle3_tree and eagle3_lookup)"
 
 
 # -- services ----------------------------------------------------------------
@@ -506,7 +510,7 @@ def targets(summary: list[dict]) -> list[dict]:
         s = b["groups"]["copy_heavy"]["speedup"]
         out.append({"target": "ngram >= 1.5x plain on copy-heavy prompts (best K)",
                     "k": b["k"], "value": s, "met": s >= 1.5})
-    for method in ("eagle3", "eagle3_lookup"):
+    for method in ("eagle3", "eagle3_tree", "eagle3_lookup"):
         c = cell(method, 4)
         if c:
             for group in ("other", "all"):
@@ -614,8 +618,8 @@ def main() -> None:
     ap.add_argument("--model", help="target directory (default: the prepared default model)")
     ap.add_argument("--head", type=Path, default=HEAD, help="EAGLE-3 head directory")
     ap.add_argument("--methods", default="ngram,eagle3,eagle3_lookup",
-                    help="drafters to run (ngram, eagle3, eagle3_lookup = eagle3 with prompt "
-                         "lookup and a confidence stop, as deployed, draft_model = a truncated "
+                    help="drafters to run (ngram, eagle3, eagle3_tree = eagle3 proposing token "
+                         "trees, eagle3_lookup = eagle3 as deployed, draft_model = a truncated "
                          "target)")
     ap.add_argument("--ks", default="2,4,6")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -658,6 +662,8 @@ def main() -> None:
     drafter_argv = {
         "ngram": ["--method", "ngram", "--target", str(target)],
         "eagle3": ["--method", "eagle3", "--model", str(args.head), "--target", str(target)],
+        "eagle3_tree": ["--method", "eagle3", "--model", str(args.head), "--target", str(target),
+                        "--tree-width", str(TREE_WIDTH)],
         "eagle3_lookup": ["--method", "eagle3", "--model", str(args.head), "--target",
                           str(target), *deployed],
     }
@@ -698,9 +704,13 @@ def main() -> None:
         "match, as DEADLINE).",
         f"eagle3_lookup is eagle3 as compose.yaml deploys it: `{' '.join(deployed)}` (prompt "
         "lookup where the context repeats an n-gram, the head elsewhere; head chains end "
-        "before a draft it is less sure of).",
+        "before a draft it is less sure of; token trees where the head drafts alone).",
         "eagle3 does not pipeline (DrafterInfo.supports_pipelining is false): its next block "
         "needs the target's hidden states of the accepted tokens, which a bet does not have.",
+        f"eagle3_tree is the head alone with `--tree-width {TREE_WIDTH}`: greedy requests get "
+        "token trees of K tokens (the head's chain plus up to two alternatives a depth, the K "
+        "with the highest path probability), verified in one forward of K + 1 tokens under "
+        "tree attention; K counts every tree token, so a tree costs what a chain of K costs.",
     ]
     result = {
         "bench": "drafters",

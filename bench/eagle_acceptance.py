@@ -1,6 +1,6 @@
-"""Acceptance of a trained EAGLE-3 head, against n-gram lookup and the two together (the
-head with prompt lookup and a confidence stop, as compose.yaml deploys eagle3), on held-out
-chat prompts.
+"""Acceptance of a trained EAGLE-3 head, drafting chains and token trees, against n-gram
+lookup and the two together (the head with prompt lookup, a confidence stop and token
+trees, as compose.yaml deploys eagle3), on held-out chat prompts.
 
 Each prompt (none of them in drafter/train/prompts.py) is decoded greedily for
 --tokens tokens, batch 1, through the verifier engine with a drafter in
@@ -170,6 +170,11 @@ def main() -> None:
     ap.add_argument("--min-confidence", type=float,
                     default=float(service_flag("eagle3", "--min-confidence")),
                     help="eagle3+lookup's confidence stop (default %(default)s, as deployed)")
+    ap.add_argument("--tree-width", type=int,
+                    default=int(service_flag("eagle3", "--tree-width")),
+                    help="token trees of K tokens with up to this many choices a depth, for "
+                         "'eagle3 tree' (the head alone) and eagle3+lookup (default "
+                         "%(default)s, as deployed)")
     ap.add_argument("--out", type=Path, default=RESULTS / "eagle_acceptance")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -182,10 +187,14 @@ def main() -> None:
     greedy = run(model, prompts, args.tokens, 0, None)
     eagle = Eagle3Method(args.head, target_dir, max_num_speculative_tokens=args.k)
     drafters = {"eagle3": eagle, "ngram": NgramMethod(max_num_speculative_tokens=args.k),
-                f"eagle3+lookup (--lookup-min {args.lookup_min} --min-confidence "
-                f"{args.min_confidence})": Eagle3Method(
+                f"eagle3 tree (--tree-width {args.tree_width})": Eagle3Method(
                     args.head, target_dir, max_num_speculative_tokens=args.k,
-                    lookup_min_n=args.lookup_min, min_confidence=args.min_confidence)}
+                    tree_width=args.tree_width),
+                f"eagle3+lookup (--lookup-min {args.lookup_min} --min-confidence "
+                f"{args.min_confidence} --tree-width {args.tree_width})": Eagle3Method(
+                    args.head, target_dir, max_num_speculative_tokens=args.k,
+                    lookup_min_n=args.lookup_min, min_confidence=args.min_confidence,
+                    tree_width=args.tree_width)}
     results = {}
     for name, method in drafters.items():
         r = run(model, prompts, args.tokens, args.k, InProcessProposer(method, args.k))

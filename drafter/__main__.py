@@ -31,6 +31,7 @@ _METHOD_OPTIONS = {
     "lookup_min": "lookup_min_n",
     "lookup_max": "lookup_max_n",
     "min_confidence": "min_confidence",
+    "tree_width": "tree_width",
     "cuda_graphs": "cuda_graphs",
 }
 # Options whose flag is not "--" + the option's name.
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-confidence", type=float, metavar="P",
                         help="eagle/eagle3: end a head chain before a draft the head gives a "
                              "probability below P, after the first (default 0: K drafts)")
+    parser.add_argument("--tree-width", type=int, metavar="W",
+                        help="eagle/eagle3: propose token trees to greedy requests: the head's "
+                             "chain plus up to W - 1 alternatives at each depth, the K most "
+                             "probable tokens of them (default 1: chains)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                         help="dtype of the draft model's weights (method default: float32)")
     parser.add_argument("--device", help="torch device of the draft model, e.g. cuda:1 "

@@ -16,6 +16,12 @@ as vLLM's EAGLE proposer does, and then drops the draft rows from the cache
 again: the next outcome brings the target's own features for whatever was
 accepted. Drafts are greedy and carry no probabilities (one-hot q, exact).
 
+With tree_width > 1, a greedy request's proposal is a token tree (EAGLE-2's
+idea at no extra head cost): the chain above plus, at each depth, the head's
+next tree_width - 1 choices as leaves, of which the K tokens with the highest
+path probability are proposed (specdec/tree.py, chain_with_siblings). The
+verifier scores them all in the one forward a chain of K would take.
+
 With lookup on (`lookup_min_n` > 0), a sequence whose context ends in an
 n-gram of at least that many tokens seen earlier in it gets the prompt-lookup
 draft (drafter/ngram.py) instead, and a head chain whose context plus drafts
@@ -46,6 +52,7 @@ from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
 from drafter.ngram import TokenBuffer, find_continuation
 from drafter.registry import register
 from specdec.pb import common_pb2
+from specdec.tree import chain_with_siblings
 
 # Feature rows a sequence may hold back before advance folds them into its head
 # cache on its own: bounds the memory of sequences that run long without drafting.
@@ -59,6 +66,7 @@ class _Seq:
     tokens: TokenBuffer  # committed context t_0 .. t_{n-1}
     kv_begin: int = 0  # first position in the head cache (> 0 only after features went missing)
     kv_end: int = 0  # positions kv_begin .. kv_end - 1 are committed rows of the head cache
+    greedy: bool = True  # the request samples greedily: its drafts may form a tree
     pending: list[torch.Tensor] = field(default_factory=list)  # [p, H] features of kv_end ..
     num_pending: int = 0
     last_out: torch.Tensor | None = None  # [H] head output at position kv_end - 1
@@ -89,7 +97,7 @@ class _EagleMethod(DraftMethod):
     def __init__(self, model_dir: str | Path | None = None, target_dir: str | Path | None = None,
                  dtype: str = "float32", device: str = "cpu", max_num_speculative_tokens: int = 8,
                  num_kv_blocks: int = 2048, block_size: int = 16, lookup_min_n: int = 0,
-                 lookup_max_n: int = 4, min_confidence: float = 0.0):
+                 lookup_max_n: int = 4, min_confidence: float = 0.0, tree_width: int = 1):
         """model_dir: the head (config.json + safetensors); target_dir: the target model
         it drafts for (its config, embedding / lm_head where the head has none, and
         its tokenizer for the fingerprint). num_kv_blocks x block_size positions of head
@@ -97,7 +105,9 @@ class _EagleMethod(DraftMethod):
         lookup_min_n > 0: prompt lookup (n-grams of lookup_min_n..lookup_max_n tokens)
         drafts where it finds a match, the head elsewhere; 0 = the head alone.
         min_confidence: a head chain stops before a draft the head gives a lower
-        probability (after the first); 0 = always K drafts."""
+        probability (after the first); 0 = always K drafts.
+        tree_width > 1: greedy requests get token trees of K tokens, the chain and up to
+        tree_width - 1 alternatives at each depth (sampled requests keep chains)."""
         if model_dir is None or target_dir is None:
             raise ValueError(f"{self.name} needs its head (model_dir, --model) and the target "
                              f"model directory (target_dir, --target)")
@@ -113,6 +123,9 @@ class _EagleMethod(DraftMethod):
         if not 0.0 <= min_confidence <= 1.0:
             raise ValueError(f"min_confidence must be in [0, 1], got {min_confidence}")
         self.min_confidence = min_confidence
+        if tree_width < 1:
+            raise ValueError(f"tree_width must be >= 1, got {tree_width}")
+        self.tree_width = tree_width
         self.head: DraftHead = load_head(self.name, model_dir, target_dir, dtype, device)
         cfg = self.head.config
         vocab_size, tokenizer_hash = _fingerprint(Path(target_dir), cfg.vocab_size)
@@ -138,7 +151,8 @@ class _EagleMethod(DraftMethod):
               sampling: DraftSampling, max_k: int) -> None:
         # Greedy whatever the sampling: one-hot drafts stay exact under rejection sampling.
         self.free(key)
-        seq = _Seq(next(self._cache_ids), TokenBuffer(list(prompt_ids) + list(output_ids)))
+        seq = _Seq(next(self._cache_ids), TokenBuffer(list(prompt_ids) + list(output_ids)),
+                   greedy=sampling.temperature == 0.0)
         self._cache.add(seq.cache_id)
         self._seqs[key] = seq
 
@@ -188,7 +202,7 @@ class _EagleMethod(DraftMethod):
         finally:
             for _, seq, _ in plan:
                 self._cache.truncate(seq.cache_id, seq.kv_end - seq.kv_begin)
-        return looked_up | {key: Draft(d) for (key, _, _), d in zip(plan, drafts, strict=True)}
+        return looked_up | {key: d for (key, _, _), d in zip(plan, drafts, strict=True)}
 
     def free(self, key: Hashable) -> None:
         seq = self._seqs.pop(key, None)
@@ -266,17 +280,29 @@ class _EagleMethod(DraftMethod):
             seq.kv_end += rows
             seq.last_out = last[i]
 
-    def _draft(self, seqs: list[_Seq], ks: list[int]) -> list[list[int]]:
+    def _draft(self, seqs: list[_Seq], ks: list[int]) -> list[Draft]:
         """Greedy drafts of each sequence, up to K_i of them, one batched head step per
         position. A chain stops early where the head's probability of its next draft is
         below min_confidence (the first draft always stays). With lookup on, a chain whose
         context plus drafts so far ends in a repeated n-gram takes the lookup
-        continuation for the rest of its K and leaves the batch."""
+        continuation for the rest of its K and leaves the batch. With tree_width > 1, the
+        head's top choices at each step make greedy sequences' chains into trees."""
         dev = self.head.device
         gate = self.min_confidence > 0
+        width = self.tree_width
         drafts: list[list[int]] = [[] for _ in seqs]
+        # Per sequence, the head's top `width` tokens and probabilities at each chain step.
+        tops: list[list[tuple[list[int], list[float]]]] = [[] for _ in seqs]
+
+        def head_step(hidden: torch.Tensor):
+            """[B, H] -> ([B] chain tokens, [B] their probabilities or None, top or None)."""
+            if width == 1:
+                return (*self.head.draft_token_ids(hidden, gate), None)
+            top_ids, top_probs = self.head.draft_top(hidden, width)  # [B, width] each
+            return top_ids[:, 0], top_probs[:, 0], (top_ids.tolist(), top_probs.tolist())
+
         hidden = torch.stack([seq.last_out for seq in seqs])  # [B, H]
-        ids, confidence = self.head.draft_token_ids(hidden, gate)  # [B], [B] or None
+        ids, confidence, top = head_step(hidden)  # [B], [B] or None
         active = list(range(len(seqs)))
         step = 1
         while True:
@@ -287,6 +313,8 @@ class _EagleMethod(DraftMethod):
                 if not sure[j]:
                     continue
                 drafts[i].append(tok)
+                if top is not None:
+                    tops[i].append((top[0][j], top[1][j]))
                 left = ks[i] - len(drafts[i])
                 if left and self.lookup_min_n:
                     context = np.concatenate((seqs[i].tokens.view(),
@@ -299,7 +327,8 @@ class _EagleMethod(DraftMethod):
                 if left:
                     keep.append(j)
             if not keep:
-                return drafts
+                return [self._proposal(seq, d, t, k)
+                        for seq, d, t, k in zip(seqs, drafts, tops, ks, strict=True)]
             if len(keep) < len(active):
                 index = torch.tensor(keep, device=dev)
                 hidden, ids = hidden.index_select(0, index), ids.index_select(0, index)
@@ -307,8 +336,18 @@ class _EagleMethod(DraftMethod):
             meta = self._cache.plan([(seqs[i].cache_id, 1) for i in active])
             positions = torch.tensor([seqs[i].kv_end + step - 1 for i in active], device=dev)
             hidden = self.head(ids, hidden, positions, meta, self._cache)
-            ids, confidence = self.head.draft_token_ids(hidden, gate)
+            ids, confidence, top = head_step(hidden)
             step += 1
+
+    @staticmethod
+    def _proposal(seq: _Seq, chain: list[int], tops: list[tuple[list[int], list[float]]],
+                  k: int) -> Draft:
+        """The chain, or for a greedy sequence whose chain the head drafted alone (no
+        lookup continuation) the best tree of k tokens around it."""
+        if not seq.greedy or not tops or len(tops) != len(chain):
+            return Draft(chain)
+        token_ids, parents = chain_with_siblings([t[0] for t in tops], [t[1] for t in tops], k)
+        return Draft(token_ids, parents=parents)
 
 
 def _fingerprint(target_dir: Path, vocab_size: int) -> tuple[int, str]:

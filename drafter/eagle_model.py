@@ -181,6 +181,13 @@ class DraftHead(nn.Module):
             confidence, ids = None, logits.argmax(-1)
         return (ids if self.norm is None else ids + self.d2t[ids]), confidence
 
+    def draft_top(self, hidden: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [N, H] row outputs -> ([N, width] the head's most likely tokens as target
+        ids, most likely first; [N, width] float32 their probabilities)."""
+        logits = self.lm_head(hidden if self.norm is None else self.norm(hidden))  # [N, V_draft]
+        probs, ids = torch.softmax(logits.float(), dim=-1).topk(min(width, logits.shape[-1]), dim=-1)
+        return (ids if self.norm is None else ids + self.d2t[ids]), probs
+
 
 # -- loading -----------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.pb import common_pb2
+from specdec.tree import check_parents
 
 # Element types hidden states can travel in (specdec/tensor_codec.py).
 _WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -96,12 +97,19 @@ class DraftSampling:
 class Draft:
     token_ids: list[int]  # [k] with k <= the K asked for
     probs: torch.Tensor | None = None  # [k, V] q at each drafted position; None = one-hot
+    # A token tree instead of a chain (specdec/tree.py, DraftProposal.parents): the
+    # parent index of each token, -1 for the root; one-hot drafts only. None = a chain.
+    parents: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.probs is not None and (
                 self.probs.dim() != 2 or self.probs.shape[0] != len(self.token_ids)):
             raise ValueError(f"probs must be [k={len(self.token_ids)}, V], "
                              f"got {list(self.probs.shape)}")
+        if self.parents is not None:
+            if self.probs is not None:
+                raise ValueError("a token tree carries one-hot drafts only (probs must be None)")
+            check_parents(self.parents, len(self.token_ids))
 
 
 class DraftMethod(ABC):

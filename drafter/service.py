@@ -119,7 +119,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 if self.pipelining and self.pipeline_stats.worth_it():
                     bets = {(stream.number, p.seq_id): (p.round, list(p.token_ids),
                                                         stream.wanted[p.seq_id])
-                            for p in response.proposals if not p.HasField("probs")}
+                            for p in response.proposals
+                            if not p.HasField("probs") and not p.parents}
                     if bets:
                         stream.predraft = asyncio.ensure_future(
                             asyncio.to_thread(self._predraft, stream, bets))
@@ -297,7 +298,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                    f"{len(draft.token_ids)} tokens for K = {k}")
             seq_id = key[1]
             proposal = response.proposals.add(seq_id=seq_id, round=stream.rounds[seq_id],
-                                              token_ids=draft.token_ids)
+                                              token_ids=draft.token_ids, parents=draft.parents)
             if draft.probs is not None:
                 # [k, V] float32, as the proto prefers.
                 proposal.probs.dense.CopyFrom(encode_tensor(draft.probs.to(torch.float32)))

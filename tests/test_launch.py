@@ -86,6 +86,7 @@ def test_every_command_parses_with_its_cli(local):
 
 def test_service_flag_reads_the_local_command():
     assert service_flag("eagle3", "--lookup-min") == "2"
+    assert service_flag("eagle3", "--tree-width") == "3"
     assert service_flag("verifier", "--max-num-seqs") == "16"  # x-local.env, not the default
     with pytest.raises(ValueError, match=r"local service 'ngram' has no --lookup-min value"):
         service_flag("ngram", "--lookup-min")

@@ -26,6 +26,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
+from specdec import tree as token_tree
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.server import GRPC_OPTIONS
 from specdec.telemetry import outgoing_metadata
@@ -255,7 +256,15 @@ class DrafterClient:
                 # Drafted for a context the sequence has already left: as good as late.
                 self.misses[prop.seq_id] = "deadline"
                 continue
-            out[prop.seq_id] = Proposal(list(prop.token_ids), self._probs(prop))
+            parents = None
+            if prop.parents:
+                parents = list(prop.parents)
+                try:
+                    token_tree.check_parents(parents, len(prop.token_ids), "parents")
+                except ValueError as e:
+                    log.warning("drafter %s sent an unusable token tree: %s", self.name, e)
+                    continue  # the sequence runs with K = 0 this step
+            out[prop.seq_id] = Proposal(list(prop.token_ids), self._probs(prop), parents)
         # A sequence the drafter answered for without a proposal had nothing to draft
         # (no n-gram match, say): the step did not miss anything, so no reason is set.
         return out

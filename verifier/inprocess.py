@@ -32,7 +32,7 @@ class InProcessProposer(Proposer):
 
     def propose(self, wanted: dict[int, int], tokens: dict[int, list[int]]) -> dict[int, Proposal]:
         drafts = self.method.propose(wanted) if wanted else {}
-        return {key: Proposal(d.token_ids, d.probs) for key, d in drafts.items()}
+        return {key: Proposal(d.token_ids, d.probs, d.parents) for key, d in drafts.items()}
 
     def advance(self, seq_id: int, outcome: Outcome) -> None:
         self.method.advance(seq_id, outcome.num_drafted, outcome.num_accepted,

@@ -90,11 +90,21 @@ class SdpaBackend(AttentionBackend):
             mask = None
         else:
             mask = self._mask(q_pos, k_pos)
+        if meta.tree_masks is not None:
+            # A tree block's tokens see the context causally (by slot order) and,
+            # within the block, only their own ancestors: its keys are the last
+            # q of the sequence's seq_len.
+            for b, (tree, end) in enumerate(zip(meta.tree_masks, meta.seq_lens.tolist(),
+                                                strict=True)):
+                if tree is not None:
+                    q = tree.shape[0]
+                    mask[b, 0, :q, end - q: end] = tree.to(mask.device)
         return _SdpaState(kv_slots, pad_index, mask, batch, max_q)
 
     def prepare_static(self, meta: AttentionMetadata) -> _SdpaState:
         bs, batch, q = meta.block_size, meta.batch_size, meta.query_lens[0]
         assert meta.num_tokens == batch * q, "prepare_static wants one query length for all"
+        assert meta.tree_masks is None, "token trees run eagerly"
         dev = meta.positions.device
         # [B, nb * bs]: every column, also past the sequence's own blocks (masked).
         kv_slots = (meta.block_tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(batch, -1)

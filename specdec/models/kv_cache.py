@@ -5,7 +5,8 @@ sequence owns a list of blocks (its block table) and a length. Appending a
 ragged block of tokens (a prefill chunk, or last token + K drafts) takes
 fresh blocks only when the last one is full; rolling back rejected drafts
 only shortens the length and returns whole blocks past it to the pool. No
-KV data is ever copied for either.
+KV data is copied for either; only a token-tree verify copies the few slots of
+its accepted path (`move`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class AttentionMetadata:
     query_lens: list[int]  # [B] new tokens per sequence (host copy for shapes)
     max_seq_len: int
     block_size: int
+    # Token-tree verify blocks (specdec/tree.py); both None for chains and prefill.
+    # rope_positions: [T] int64, the position each token is rotated by where it
+    # differs from `positions` (a tree token sits at its root's position + its
+    # depth, while its cache slot follows the block's order). tree_masks: per
+    # sequence None or its [q, q] bool ancestor mask among its own new tokens.
+    rope_positions: torch.Tensor | None = None
+    tree_masks: list[torch.Tensor | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +136,21 @@ class PagedKVCache:
         keep = -(-new_length // self.block_size)
         self._free.extend(seq.blocks[keep:])
         del seq.blocks[keep:]
+
+    def move(self, seq_id: int, src: list[int], dst: list[int]) -> None:
+        """Copy the keys and values of positions src to positions dst of one sequence, in
+        every layer (a tree verify keeps its accepted path this way). Reads all of src
+        before writing, so the two may overlap."""
+        seq = self._seqs[seq_id]
+        if len(src) != len(dst) or any(not 0 <= p < seq.length for p in (*src, *dst)):
+            raise ValueError(f"move of positions {src} -> {dst} in a sequence of length "
+                             f"{seq.length}")
+        bs = self.block_size
+        slots = [[seq.blocks[p // bs] * bs + p % bs for p in ps] for ps in (src, dst)]
+        src_slots, dst_slots = (torch.tensor(s, dtype=torch.int64, device=self.device)
+                                for s in slots)
+        for cache in (self.k, self.v):  # [layers, slots, Hkv, D]
+            cache.index_copy_(1, dst_slots, cache.index_select(1, src_slots))
 
     def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)

@@ -235,7 +235,8 @@ class LlamaForCausalLM(nn.Module):
         query length for all sequences; capturable in a CUDA graph)."""
         if logits_indices is None:
             logits_indices = meta.last_token_indices()
-        cos, sin = self.rotary.cos_sin(meta.positions, self.dtype)
+        rope = meta.positions if meta.rope_positions is None else meta.rope_positions
+        cos, sin = self.rotary.cos_sin(rope, self.dtype)
         backend = self.attn_backend
         state = backend.prepare_static(meta) if static_shapes else backend.prepare(meta)
         ctx = StepContext(meta, cache, state, cos, sin)

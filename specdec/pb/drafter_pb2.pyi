@@ -83,16 +83,18 @@ class DraftResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[DraftProposal, _Mapping]]] = ..., draft_time_ms: _Optional[float] = ..., unknown_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("seq_id", "round", "token_ids", "probs")
+    __slots__ = ("seq_id", "round", "token_ids", "probs", "parents")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftProbs(_message.Message):
     __slots__ = ("dense", "sparse")

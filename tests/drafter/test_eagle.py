@@ -18,6 +18,7 @@ from drafter.__main__ import build_method, build_parser
 from drafter.eagle import Eagle3Method, EagleMethod
 from drafter.method import DraftSampling
 from drafter.ngram import find_continuation
+from specdec import tree
 from specdec.generate import greedy_generate
 from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache, load_model, save_model
 from specdec.pb import common_pb2
@@ -179,6 +180,28 @@ class Reference:
             return int((h @ self.target_lm_head.T).argmax())
         d = int((rms(h, self.t["norm.weight"]) @ self.t["lm_head.weight"].T).argmax())
         return d + int(self.t["d2t"][d])
+
+    def top(self, h, width):
+        """The head's `width` most likely target tokens after row output h, and their
+        probabilities (EAGLE-3 only)."""
+        probs = torch.softmax(rms(h, self.t["norm.weight"]) @ self.t["lm_head.weight"].T, -1)
+        p, d = probs.topk(width)
+        return (d + self.t["d2t"][d]).tolist(), p.tolist()
+
+    def draft_tops(self, tokens, raw, k, width):
+        """Like `draft`, returning the top `width` tokens and probabilities of each step."""
+        next_ids, feats = torch.tensor(tokens[1:]), self.feature(raw)
+        pos = torch.arange(0, len(tokens) - 1)
+        ids, probs = [], []
+        for _ in range(k):
+            h = self.rows(next_ids, feats, pos)[-1]
+            i, p = self.top(h, width)
+            ids.append(i)
+            probs.append(p)
+            next_ids = torch.cat([next_ids, torch.tensor(i[:1])])
+            feats = torch.cat([feats, h[None]])
+            pos = torch.cat([pos, pos[-1:] + 1])
+        return ids, probs
 
     def draft(self, tokens, raw, k, begin=0):
         """tokens: the context t_0..t_{n-1}; raw: [n - 1 - begin, L, H] target states of
@@ -422,6 +445,33 @@ def test_min_confidence_ends_head_chains_and_leaves_lookup_alone(tmp_path, targe
         Eagle3Method(tmp_path / "head", target_dir, min_confidence=1.5)
 
 
+def test_tree_width_proposes_the_most_probable_tree(tmp_path, target_dir, target):
+    tensors = head_tensors("eagle3", seed=9)
+    save_head(tmp_path / "head", "eagle3", tensors)
+    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64", tree_width=3)
+    ref = Reference("eagle3", tensors, target)
+    drv = Driver(method)
+    drv.start("greedy", [20, 21, 22, 23, 24])
+    drv.prefill("greedy", [5], 25)
+    method.start("sampled", [30, 31, 32], [], DraftSampling(temperature=0.7), 8)
+    drv.tokens["sampled"], drv.states["sampled"] = [30, 31, 32], {}
+    drv.prefill("sampled", [3], 33)
+    for k in (1, 4, 6):
+        drafts = method.propose({"greedy": k, "sampled": k})
+        ids, probs = ref.draft_tops(drv.tokens["greedy"], torch.stack(
+            [drv.states["greedy"][p] for p in range(len(drv.tokens["greedy"]) - 1)]), k, 3)
+        want = tree.chain_with_siblings(ids, probs, k)
+        got = drafts["greedy"]
+        assert (got.token_ids, got.parents) == want
+        assert got.probs is None
+        # The sampled request keeps the plain chain, the head's argmax at each step.
+        assert drafts["sampled"].parents is None
+        assert drafts["sampled"].token_ids == drv.reference(ref, "sampled", k)
+    assert not tree.is_chain(drafts["greedy"].parents)  # random weights: unsure, so a tree
+    with pytest.raises(ValueError, match="tree_width must be >= 1, got 0"):
+        Eagle3Method(tmp_path / "head", target_dir, tree_width=0)
+
+
 @pytest.mark.parametrize(("kind", "config", "layers"), [
     ("eagle", {}, [TARGET_LAYERS]),
     ("eagle3", {}, [2, 4, 5]),
@@ -623,3 +673,30 @@ def test_output_with_lookup_and_confidence_stop_equals_plain_greedy(loop, target
             assert draft == copy.tolist()
             looked_up += 1
     assert 0 < looked_up < len(method.proposals)
+
+
+def test_tree_drafts_over_the_wire_keep_greedy_output(loop, target, target_dir, tmp_path):
+    """Token trees travel in DraftProposal.parents and the verifier accepts paths off
+    the first-child chain; outputs stay plain greedy at batch 8 with mixed K."""
+    save_head(tmp_path / "head", "eagle3", head_tensors("eagle3", seed=7))
+    method = RecordingEagle3(tmp_path / "head", target_dir, dtype="float64", tree_width=3)
+    trees = []
+    propose = method.propose
+
+    def recording(wanted):
+        drafts = propose(wanted)
+        trees.extend(d.parents for d in drafts.values() if d.parents is not None)
+        return drafts
+
+    method.propose = recording
+    stack = Stack(loop, target, {"eagle3": method})
+    try:
+        ps = prompts(8, seed=21)
+        expected = greedy_generate(target, ps, 40)
+        msgs = [start_msg(p, 40, k=2 + i % 6, drafter="eagle3") for i, p in enumerate(ps)]
+        results = run_concurrently(lambda m: generate(stack.stub, m), [(m,) for m in msgs])
+        assert [tokens for tokens, _ in results] == expected
+        assert sum(r[-1].spec_decode.num_accepted_tokens for _, r in results) > 0
+    finally:
+        stack.close()
+    assert any(not tree.is_chain(p) for p in trees)

@@ -62,9 +62,11 @@ def test_smollm2_packed_matches_plain(smollm2_dir):
     packed = load_model(smollm2_dir, dtype="float32")
     assert is_packed(packed)
     plain = load_model(smollm2_dir, dtype="float32", pack_linear=False)
+    # 30 layers of float32 sums in another order: logits of magnitude ~10-20 drift apart
+    # by up to ~1e-4 (1.05e-4 seen on an AVX2 machine, where oneDNN tiles differently).
     for lens in ([1, 5, 9], [5], [9, 9]):
         torch.testing.assert_close(step_logits(packed, lens), step_logits(plain, lens),
-                                   rtol=0, atol=1e-4)
+                                   rtol=2e-5, atol=1e-4)
 
 
 def test_packed_path_from_min_rows():

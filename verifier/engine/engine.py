@@ -3,7 +3,10 @@
     schedule -> drafts -> one ragged target forward -> rejection sampling -> postprocess
 
 Prefill chunks and verify blocks (last token + K_i drafts, K_i per
-sequence, 0 allowed) share one forward. Logits are taken only where a token
+sequence, 0 allowed) share one forward. A greedy sequence's drafts may form a
+token tree (specdec/tree.py): its block is verified under tree attention, the
+longest root path the target agrees with is accepted, and that path's KV is
+moved to consecutive slots. Logits are taken only where a token
 is sampled: every position of a verify block, and the last position of a
 prefill chunk that completes its sequence. Rejected drafts are rolled back
 by truncating the sequence in the KV cache. On a GPU, steps with no prefill
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec import tree as token_tree
 from specdec.models import LlamaForCausalLM
 from specdec.models.cuda_graphs import CudaGraphRunner
 from verifier.engine.proposer import Outcome, Proposer
@@ -161,11 +165,16 @@ class Engine:
         if not batch:
             return []
         self.num_steps += 1
-        drafts, draft_probs = self._drafts(batch)
+        drafts, draft_probs, trees = self._drafts(batch)
         draft_wait_ms = (time.perf_counter() - t0) * 1e3
         feeds = [self._feed(item, drafts.get(item.seq.seq_id, [])) for item in batch]
         meta = self.cache.plan([(item.seq.seq_id, len(f)) for item, f in zip(batch, feeds, strict=True)])
         starts = meta.query_start[:-1].tolist()
+        if trees:
+            # The root of a tree block is the last token, at position num_computed.
+            token_tree.plan_tree_attention(
+                meta, [trees.get(item.seq.seq_id) for item in batch],
+                [item.seq.num_computed for item in batch])
 
         # Rows to sample: every position of a verify block; the last position
         # of a prefill chunk that reaches the end of its sequence.
@@ -194,7 +203,7 @@ class Engine:
         dev = ids.device
         hidden_index = torch.tensor(hidden_indices, dtype=torch.int64, device=dev)
         out = None
-        if self.graphs is not None and not any(item.is_prefill for item in batch):
+        if self.graphs is not None and not trees and not any(item.is_prefill for item in batch):
             # No prefill: every row is sampled, which is what a graph computes.
             out = self.graphs.run(ids, meta, hidden_layers, hidden_index)
         if out is None:
@@ -214,7 +223,7 @@ class Engine:
 
         outputs: list[StepOutput] = []
         if sampled:
-            outputs = self._sample_and_advance(sampled, out.logits, draft_probs, hidden)
+            outputs = self._sample_and_advance(sampled, out.logits, draft_probs, trees, hidden)
         dt = (time.perf_counter() - t0) * 1e3
         self.step_time_ema_ms = dt if not self.step_time_ema_ms else 0.9 * self.step_time_ema_ms + 0.1 * dt
         for o in outputs:
@@ -231,28 +240,43 @@ class Engine:
                     layers.append(layer)
         return tuple(layers)
 
-    def _drafts(self, batch: list[Scheduled]) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
-        """Draft ids per sequence, and the draft distributions [K_i, V] of the
-        proposals that carry them (the others are one-hot)."""
+    def _drafts(self, batch: list[Scheduled]) -> tuple[
+            dict[int, list[int]], dict[int, torch.Tensor], dict[int, list[int]]]:
+        """Draft ids per sequence, the draft distributions [K_i, V] of the proposals
+        that carry them (the others are one-hot), and the parents of the drafts that
+        form a token tree rather than a chain."""
         if self.proposer is None:
-            return {}, {}
+            return {}, {}, {}
         wanted = {item.seq.seq_id: item.k for item in batch if item.k > 0}
         tokens = {item.seq.seq_id: item.seq.tokens for item in batch if item.k > 0}
         # Called even when nobody speculates: the proposer forwards pending outcomes.
         proposals = self.proposer.propose(wanted, tokens)
         vocab = self.model.config.vocab_size
-        drafts, probs = {}, {}
+        greedy = {item.seq.seq_id: item.seq.request.sampling.is_greedy for item in batch}
+        drafts, probs, trees = {}, {}, {}
         for seq_id, k in wanted.items():
             p = proposals.get(seq_id)
             if p is not None:
-                # A drafter can only lower K; out-of-vocabulary ids end the draft.
+                # A drafter can only lower K; out-of-vocabulary ids end the draft (a
+                # tree's prefix is a tree: parents come first).
                 ids = list(itertools.takewhile(lambda t: 0 <= t < vocab, p.token_ids[:k]))
+                if p.parents is not None and not token_tree.is_chain(p.parents[: len(ids)]):
+                    if p.probs is not None:
+                        continue  # trees carry one-hot drafts only: run K = 0
+                    parents = p.parents[: len(ids)]
+                    # Trees are verified for greedy requests only; a sampled request, or
+                    # a sliding window (it would count a tree token's slot rather than
+                    # its position), keeps the chain of first children.
+                    if greedy[seq_id] and self.model.config.sliding_window is None:
+                        trees[seq_id] = parents
+                    else:
+                        ids = [ids[i] for i in token_tree.first_child_chain(parents)]
                 if p.probs is not None and ids:
                     if p.probs.dim() != 2 or p.probs.shape[0] < len(ids) or p.probs.shape[1] != vocab:
                         continue  # a malformed q can't be verified exactly: run K = 0
                     probs[seq_id] = p.probs[: len(ids)]
                 drafts[seq_id] = ids
-        return drafts, probs
+        return drafts, probs, trees
 
     @staticmethod
     def _feed(item: Scheduled, draft: list[int]) -> list[int]:
@@ -263,9 +287,28 @@ class Engine:
 
     def _sample_and_advance(self, sampled: list[tuple[Scheduled, list[int]]],
                             logits: torch.Tensor, draft_probs: dict[int, torch.Tensor],
-                            hidden: _Hidden) -> list[StepOutput]:
+                            trees: dict[int, list[int]], hidden: _Hidden) -> list[StepOutput]:
         seqs = [item.seq for item, _ in sampled]
         dev = logits.device
+        # Tree blocks: the accepted root path, then its tokens as a chain of drafts over
+        # the rows [root, path...]: the sampler accepts all of them and adds the argmax
+        # at the path's end, which is exactly the tree's greedy result.
+        paths: dict[int, list[int]] = {}  # seq_id -> accepted token indices of its tree
+        num_nodes = [len(d) for _, d in sampled]
+        if trees:
+            rows, first = [], 0
+            for i, (item, draft) in enumerate(sampled):
+                parents = trees.get(item.seq.seq_id)
+                if parents is None:
+                    rows.extend(range(first, first + len(draft) + 1))
+                else:
+                    argmax = logits[first: first + len(draft) + 1].argmax(dim=-1).tolist()
+                    path = paths[item.seq.seq_id] = token_tree.greedy_path(parents, draft, argmax)
+                    rows.append(first)
+                    rows.extend(first + 1 + j for j in path)
+                    sampled[i] = (item, [draft[j] for j in path])
+                first += len(draft) + 1
+            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
         num_drafts = torch.tensor([len(d) for _, d in sampled], dtype=torch.int64, device=dev)
         draft_ids = torch.tensor([t for _, d in sampled for t in d], dtype=torch.int64, device=dev)
         q = None
@@ -284,17 +327,23 @@ class Engine:
         out_ids, num_accepted = out_ids.tolist(), num_accepted.tolist()
         outputs = []
         logit_row = 0  # first row of this sequence's block in `logits`
-        for (item, draft), row, accepted in zip(sampled, out_ids, num_accepted, strict=True):
+        for (item, draft), nodes, row, accepted in zip(sampled, num_nodes, out_ids, num_accepted,
+                                                      strict=True):
             seq = item.seq
             new = row[: accepted + 1]
             start_pos = seq.num_computed if not item.is_prefill else seq.num_computed - item.num_tokens
+            path = paths.get(seq.seq_id)
             if not item.is_prefill:
                 # KV was written for the last token and every draft; keep the
                 # accepted ones (the sampled token has none yet).
+                if path is not None and path[:accepted] != list(range(accepted)):
+                    base = seq.num_computed + 1
+                    self.cache.move(seq.seq_id, [base + j for j in path[:accepted]],
+                                    list(range(base, base + accepted)))
                 self.cache.truncate(seq.seq_id, seq.num_computed + 1 + accepted)
             appended, reason = self._append(seq, new)
             seq.num_computed = len(seq.tokens) - 1
-            seq.num_drafted += len(draft)
+            seq.num_drafted += nodes
             seq.num_accepted += min(accepted, len(appended))
             logprobs = None
             if seq.request.num_logprobs:
@@ -304,15 +353,16 @@ class Engine:
             if self.proposer is not None and reason is None:
                 # Hidden rows kept: a whole prefill chunk, or the last token plus the accepted drafts.
                 kept = item.num_tokens if item.is_prefill else accepted + 1
+                tree_rows = None if path is None else [0, *(1 + j for j in path[:accepted])]
                 self.proposer.advance(seq.seq_id, Outcome(
-                    len(draft), accepted, appended, hidden.take(seq.seq_id, self.proposer, kept),
-                    start_pos))
+                    nodes, accepted, appended,
+                    hidden.take(seq.seq_id, self.proposer, kept, tree_rows), start_pos))
             miss = None
-            if item.k and not draft and self.proposer is not None:
+            if item.k and not nodes and self.proposer is not None:
                 miss = self.proposer.miss_reason(seq.seq_id)
             if reason is not None:
                 self._finish(seq, reason)
-            outputs.append(StepOutput(seq.request.request_id, appended, len(draft), accepted, reason,
+            outputs.append(StepOutput(seq.request.request_id, appended, nodes, accepted, reason,
                                       item.k, miss, logprobs))
         return outputs
 
@@ -348,15 +398,20 @@ class _Hidden:
     layers: tuple[int, ...]
     first_row: dict[int, int]  # seq_id -> first of its rows (one per fed token)
 
-    def take(self, seq_id: int, proposer: Proposer, num_rows: int) -> torch.Tensor | None:
-        """[num_rows, L_seq, hidden]: the sequence's first num_rows rows, layers in the
-        order its drafter asked for."""
+    def take(self, seq_id: int, proposer: Proposer, num_rows: int,
+             rows: list[int] | None = None) -> torch.Tensor | None:
+        """[num_rows, L_seq, hidden]: the sequence's first num_rows rows (or those of
+        its fed tokens listed in `rows`: a tree's root and accepted path), layers in
+        the order its drafter asked for."""
         if self.states is None or seq_id not in self.first_row:
             return None
         index = [self.layers.index(layer) for layer in proposer.hidden_layers(seq_id)]
         first = self.first_row[seq_id]
-        rows = self.states[index, first: first + num_rows]  # [L_seq, P, hidden]
-        return rows.transpose(0, 1).contiguous()
+        if rows is None:
+            out = self.states[index, first: first + num_rows]  # [L_seq, P, hidden]
+        else:
+            out = self.states[index][:, [first + r for r in rows]]
+        return out.transpose(0, 1).contiguous()
 
 
 def _logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:

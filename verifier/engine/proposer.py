@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 class Proposal:
     token_ids: list[int]  # [K] drafted tokens following the sequence's current tokens
     probs: torch.Tensor | None = None  # [K, V] draft distribution; None = one-hot (greedy)
+    # A token tree (specdec/tree.py): parents[i] is token i's parent index, -1 for the
+    # root; None = a chain. One-hot drafts only.
+    parents: list[int] | None = None
 
 
 @dataclass(slots=True)
