@@ -9,7 +9,7 @@ overhead). Logits are computed only at the positions asked for.
 
 On CPU, `pack_linear_weights()` prepares every float32 projection for the
 step sizes that matter: up to SMALL_ROWS_MAX rows (decode and verify steps)
-it runs on a small AVX-512 kernel that streams the weight once for all rows
+it runs on a small AVX-512 (or AVX2) kernel that streams the weight once for all rows
 (small_rows.py); above, on oneDNN with the weight reordered once into its
 blocked layout. MKL's plain sgemm slows down sharply past a few input rows
 (at SmolLM2-135M size, 5 rows take ~1.7x the time of 1), which makes a verify
@@ -62,7 +62,10 @@ PACKED_MIN_ROWS = 4
 # packed weight wins (all of SmolLM2's projections, 2 threads, side by side:
 # 1 / 5 / 8 rows 19.6 / 21.2 / 25.8 ms against packed 23.7 / 28.4 / 32.5 and
 # F.linear 20.2 / 37.9 / 47.6; 12 / 16 rows 27.7 / 35.9 against packed
-# 38.5 / 41.3).
+# 38.5 / 41.3). With AVX2 a pass takes 12 rows, and 16 rows in two passes tie
+# with packed (an AMD EPYC without AVX-512: 1 / 5 / 12 / 16 rows 28.7 / 30.7 /
+# 49.2 / 64.9 ms, packed 33.8 / 45.3 / 56.1 / 65.1, F.linear 41.9 / 101.9 /
+# 121.3 / 105.0).
 SMALL_ROWS_MAX = 16
 
 

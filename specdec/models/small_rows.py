@@ -1,5 +1,5 @@
 """Projections of the few rows of a decode or verify step on CPU, through a
-small AVX-512 kernel (small_rows_gemm.c) built here on first use.
+small AVX-512 (or AVX2 + FMA) kernel (small_rows_gemm.c) built here on first use.
 
 MKL and oneDNN lose 1.4-1.9x between 1 and 5 input rows on the default
 model's shapes (see the C file), so a K = 4 verify step cost 1.4x a decode
@@ -9,9 +9,9 @@ does not depend on what else is in the call).
 
 The shared library is compiled with the system C compiler (`$CC`, else gcc or
 cc) for this CPU (-march=native) into the cache, keyed by the source, the
-compiler and the CPU's flags. Without a compiler, on a CPU without AVX-512,
-or with SPECDEC_SMALL_ROWS_GEMM=0, `available()` is False and callers keep
-torch's kernels; `unavailable_reason()` says why.
+compiler and the CPU's flags. Without a compiler, on a CPU with neither AVX-512
+nor AVX2 and FMA, or with SPECDEC_SMALL_ROWS_GEMM=0, `available()` is False and
+callers keep torch's kernels; `unavailable_reason()` says why.
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def _kernel():
     cc = _compiler()
     if os.environ.get(ENV_SWITCH, "1") == "0":
         _reason = f"turned off by {ENV_SWITCH}=0"
-    elif " avx512f " not in _cpu_flags() + " ":
-        _reason = "this CPU has no AVX-512F"
+    elif not _vector_isa():
+        _reason = "this CPU has neither AVX-512F nor AVX2 and FMA"
     elif cc is None:
         _reason = "no C compiler (set CC, or install gcc)"
     else:
@@ -102,11 +102,29 @@ def _kernel():
     fn = lib.small_rows_gemm
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     fn.restype = None
+    fn.max_rows = lib.small_rows_gemm_max_rows()
     return fn
+
+
+def _vector_isa() -> str | None:
+    """The instruction set the kernel is built for on this CPU, or None."""
+    flags = set(_cpu_flags().split())
+    if "avx512f" in flags:
+        return "avx512f"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return None
 
 
 def available() -> bool:
     return _kernel() is not None
+
+
+def max_rows() -> int:
+    """Rows one pass over the weight takes (16 with AVX-512, 12 with AVX2); 0 when off.
+    More rows run in several passes."""
+    fn = _kernel()
+    return 0 if fn is None else fn.max_rows
 
 
 def unavailable_reason() -> str | None:
