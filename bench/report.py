@@ -36,8 +36,8 @@ SECTIONS = [
     ("drafters.md", "Drafters, single stream (its eagle3 rows are an earlier head's)",
      "python -m bench.drafters"),
     ("drafters_eagle3.md", "The current EAGLE-3 head, single stream",
-     "python -m bench.drafters --methods eagle3,eagle3_lookup --ks 1,2,4 --no-pipelining "
-     "--out bench/results/drafters_eagle3.json"),
+     "python -m bench.drafters --methods eagle3,eagle3_tree,eagle3_lookup --ks 2,4 "
+     "--no-pipelining --out bench/results/drafters_eagle3.json"),
     ("gateway.md", "Static against dynamic K under concurrency", "python -m bench.gateway"),
     ("peers.md", "Against peers", "make bench-peers"),
 ]
