@@ -127,6 +127,7 @@ class _EagleMethod(DraftMethod):
             raise ValueError(f"tree_width must be >= 1, got {tree_width}")
         self.tree_width = tree_width
         self.head: DraftHead = load_head(self.name, model_dir, target_dir, dtype, device)
+        self.head.use_small_rows()  # inference only: the kernel has no autograd
         cfg = self.head.config
         vocab_size, tokenizer_hash = _fingerprint(Path(target_dir), cfg.vocab_size)
         self._info = DrafterInfo(

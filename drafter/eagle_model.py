@@ -37,10 +37,19 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from specdec.models import small_rows
 from specdec.models.attention import ATTENTION_BACKENDS
 from specdec.models.config import ModelConfig
 from specdec.models.kv_cache import AttentionMetadata, PagedKVCache
-from specdec.models.llama import MLP, Attention, DecoderLayer, RMSNorm, StepContext
+from specdec.models.llama import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    Linear,
+    RMSNorm,
+    StepContext,
+    linear,
+)
 from specdec.models.loader import parse_dtype, safetensors_files
 from specdec.models.rope import RotaryEmbedding, inv_frequencies
 
@@ -91,7 +100,7 @@ class _FirstEagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, 0, backend)
         attn = self.self_attn
-        attn.qkv_proj = nn.Linear(2 * h, attn.q_size + 2 * attn.kv_size, bias=cfg.attention_bias)
+        attn.qkv_proj = Linear(2 * h, attn.q_size + 2 * attn.kv_size, bias=cfg.attention_bias)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.norm_before_residual = norm_before_residual
@@ -122,18 +131,18 @@ class DraftHead(nn.Module):
         self.rotary = RotaryEmbedding(dec)
         rest = [DecoderLayer(dec, i, self.attn_backend) for i in range(1, dec.num_layers)]
         if cfg.kind == "eagle":
-            self.fc = nn.Linear(2 * h, h, bias=cfg.fc_bias)
+            self.fc = Linear(2 * h, h, bias=cfg.fc_bias)
             first: nn.Module = _FirstEagleLayer(dec, self.attn_backend)
             self.norm = None
             self.register_buffer("d2t", None)
         else:
-            self.fc = nn.Linear(len(cfg.target_layers) * cfg.target_hidden_size, h,
-                                bias=cfg.fc_bias)
+            self.fc = Linear(len(cfg.target_layers) * cfg.target_hidden_size, h,
+                             bias=cfg.fc_bias)
             first = _FirstEagle3Layer(dec, self.attn_backend, cfg.norm_before_residual)
             self.norm = RMSNorm(h, dec.rms_norm_eps)
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.layers = nn.ModuleList([first, *rest])
-        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -151,7 +160,7 @@ class DraftHead(nn.Module):
         """target_hidden: [P, len(target_layers), H_t] -> the head's input features [P, H]."""
         if self.config.kind == "eagle":
             return target_hidden[:, 0]
-        return self.fc(target_hidden.flatten(1))
+        return linear(target_hidden.flatten(1), self.fc)
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
@@ -163,18 +172,33 @@ class DraftHead(nn.Module):
         embeds = self.embed_tokens(input_ids)
         first, *rest = self.layers
         if self.config.kind == "eagle":
-            x = first(self.fc(torch.cat([embeds, features], dim=-1)), ctx)
+            x = first(linear(torch.cat([embeds, features], dim=-1), self.fc), ctx)
         else:
             x = first(embeds, features, ctx)
         for layer in rest:
             x = layer(x, ctx)
         return x
 
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] row outputs -> [N, V_draft] logits over the draft vocabulary."""
+        return linear(hidden if self.norm is None else self.norm(hidden), self.lm_head)
+
+    def use_small_rows(self) -> bool:
+        """Run the head's projections of few rows (every drafting step) on the small-rows
+        kernel, as the target's (specdec/models/small_rows.py): float32 on a CPU that
+        has it. Returns whether it does."""
+        on = (self.dtype == torch.float32 and self.device.type == "cpu"
+              and small_rows.available())
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.small_rows = on
+        return on
+
     def draft_token_ids(self, hidden: torch.Tensor,
                         with_confidence: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden: [N, H] row outputs -> ([N] greedy drafts as target token ids, [N] the
         head's probability of each draft when `with_confidence`, else None)."""
-        logits = self.lm_head(hidden if self.norm is None else self.norm(hidden))  # [N, V_draft]
+        logits = self.draft_logits(hidden)  # [N, V_draft]
         if with_confidence:
             confidence, ids = torch.softmax(logits.float(), dim=-1).max(dim=-1)
         else:
@@ -184,7 +208,7 @@ class DraftHead(nn.Module):
     def draft_top(self, hidden: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: [N, H] row outputs -> ([N, width] the head's most likely tokens as target
         ids, most likely first; [N, width] float32 their probabilities)."""
-        logits = self.lm_head(hidden if self.norm is None else self.norm(hidden))  # [N, V_draft]
+        logits = self.draft_logits(hidden)  # [N, V_draft]
         probs, ids = torch.softmax(logits.float(), dim=-1).topk(min(width, logits.shape[-1]), dim=-1)
         return (ids if self.norm is None else ids + self.d2t[ids]), probs
 

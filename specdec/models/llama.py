@@ -70,13 +70,13 @@ SMALL_ROWS_MAX = 16
 
 
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    # getattr: the EAGLE head swaps in a plain nn.Linear for some projections.
+    """x: [M, in] -> [M, out] on the path its Linear was prepared for (getattr: a plain
+    nn.Linear takes F.linear)."""
+    if x.shape[0] <= SMALL_ROWS_MAX and getattr(layer, "small_rows", False):
+        return small_rows.linear(x, layer.weight, layer.bias)
     packed = getattr(layer, "packed", None)
-    if packed is not None:
-        if x.shape[0] <= SMALL_ROWS_MAX and layer.small_rows:
-            return small_rows.linear(x, layer.weight, layer.bias)
-        if x.shape[0] >= PACKED_MIN_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
     return F.linear(x, layer.weight, layer.bias)
 
 

@@ -16,11 +16,20 @@ from safetensors.torch import save_file
 from drafter import registry
 from drafter.__main__ import build_method, build_parser
 from drafter.eagle import Eagle3Method, EagleMethod
+from drafter.eagle_model import load_head
 from drafter.method import DraftSampling
 from drafter.ngram import find_continuation
 from specdec import tree
 from specdec.generate import greedy_generate
-from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache, load_model, save_model
+from specdec.models import (
+    LlamaForCausalLM,
+    ModelConfig,
+    PagedKVCache,
+    load_model,
+    save_model,
+    small_rows,
+)
+from specdec.models.llama import Linear
 from specdec.pb import common_pb2
 from tests.loop_thread import LoopThread
 from tests.verifier.test_service import Stack, generate, prompts, run_concurrently, start_msg
@@ -700,3 +709,26 @@ def test_tree_drafts_over_the_wire_keep_greedy_output(loop, target, target_dir, 
     finally:
         stack.close()
     assert any(not tree.is_chain(p) for p in trees)
+
+
+def test_float32_head_runs_its_projections_on_the_small_rows_kernel(tmp_path, target_dir):
+    """The drafter's head takes the target's small-rows path where the machine has it;
+    a head loaded for training (load_head alone) keeps F.linear, which has autograd."""
+    save_head(tmp_path / "head", "eagle3", head_tensors("eagle3", seed=9))
+    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float32")
+    head = method.head
+    projections = [m for m in head.modules() if isinstance(m, Linear)]
+    assert len(projections) == 6  # fc, qkv, o, gate_up, down, lm_head
+    assert all(m.small_rows == small_rows.available() for m in projections)
+    assert not any(m.small_rows for m in load_head("eagle3", tmp_path / "head", target_dir)
+                   .modules() if isinstance(m, Linear))
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, H, generator=gen)
+    raw = torch.randn(3, 3, H, generator=gen)
+    with torch.inference_mode():
+        fast = head.draft_logits(hidden), head.features(raw)
+        for m in projections:
+            m.small_rows = False
+        plain = head.draft_logits(hidden), head.features(raw)
+    for a, b in zip(fast, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
