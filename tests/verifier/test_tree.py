@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from drafter.method import Draft
 from specdec import tree
 from specdec.generate import greedy_generate
 from tests.tiny import tiny_llama
@@ -44,6 +45,14 @@ def test_tree_helpers():
 def test_check_parents_names_the_problem(parents, error):
     with pytest.raises(ValueError, match=error):
         tree.check_parents(parents, 2 if error.startswith("1 entries") else len(parents))
+
+
+def test_a_drafter_cannot_build_a_bad_tree():
+    assert Draft([1, 2], parents=[-1, -1]).parents == [-1, -1]
+    with pytest.raises(ValueError, match=r"parents\[1\] = 1"):
+        Draft([1, 2], parents=[-1, 1])
+    with pytest.raises(ValueError, match="one-hot drafts only"):
+        Draft([1, 2], probs=torch.full((2, VOCAB), 1 / VOCAB), parents=[-1, -1])
 
 
 def test_greedy_path_follows_the_target():
@@ -125,8 +134,10 @@ def test_tree_attention_scores_each_node_as_its_root_path(model):
     chain_cache.add(0)
     seq = context + [tokens[j] for j in (3, 5, 6)]
     model(torch.tensor(seq), chain_cache.plan([(0, len(seq))]), chain_cache)
+    def slots(c):  # cache slots of positions 0..len(seq) - 1 of sequence 0
+        return [c._seqs[0].blocks[p // 4] * 4 + p % 4 for p in range(len(seq))]
+
     for kv, ref in ((cache.k, chain_cache.k), (cache.v, chain_cache.v)):
-        slots = lambda c: [c._seqs[0].blocks[p // 4] * 4 + p % 4 for p in range(len(seq))]  # noqa: E731
         torch.testing.assert_close(kv[:, slots(cache)], ref[:, slots(chain_cache)],
                                    rtol=0, atol=1e-12)
 
