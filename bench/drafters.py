@@ -63,11 +63,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 HEAD = ROOT / "drafter/weights/smollm2-135m-eagle3"
 # Drafter names of the bench -> their method; eagle3_tree is the EAGLE-3 head alone
-# proposing token trees of K tokens (--tree-width TREE_WIDTH); eagle3_lookup is the
+# proposing token trees of K tokens (the deployed --tree-width); eagle3_lookup is the
 # EAGLE-3 head as compose.yaml deploys it: prompt lookup where the context repeats an
 # n-gram, and head chains that end before a draft the head is unsure of
 # (drafter/eagle.py).
-TREE_WIDTH = 3
 METHODS = {"ngram": common_pb2.SPEC_METHOD_NGRAM, "eagle3": common_pb2.SPEC_METHOD_EAGLE3,
            "eagle3_tree": common_pb2.SPEC_METHOD_EAGLE3,
            "eagle3_lookup": common_pb2.SPEC_METHOD_EAGLE3,
@@ -659,11 +658,12 @@ def main() -> None:
     tok = Tokenizer.from_dir(target)
     ids = {p.name: tok.apply_chat_template(list(p.messages)) for p in PROMPTS}
     deployed = [x for flag in DEPLOYED_EAGLE3_FLAGS for x in (flag, service_flag("eagle3", flag))]
+    tree_width = service_flag("eagle3", "--tree-width")
     drafter_argv = {
         "ngram": ["--method", "ngram", "--target", str(target)],
         "eagle3": ["--method", "eagle3", "--model", str(args.head), "--target", str(target)],
         "eagle3_tree": ["--method", "eagle3", "--model", str(args.head), "--target", str(target),
-                        "--tree-width", str(TREE_WIDTH)],
+                        "--tree-width", tree_width],
         "eagle3_lookup": ["--method", "eagle3", "--model", str(args.head), "--target",
                           str(target), *deployed],
     }
@@ -707,9 +707,9 @@ def main() -> None:
         "before a draft it is less sure of; token trees where the head drafts alone).",
         "eagle3 does not pipeline (DrafterInfo.supports_pipelining is false): its next block "
         "needs the target's hidden states of the accepted tokens, which a bet does not have.",
-        f"eagle3_tree is the head alone with `--tree-width {TREE_WIDTH}`: greedy requests get "
-        "token trees of K tokens (the head's chain plus up to two alternatives a depth, the K "
-        "with the highest path probability), verified in one forward of K + 1 tokens under "
+        f"eagle3_tree is the head alone with `--tree-width {tree_width}` (as deployed): greedy "
+        "requests get token trees of K tokens (the head's chain plus its next choices at each "
+        "depth, the K with the highest path probability), verified in one forward of K + 1 tokens under "
         "tree attention; K counts every tree token, so a tree costs what a chain of K costs.",
     ]
     result = {

@@ -102,7 +102,6 @@ def _kernel():
     fn = lib.small_rows_gemm
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     fn.restype = None
-    fn.max_rows = lib.small_rows_gemm_max_rows()
     return fn
 
 
@@ -118,13 +117,6 @@ def _vector_isa() -> str | None:
 
 def available() -> bool:
     return _kernel() is not None
-
-
-def max_rows() -> int:
-    """Rows one pass over the weight takes (16 with AVX-512, 12 with AVX2); 0 when off.
-    More rows run in several passes."""
-    fn = _kernel()
-    return 0 if fn is None else fn.max_rows
 
 
 def unavailable_reason() -> str | None:

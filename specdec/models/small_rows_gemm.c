@@ -138,9 +138,6 @@ static const tile_fn SINGLE[MAX_TILE_ROWS + 1] = {
     tile_7_1, tile_8_1, tile_9_1, tile_10_1, tile_11_1, tile_12_1};
 #endif
 
-/* Rows a pass takes (the caller may pass more: they run in several passes). */
-int small_rows_gemm_max_rows(void) { return MAX_TILE_ROWS; }
-
 /* Rows in passes of at most MAX_TILE_ROWS (each pass streams the weight once);
  * weight rows split evenly between threads, in whole tiles. b may be NULL. */
 void small_rows_gemm(const float *x, const float *w, const float *b, float *y, int64_t M,
