@@ -708,10 +708,9 @@ def main() -> None:
         "eagle3 does not pipeline (DrafterInfo.supports_pipelining is false): its next block "
         "needs the target's hidden states of the accepted tokens, which a bet does not have.",
         f"eagle3_tree is the head alone with `--tree-width {tree_width}` (as deployed): greedy "
-        "requests get EAGLE-2 token trees of K tokens (each head step expands the most "
-        "probable nodes of the newest depth; the K nodes with the highest path probability are "
-        "sent), verified in one forward of K + 1 tokens under tree attention; K counts every "
-        "tree token, so a tree costs what a chain of K costs.",
+        "requests get token trees of K tokens (the head's chain plus its next choices at each "
+        "depth, the K with the highest path probability), verified in one forward of K + 1 tokens under "
+        "tree attention; K counts every tree token, so a tree costs what a chain of K costs.",
     ]
     result = {
         "bench": "drafters",

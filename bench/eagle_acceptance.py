@@ -126,7 +126,7 @@ def step_costs(model, head, context: int = 200, repeats: int = 50) -> dict:
 
     def head_step():
         meta = hcache.plan([(0, 1)])
-        head.draft_top(head(ids, hidden, pos, meta, hcache), 1)[0]
+        head.draft_token_ids(head(ids, hidden, pos, meta, hcache))[0]
         hcache.truncate(0, context)
 
     target_ms = timed(target_step) if repeats else 0.0

@@ -64,10 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="eagle/eagle3: end a head chain before a draft the head gives a "
                              "probability below P, after the first (default 0: K drafts)")
     parser.add_argument("--tree-width", type=int, metavar="W",
-                        help="eagle/eagle3: propose EAGLE-2 token trees to greedy requests: "
-                             "each head step expands the W most probable nodes of the newest "
-                             "depth into W children each; the K most probable nodes are sent "
-                             "(default 1: chains)")
+                        help="eagle/eagle3: propose token trees to greedy requests: the head's "
+                             "chain plus up to W - 1 alternatives at each depth, the K most "
+                             "probable tokens of them (default 1: chains)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                         help="dtype of the draft model's weights (method default: float32)")
     parser.add_argument("--device", help="torch device of the draft model, e.g. cuda:1 "

@@ -16,16 +16,11 @@ as vLLM's EAGLE proposer does, and then drops the draft rows from the cache
 again: the next outcome brings the target's own features for whatever was
 accepted. Drafts are greedy and carry no probabilities (one-hot q, exact).
 
-With tree_width W > 1, a greedy request's proposal is a token tree, grown as
-EAGLE-2 does: each head step runs one row for each of the W most probable nodes
-of the newest depth (a node's score is the product of the head's probabilities
-along its path, its estimated chance of acceptance) and draws each one's W most
-likely children; of all the nodes drawn, the K most probable are proposed
-(specdec/tree.py, top_subtree), which the verifier scores in the one forward a
-chain of K would take. Those rows sit in the head cache side by side, each
-attending to the committed rows and its own ancestors' rows (a [F, R + F] mask
-over this proposal's R + F draft rows), at position n - 2 + depth; a step costs
-W rows where a chain's costs one.
+With tree_width > 1, a greedy request's proposal is a token tree (EAGLE-2's
+idea at no extra head cost): the chain above plus, at each depth, the head's
+next tree_width - 1 choices as leaves, of which the K tokens with the highest
+path probability are proposed (specdec/tree.py, chain_with_siblings). The
+verifier scores them all in the one forward a chain of K would take.
 
 With lookup on (`lookup_min_n` > 0), a sequence whose context ends in an
 n-gram of at least that many tokens seen earlier in it gets the prompt-lookup
@@ -57,7 +52,7 @@ from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
 from drafter.ngram import TokenBuffer, find_continuation
 from drafter.registry import register
 from specdec.pb import common_pb2
-from specdec.tree import is_chain, top_subtree
+from specdec.tree import chain_with_siblings
 
 # Feature rows a sequence may hold back before advance folds them into its head
 # cache on its own: bounds the memory of sequences that run long without drafting.
@@ -110,11 +105,9 @@ class _EagleMethod(DraftMethod):
         lookup_min_n > 0: prompt lookup (n-grams of lookup_min_n..lookup_max_n tokens)
         drafts where it finds a match, the head elsewhere; 0 = the head alone.
         min_confidence: a head chain stops before a draft the head gives a lower
-        probability (after the first); 0 = always K drafts. Trees have their own
-        measure (path probabilities) and always propose K.
-        tree_width > 1: greedy requests get EAGLE-2 token trees of K tokens, expanding
-        tree_width nodes per depth into tree_width children each (sampled requests
-        keep chains)."""
+        probability (after the first); 0 = always K drafts.
+        tree_width > 1: greedy requests get token trees of K tokens, the chain and up to
+        tree_width - 1 alternatives at each depth (sampled requests keep chains)."""
         if model_dir is None or target_dir is None:
             raise ValueError(f"{self.name} needs its head (model_dir, --model) and the target "
                              f"model directory (target_dir, --target)")
@@ -197,8 +190,7 @@ class _EagleMethod(DraftMethod):
                     continue
             if not self._can_draft(seq):
                 continue
-            rows = (k - 1) * (self.tree_width if seq.greedy else 1)  # draft rows, at most
-            need = self._cache.blocks_needed(seq.cache_id, self._rows_ready(seq) + rows)
+            need = self._cache.blocks_needed(seq.cache_id, self._rows_ready(seq) + k - 1)
             if need > free_blocks:
                 continue  # head cache full: this sequence runs without a draft this round
             free_blocks -= need
@@ -290,148 +282,73 @@ class _EagleMethod(DraftMethod):
             seq.last_out = last[i]
 
     def _draft(self, seqs: list[_Seq], ks: list[int]) -> list[Draft]:
-        """Drafts of each sequence, K_i tokens at most, one batched head step per depth.
-
-        Sampled requests (and every request when tree_width is 1) get a greedy chain,
-        which stops early where the head's probability of its next draft is below
-        min_confidence (the first draft always stays). Greedy requests get EAGLE-2's
-        dynamic tree: each step expands the tree_width most probable nodes of the
-        newest depth (path probabilities), each into its tree_width most likely
-        children, and the proposal is the K_i most probable nodes of all. With lookup
-        on, a sequence whose context plus its most probable path ends in a repeated
-        n-gram takes that path and the lookup continuation, as a chain, instead."""
+        """Greedy drafts of each sequence, up to K_i of them, one batched head step per
+        position. A chain stops early where the head's probability of its next draft is
+        below min_confidence (the first draft always stays). With lookup on, a chain whose
+        context plus drafts so far ends in a repeated n-gram takes the lookup
+        continuation for the rest of its K and leaves the batch. With tree_width > 1, the
+        head's top choices at each step make greedy sequences' chains into trees."""
         dev = self.head.device
-        grows = [_Growth(k, self.tree_width if seq.greedy else 1) for seq, k in zip(seqs, ks, strict=True)]
-        width = max(g.width for g in grows)
-        # Step 1: every sequence's row of position n - 2 is in the head cache already.
-        outs = torch.stack([seq.last_out for seq in seqs])  # [B, H]
-        expanded: list[tuple[int, int]] = [(i, -1) for i in range(len(seqs))]  # (seq, node)
+        gate = self.min_confidence > 0
+        width = self.tree_width
+        drafts: list[list[int]] = [[] for _ in seqs]
+        # Per sequence, the head's top `width` tokens and probabilities at each chain step.
+        tops: list[list[tuple[list[int], list[float]]]] = [[] for _ in seqs]
+
+        def head_step(hidden: torch.Tensor):
+            """[B, H] -> ([B] chain tokens, [B] their probabilities or None, top or None)."""
+            if width == 1:
+                return (*self.head.draft_token_ids(hidden, gate), None)
+            top_ids, top_probs = self.head.draft_top(hidden, width)  # [B, width] each
+            return top_ids[:, 0], top_probs[:, 0], (top_ids.tolist(), top_probs.tolist())
+
+        hidden = torch.stack([seq.last_out for seq in seqs])  # [B, H]
+        ids, confidence, top = head_step(hidden)  # [B], [B] or None
+        active = list(range(len(seqs)))
+        step = 1
         while True:
-            top_ids, top_probs = self.head.draft_top(outs, width)  # [R, width] each
-            top_ids, top_probs = top_ids.tolist(), top_probs.tolist()
-            for r, (i, node) in enumerate(expanded):
-                grows[i].grow(node, outs[r], top_ids[r], top_probs[r], self.min_confidence)
-            for i in {i for i, _ in expanded}:
-                g = grows[i]
-                g.choose_frontier()
-                if self.lookup_min_n and g.new and g.depth[g.new[0]] < g.budget:
-                    path = g.path(g.best_new())
+            keep = []
+            sure = [True] * len(active) if not gate or step == 1 else \
+                (confidence >= self.min_confidence).tolist()
+            for j, (i, tok) in enumerate(zip(active, ids.tolist(), strict=True)):
+                if not sure[j]:
+                    continue
+                drafts[i].append(tok)
+                if top is not None:
+                    tops[i].append((top[0][j], top[1][j]))
+                left = ks[i] - len(drafts[i])
+                if left and self.lookup_min_n:
                     context = np.concatenate((seqs[i].tokens.view(),
-                                              np.asarray([g.tokens[v] for v in path], np.int32)))
+                                              np.asarray(drafts[i], dtype=np.int32)))
                     copy = find_continuation(context, self.lookup_min_n, self.lookup_max_n,
-                                             g.budget - len(path))
+                                             left)
                     if copy.size:
-                        g.take_chain(path, copy.tolist())
-            work = [(i, v) for i, g in enumerate(grows) for v in g.frontier]
-            if not work:
-                return [g.proposal() for g in grows]
-            # One row per frontier node: its token, after its parent's output, at its
-            # position; it attends to the committed rows and its ancestors' rows.
-            meta = self._cache.plan([(seqs[i].cache_id, len(g.frontier))
-                                     for i, g in enumerate(grows) if g.frontier])
-            masks = [g.row_mask() for g in grows if g.frontier]
-            if any(m is not None for m in masks):
-                meta.tree_masks = masks
-            ids = torch.tensor([grows[i].tokens[v] for i, v in work], device=dev)
-            positions = torch.tensor([seqs[i].kv_end + grows[i].depth[v] - 1 for i, v in work],
-                                     device=dev)
-            hidden = torch.stack([grows[i].parent_out(v, seqs[i].last_out) for i, v in work])
-            outs = self.head(ids, hidden, positions, meta, self._cache)  # [R, H]
-            for g in grows:
-                g.commit_frontier()
-            expanded = work
+                        drafts[i] += copy.tolist()
+                        continue
+                if left:
+                    keep.append(j)
+            if not keep:
+                return [self._proposal(seq, d, t, k)
+                        for seq, d, t, k in zip(seqs, drafts, tops, ks, strict=True)]
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=dev)
+                hidden, ids = hidden.index_select(0, index), ids.index_select(0, index)
+                active = [active[j] for j in keep]
+            meta = self._cache.plan([(seqs[i].cache_id, 1) for i in active])
+            positions = torch.tensor([seqs[i].kv_end + step - 1 for i in active], device=dev)
+            hidden = self.head(ids, hidden, positions, meta, self._cache)
+            ids, confidence, top = head_step(hidden)
+            step += 1
 
-
-class _Growth:
-    """The drafts of one sequence during one proposal: a tree of scored nodes (a chain
-    when width is 1). Node v has a token, a parent (-1: the last committed token), a
-    depth and a score, the product of the head's probabilities along its path. A node
-    the head has run a row for (an expanded node) has that row's output, from which its
-    children were drawn, and a place among this proposal's draft rows in the head cache."""
-
-    def __init__(self, budget: int, width: int):
-        self.budget, self.width = budget, width
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
-        self.depth: list[int] = []
-        self.scores: list[float] = []
-        self.outs: dict[int, torch.Tensor] = {}  # expanded node -> [H] its row's output
-        self.rows: dict[int, int] = {}  # expanded node -> its draft row in the head cache
-        self.new: list[int] = []  # nodes the last step made
-        self.frontier: list[int] = []  # nodes the next step expands
-        self.chain: list[int] | None = None  # set when lookup ends the proposal as a chain
-
-    def grow(self, node: int, out: torch.Tensor, ids: list[int], probs: list[float],
-             min_confidence: float) -> None:
-        """Add node's children (node -1: the root) from its row's output `out` and the
-        head's most likely tokens after it (ids, probs: most likely first)."""
-        if node >= 0:
-            self.outs[node] = out
-        base = 1.0 if node < 0 else self.scores[node]
-        depth = 1 if node < 0 else self.depth[node] + 1
-        if self.width == 1 and node >= 0 and probs[0] < min_confidence:
-            return  # the chain ends before a draft the head is unsure of
-        for t, p in zip(ids[: self.width], probs[: self.width], strict=True):
-            self.new.append(len(self.tokens))
-            self.tokens.append(t)
-            self.parents.append(node)
-            self.depth.append(depth)
-            self.scores.append(base * p)
-
-    def choose_frontier(self) -> None:
-        """The next step expands the `width` best new nodes, unless the tree is full
-        (depth = budget) or a node cannot make the final cut: its descendants score no
-        more than it does, so one that ranks below the budget now never gets in."""
-        best = sorted(range(len(self.tokens)), key=lambda v: (-self.scores[v], v))
-        cut = set(best[: self.budget])
-        new = sorted(self.new, key=lambda v: (-self.scores[v], v))[: self.width]
-        self.frontier = [v for v in new if v in cut and self.depth[v] < self.budget]
-
-    def best_new(self) -> int:
-        return min(self.new, key=lambda v: (-self.scores[v], v))
-
-    def path(self, node: int) -> list[int]:
-        out = []
-        while node >= 0:
-            out.append(node)
-            node = self.parents[node]
-        return out[::-1]
-
-    def take_chain(self, path: list[int], continuation: list[int]) -> None:
-        self.chain = [self.tokens[v] for v in path] + continuation
-        self.frontier = []
-
-    def parent_out(self, node: int, root_out: torch.Tensor) -> torch.Tensor:
-        p = self.parents[node]
-        return root_out if p < 0 else self.outs[p]
-
-    def row_mask(self) -> torch.Tensor | None:
-        """[F, R + F] bool over this proposal's draft rows in the head cache (R from
-        earlier steps, then the frontier's F): each frontier row sees its ancestors'
-        rows and itself. None for a chain, whose causal order is already right."""
-        if self.width == 1:
-            return None
-        num = len(self.rows)
-        mask = torch.zeros(len(self.frontier), num + len(self.frontier), dtype=torch.bool)
-        for f, v in enumerate(self.frontier):
-            mask[f, num + f] = True
-            for u in self.path(v)[:-1]:
-                mask[f, self.rows[u]] = True
-        return mask
-
-    def commit_frontier(self) -> None:
-        for v in self.frontier:
-            self.rows[v] = len(self.rows)
-        self.new, self.frontier = [], []
-
-    def proposal(self) -> Draft:
-        if self.chain is not None:
-            return Draft(self.chain)
-        if self.width == 1:
-            return Draft(self.tokens)
-        kept, parents = top_subtree(self.parents, self.scores, self.budget)
-        return Draft([self.tokens[v] for v in kept],
-                     parents=None if is_chain(parents) else parents)
+    @staticmethod
+    def _proposal(seq: _Seq, chain: list[int], tops: list[tuple[list[int], list[float]]],
+                  k: int) -> Draft:
+        """The chain, or for a greedy sequence whose chain the head drafted alone (no
+        lookup continuation) the best tree of k tokens around it."""
+        if not seq.greedy or not tops or len(tops) != len(chain):
+            return Draft(chain)
+        token_ids, parents = chain_with_siblings([t[0] for t in tops], [t[1] for t in tops], k)
+        return Draft(token_ids, parents=parents)
 
 
 def _fingerprint(target_dir: Path, vocab_size: int) -> tuple[int, str]:

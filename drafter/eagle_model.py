@@ -194,19 +194,22 @@ class DraftHead(nn.Module):
                 m.small_rows = on
         return on
 
+    def draft_token_ids(self, hidden: torch.Tensor,
+                        with_confidence: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden: [N, H] row outputs -> ([N] greedy drafts as target token ids, [N] the
+        head's probability of each draft when `with_confidence`, else None)."""
+        logits = self.draft_logits(hidden)  # [N, V_draft]
+        if with_confidence:
+            confidence, ids = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        else:
+            confidence, ids = None, logits.argmax(-1)
+        return (ids if self.norm is None else ids + self.d2t[ids]), confidence
+
     def draft_top(self, hidden: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: [N, H] row outputs -> ([N, width] the head's most likely tokens as target
-        ids, most likely first; [N, width] float32 their probabilities). Column 0 is
-        the argmax, the lowest id among ties, whatever the width: a chain drafts the
-        same tokens in any batch."""
+        ids, most likely first; [N, width] float32 their probabilities)."""
         logits = self.draft_logits(hidden)  # [N, V_draft]
-        probs = torch.softmax(logits.float(), dim=-1)
-        if width == 1:
-            ids = probs.argmax(-1, keepdim=True)
-            probs = probs.gather(1, ids)
-        else:
-            probs, ids = probs.topk(min(width, logits.shape[-1]), dim=-1)
-            ids[:, 0] = logits.argmax(-1)  # differs from topk's pick only at exact ties
+        probs, ids = torch.softmax(logits.float(), dim=-1).topk(min(width, logits.shape[-1]), dim=-1)
         return (ids if self.norm is None else ids + self.d2t[ids]), probs
 
 

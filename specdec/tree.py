@@ -103,18 +103,27 @@ def greedy_path(parents: Sequence[int], token_ids: Sequence[int],
         node = child
 
 
-def top_subtree(parents: Sequence[int], scores: Sequence[float],
-                budget: int) -> tuple[list[int], list[int]]:
-    """The `budget` best nodes of a scored tree, where no node scores above its parent
-    (path probabilities: EAGLE-2's estimate of each draft's chance of acceptance).
-    Ties go to the earlier node, so a kept node's parent is always kept: the result is
-    a tree again.
+def chain_with_siblings(top_ids: Sequence[Sequence[int]], top_probs: Sequence[Sequence[float]],
+                        budget: int) -> tuple[list[int], list[int]]:
+    """The best tree of at most `budget` tokens that a chain drafter's top choices give:
+    top_ids[j][r], top_probs[j][r] are its r-th most likely token at depth j + 1 after
+    the chain's own first j tokens (r = 0 is the chain's token, the most likely one).
+    Each candidate scores its path probability, the product of the drafter's
+    probabilities along it (EAGLE-2's estimate of its chance of acceptance), and the
+    best `budget` are kept. Siblings (r > 0) are leaves: the drafter only ran the chain.
+    A kept token's parent, the chain token above it, scores at least as much and sorts
+    first at equal scores, so the kept set is always a tree.
 
-    Returns (kept, kept_parents): indices of the kept nodes ordered by depth, then
-    score (a node's best child comes first among its children, so the first-child
-    chain is the greedy path through the kept tree), and their parents as indices into `kept`."""
-    rank = sorted(range(len(parents)), key=lambda v: (-scores[v], v))[:budget]
-    depth = depths(parents)
-    kept = sorted(rank, key=lambda v: (depth[v], -scores[v], v))
-    index = {v: i for i, v in enumerate(kept)}
-    return kept, [-1 if parents[v] < 0 else index[parents[v]] for v in kept]
+    Returns (token_ids, parents), ordered by depth, then rank; token 0 and its first
+    children form the chain (what a sampled request verifies)."""
+    scored: list[tuple[float, int, int]] = []  # (path probability, depth - 1, rank)
+    path = 1.0
+    for j, (ids, probs) in enumerate(zip(top_ids, top_probs, strict=True)):
+        scored.extend((path * p, j, r) for r, p in enumerate(probs[: len(ids)]))
+        path *= probs[0]
+    kept = sorted(sorted(scored, key=lambda c: (-c[0], c[1], c[2]))[:budget],
+                  key=lambda c: (c[1], c[2]))
+    index = {(j, r): i for i, (_, j, r) in enumerate(kept)}
+    token_ids = [top_ids[j][r] for _, j, r in kept]
+    parents = [-1 if j == 0 else index[(j - 1, 0)] for _, j, _ in kept]
+    return token_ids, parents

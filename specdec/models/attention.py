@@ -82,8 +82,7 @@ class SdpaBackend(AttentionBackend):
         q_pos[pad_index] = meta.positions
         q_pos = q_pos.view(batch, max_q, 1)
         k_pos = torch.arange(kv_slots.shape[1], device=dev).view(1, 1, -1)
-        single_decode = max_q == 1 and self.sliding_window is None and batch == 1 \
-            and meta.tree_masks is None
+        single_decode = max_q == 1 and self.sliding_window is None and batch == 1
         if single_decode:
             # One query at the end of one sequence: every gathered key up to
             # the length is visible; trim the gather instead of masking.
@@ -92,14 +91,14 @@ class SdpaBackend(AttentionBackend):
         else:
             mask = self._mask(q_pos, k_pos)
         if meta.tree_masks is not None:
-            # A tree block's q tokens see the context causally (by slot order) and,
-            # among the sequence's last m keys (the block, and earlier tree tokens
-            # still in the cache), only what its [q, m] mask allows.
+            # A tree block's tokens see the context causally (by slot order) and,
+            # within the block, only their own ancestors: its keys are the last
+            # q of the sequence's seq_len.
             for b, (tree, end) in enumerate(zip(meta.tree_masks, meta.seq_lens.tolist(),
                                                 strict=True)):
                 if tree is not None:
-                    q, m = tree.shape
-                    mask[b, 0, :q, end - m: end] = tree.to(mask.device)
+                    q = tree.shape[0]
+                    mask[b, 0, :q, end - q: end] = tree.to(mask.device)
         return _SdpaState(kv_slots, pad_index, mask, batch, max_q)
 
     def prepare_static(self, meta: AttentionMetadata) -> _SdpaState:

@@ -47,8 +47,7 @@ class AttentionMetadata:
     # rope_positions: [T] int64, the position each token is rotated by where it
     # differs from `positions` (a tree token sits at its root's position + its
     # depth, while its cache slot follows the block's order). tree_masks: per
-    # sequence None or a [q, m] bool mask (m >= q) over its last m keys, the q new
-    # tokens last: which of them each new token may see (its ancestors, itself).
+    # sequence None or its [q, q] bool ancestor mask among its own new tokens.
     rope_positions: torch.Tensor | None = None
     tree_masks: list[torch.Tensor | None] | None = None
 

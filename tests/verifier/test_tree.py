@@ -68,34 +68,30 @@ def test_greedy_path_follows_the_target():
     assert tree.greedy_path(PARENTS, tokens, [99] * 8) == []
 
 
-def test_top_subtree_keeps_the_most_probable_nodes():
-    # root -> 0 (.5), 1 (.4); 0 -> 2 (.45), 3 (.04); 2 -> 4 (.27), 5 (.1); 1 -> 6 (.3)
-    parents = [-1, -1, 0, 0, 2, 2, 1]
-    scores = [0.5, 0.4, 0.45, 0.04, 0.27, 0.1, 0.3]
-    kept, kept_parents = tree.top_subtree(parents, scores, 4)
-    assert kept == [0, 1, 2, 6] and kept_parents == [-1, -1, 0, 1]
-    kept, kept_parents = tree.top_subtree(parents, scores, 5)
-    assert kept == [0, 1, 2, 6, 4] and kept_parents == [-1, -1, 0, 1, 2]
-    # The first-child chain is the greedy descent: 0, its best child 2, then 4.
-    assert [kept[i] for i in tree.first_child_chain(kept_parents)] == [0, 2, 4]
-    # Ties go to the earlier node, so a parent is never dropped for its child.
-    kept, kept_parents = tree.top_subtree([-1, 0, 1], [1.0, 1.0, 1.0], 2)
-    assert kept == [0, 1] and tree.is_chain(kept_parents)
-    # Random trees whose scores never rise along a path: always a tree of the budget.
+def test_chain_with_siblings_keeps_the_most_probable_paths():
+    ids = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    probs = [[0.5, 0.4, 0.1], [0.9, 0.05, 0.05], [0.6, 0.3, 0.1]]
+    # Path probabilities: depth 1: .5 .4 .1; depth 2: .45 .025 .025; depth 3: .27 .135 .045.
+    tokens, parents = tree.chain_with_siblings(ids, probs, 4)
+    assert tokens == [1, 2, 4, 7] and parents == [-1, -1, 0, 2]
+    tokens, parents = tree.chain_with_siblings(ids, probs, 6)
+    assert tokens == [1, 2, 3, 4, 7, 8] and parents == [-1, -1, -1, 0, 3, 3]
+    # A sure head spends the budget on depth: a chain.
+    sure = [[0.99, 0.01]] * 3
+    tokens, parents = tree.chain_with_siblings([[1, 2], [3, 4], [5, 6]], sure, 3)
+    assert tokens == [1, 3, 5] and tree.is_chain(parents)
+    # Every budget gives a valid tree whose first-child chain is a prefix of the chain.
     rng = random.Random(0)
     for _ in range(200):
-        n = rng.randint(1, 12)
-        parents, scores = [], []
-        for i in range(n):
-            p = rng.randint(-1, i - 1)
-            parents.append(p)
-            scores.append((1.0 if p < 0 else scores[p]) * rng.choice([1.0, rng.random()]))
-        budget = rng.randint(1, n)
-        kept, kept_parents = tree.top_subtree(parents, scores, budget)
-        tree.check_parents(kept_parents, budget)
-        assert sorted((scores[v] for v in kept), reverse=True) == \
-            sorted(scores, reverse=True)[:budget]
-        assert all(parents[v] == (-1 if q < 0 else kept[q]) for v, q in zip(kept, kept_parents, strict=True))
+        depth, width = rng.randint(1, 5), rng.randint(1, 4)
+        p = [sorted((rng.random() for _ in range(width)), reverse=True) for _ in range(depth)]
+        t = [[10 * j + r for r in range(width)] for j in range(depth)]
+        budget = rng.randint(1, depth * width)
+        tokens, parents = tree.chain_with_siblings(t, p, budget)
+        tree.check_parents(parents, len(tokens))
+        assert len(tokens) == budget
+        chain = [tokens[i] for i in tree.first_child_chain(parents)]
+        assert chain == [t[j][0] for j in range(len(chain))]
 
 
 @torch.inference_mode()
