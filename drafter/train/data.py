@@ -5,9 +5,10 @@ learns best from what the target itself says. Replies come from the
 verifier engine (float32, greedy, batched in waves, no drafter) and are
 written as JSON lines of token ids, one per prompt:
 {"i": prompt index, "prompt": [...], "reply": [...]}. Re-running continues
-an interrupted file. The target's EAGLE-3 feature layers are recorded on the
-way (FeatureRecorder) into OUT.features/, which drafter/train/eagle3.py
-reads instead of running the target again.
+an interrupted file. The target's EAGLE-3 feature layers, and its final normed
+hidden state for soft labels, are recorded on the way (FeatureRecorder) into
+OUT.features/, which drafter/train/eagle3.py reads instead of running the
+target again.
 
     python -m drafter.train.data --out ~/.cache/specdec/train/selfdistill_v2.jsonl --threads 1
     python -m drafter.train.data --split heldout --limit 64 --threads 1 \\
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 from drafter.train.chat_prompts import build_chat_prompts
-from drafter.train.eagle3 import default_layers, feature_key
+from drafter.train.eagle3 import default_layers, feature_key, feature_layers
 from drafter.train.followups import build_followups
 from drafter.train.prompts import build_prompts
 from specdec.models import load_model
@@ -135,7 +136,7 @@ def generate(model_dir: Path, out: Path, max_tokens: int, batch: int, limit: int
     carry their prompt's index "i", which is how a re-run finds what is left."""
     tok = Tokenizer.from_dir(model_dir)
     model = load_model(model_dir, dtype="float32")
-    layers = default_layers(model.config.num_layers)
+    layers = feature_layers(default_layers(model.config.num_layers), model.config.num_layers)
     recorder = FeatureRecorder(layers) if record_features else None
     conversations = conversations_of(tok, prompt_set, split, followups_of)[:limit]
     # Prompts too long for the engine are left out (deterministically, so resuming works).

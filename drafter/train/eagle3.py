@@ -19,7 +19,10 @@ Recipe:
     j - 1 of the same chain. It attends to the step-1 rows 0..i and to its own
     chain's rows of steps 2..j, which is exactly the head cache during a
     draft. Step j predicts t_{i+j+1}; the loss is cross-entropy over the draft
-    vocabulary on reply tokens (tokens outside it are ignored).
+    vocabulary on reply tokens (tokens outside it are ignored);
+  * soft labels (--soft-labels W): that cross-entropy is mixed, W to 1 - W, with
+    the one against the target's own distribution over the draft vocabulary at
+    the same position (its final hidden state, recorded with the features).
 """
 
 from __future__ import annotations
@@ -112,6 +115,13 @@ def target_features(model: LlamaForCausalLM, tokens: torch.Tensor,
 def default_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's three target layers (HF numbering): low, middle, high."""
     return (2, num_layers // 2, num_layers - 3)
+
+
+def feature_layers(layers: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """The target layers recorded for training: the head's three, then the target's
+    final normed hidden state (layer num_layers), whose product with the target's
+    lm_head rows of the draft vocabulary gives the soft labels (--soft-labels)."""
+    return (*layers, num_layers)
 
 
 def feature_key(tokens: list[int], layers: tuple[int, ...]) -> str:
@@ -239,16 +249,29 @@ def unrolled_forward(head: DraftHead, tokens: torch.Tensor, hidden: torch.Tensor
 
 def sequence_loss(head: DraftHead, ex: Example, t2d: torch.Tensor, steps: int,
                   step_weights: list[float], prompt_weight: float = 0.0,
-                  feature_noise: float = 0.0) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+                  feature_noise: float = 0.0, soft_rows: torch.Tensor | None = None,
+                  soft_weight: float = 0.0) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """Weighted cross-entropy summed over steps (a weighted mean over each step's labelled
     rows), and per step (correct, counted) on reply tokens for accuracy.
 
     prompt_weight > 0 also labels prompt tokens (the data's next token, which is text
     rather than the target's greedy choice), weighted so; feature_noise adds Gaussian
-    noise of that relative size to the target features (EAGLE's augmentation)."""
+    noise of that relative size to the target features (EAGLE's augmentation).
+
+    soft_weight > 0 mixes in the cross-entropy against the target's own distribution
+    over the draft vocabulary (softmax of its final normed hidden state, the last
+    feature layer of `ex.hidden`, times `soft_rows`: [dv, H_t] the target's lm_head rows
+    of the draft vocabulary), as (1 - w) hard + w soft: the target's second choices
+    and their odds, which a tree drafts, rather than its argmax alone."""
     tokens = ex.tokens
     n = len(tokens) - 1
-    hidden = ex.hidden.float()
+    num_layers = len(head.config.target_layers)
+    hidden = ex.hidden[:, :num_layers].float()
+    final = None
+    if soft_weight > 0:
+        assert soft_rows is not None and ex.hidden.shape[1] > num_layers, \
+            "soft labels need the target's final hidden state recorded (feature_layers)"
+        final = ex.hidden[:, num_layers]  # [T, H_t] float16
     if feature_noise:
         hidden = hidden + feature_noise * hidden.std(-1, keepdim=True) * torch.randn_like(hidden)
     outs = unrolled_forward(head, tokens, hidden, steps)
@@ -268,6 +291,14 @@ def sequence_loss(head: DraftHead, ex: Example, t2d: torch.Tensor, steps: int,
             continue
         logits = head.lm_head(head.norm(y[keep]))  # [m, dv]
         ce = F.cross_entropy(logits, labels[keep], reduction="none")  # [m]
+        if final is not None:
+            # The target's prediction of the label comes from the position before it. The
+            # recorded features end in two zero rows (never computed): hard labels there.
+            before = final[label_pos[keep] - 1].to(soft_rows.dtype)  # [m, H_t]
+            recorded = before.abs().sum(-1) > 0  # [m]
+            target_p = F.linear(before, soft_rows).softmax(-1)  # [m, dv]
+            soft = -(target_p * logits.log_softmax(-1)).sum(-1)  # [m]
+            ce = torch.where(recorded, (1 - soft_weight) * ce + soft_weight * soft, ce)
         w = torch.where(reply[keep], 1.0, prompt_weight)
         total = total + step_weights[j - 1] * (w * ce).sum() / w.sum().clamp(min=1e-6)
         # Accuracy counts every reply token, out-of-vocabulary ones as misses.
@@ -368,8 +399,8 @@ def train(args: argparse.Namespace) -> dict:
     store = None if args.no_cache else (args.feature_cache or
                                         cache_dir() / "train" / "eagle3_features.pt")
     shards = [path.with_suffix(".features") for path in [*args.data, *(args.eval_data or [])]]
-    tf_seconds = attach_features(target, train_set + held_out, layers, store, shards,
-                                 compute=not args.stored_features_only)
+    tf_seconds = attach_features(target, train_set + held_out, feature_layers(layers, L), store,
+                                 shards, compute=not args.stored_features_only)
     train_set = [ex for ex in train_set if ex.hidden is not None]
     held_out = [ex for ex in held_out if ex.hidden is not None]
     if init is None:
@@ -383,6 +414,7 @@ def train(args: argparse.Namespace) -> dict:
         args.draft_vocab = len(draft_ids)
         args.intermediate_size = head.config.decoder.intermediate_size
     t2d = target_to_draft(draft_ids, tcfg.vocab_size)
+    soft_rows = target.lm_head.weight[draft_ids].detach().float()  # [dv, H_t]
     del target
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -426,7 +458,8 @@ def train(args: argparse.Namespace) -> dict:
             loss_sum = 0.0
             for ex in batch:
                 loss, _ = sequence_loss(head, ex, t2d, args.ttt_steps, weights,
-                                        args.prompt_weight, args.feature_noise)
+                                        args.prompt_weight, args.feature_noise, soft_rows,
+                                        args.soft_labels)
                 (loss / len(batch)).backward()
                 loss_sum += loss.item()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -493,7 +526,8 @@ def training_card(args: argparse.Namespace, r: dict) -> str:
         f"- target layers (HF numbering): {r['layers']}; draft vocabulary {r['draft_vocab']}; "
         f"MLP width {args.intermediate_size}; training-time-test steps {args.ttt_steps} "
         f"(loss weight {args.step_decay}^(j-1)); prompt-token weight {args.prompt_weight}; "
-        f"feature noise {args.feature_noise}; AdamW lr {args.lr} (weight decay "
+        f"feature noise {args.feature_noise}; soft labels {args.soft_labels}; AdamW lr "
+        f"{args.lr} (weight decay "
         f"{args.weight_decay}) cosine to 10%, "
         f"{args.batch} sequences per step; seed {args.seed}",
         f"- teacher forcing (target features): {r['feature_seconds'] / 60:.1f} min; training: "
@@ -537,6 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-decay", type=float, default=0.8, help="loss weight of step j: decay^(j-1)")
     p.add_argument("--prompt-weight", type=float, default=0.0,
                    help="loss weight of prompt tokens (0: replies only)")
+    p.add_argument("--soft-labels", type=float, default=0.0, metavar="W",
+                   help="weight of the cross-entropy against the target's distribution over "
+                        "the draft vocabulary (the rest on its greedy token)")
     p.add_argument("--feature-noise", type=float, default=0.0,
                    help="relative std of Gaussian noise on the target features in training")
     p.add_argument("--lr", type=float, default=1e-3)

@@ -17,7 +17,8 @@ LAYERS = (2, 4, 5)
 def test_recorded_features_match_a_target_pass(tmp_path):
     make_target(tmp_path / "target")
     model = load_model(tmp_path / "target", dtype="float32")
-    recorder = data.FeatureRecorder(LAYERS)
+    layers = eagle3.feature_layers(LAYERS, model.config.num_layers)  # and the final state
+    recorder = data.FeatureRecorder(layers)
     engine = Engine(model, EngineConfig(max_num_seqs=3, max_model_len=64, num_kv_blocks=16,
                                         max_num_batched_tokens=192), proposer=recorder)
     g = torch.Generator().manual_seed(0)
@@ -31,7 +32,7 @@ def test_recorded_features_match_a_target_pass(tmp_path):
     for i, p in enumerate(prompts):
         tokens = p + replies[str(i)]
         got = data.sequence_features(recorder.finished[str(i)], len(tokens))
-        want = eagle3.target_features(model, torch.tensor(tokens), LAYERS)
+        want = eagle3.target_features(model, torch.tensor(tokens), layers)
         assert got.shape == want.shape
         torch.testing.assert_close(got[:-2].float(), want[:-2].float(), atol=2e-3, rtol=2e-3)
     assert eagle3.feature_key(tokens, LAYERS) == eagle3.feature_key(tuple(tokens), list(LAYERS))

@@ -163,3 +163,50 @@ def test_training_goes_on_from_a_saved_head(tmp_path):
     assert score >= start_score
     assert result["steps"] == 3
     assert "went on from the head" in (second / "TRAINING.md").read_text()
+
+
+def test_soft_labels_are_the_targets_distribution_over_the_draft_vocabulary(tmp_path):
+    make_target(tmp_path / "target")
+    target = load_model(tmp_path / "target", dtype="float64")
+    tokens = torch.randint(VOCAB, (12,), generator=torch.Generator().manual_seed(3))
+    layers = eagle3.feature_layers(LAYERS, target.config.num_layers)
+    hidden = eagle3.target_features(target, tokens, layers).double()  # [T, 4, H]
+    hidden[-2:, 3] = 0  # as data.py records them: the last two rows never computed
+    draft_ids = torch.arange(0, VOCAB, 2)
+    head = eagle3.build_head(target, draft_ids, 48, LAYERS, seed=0).double()
+    t2d = eagle3.target_to_draft(draft_ids, VOCAB)
+    ex = eagle3.Example(tokens, 3, hidden)
+    rows = target.lm_head.weight[draft_ids].double()
+    with torch.no_grad():
+        got, _ = eagle3.sequence_loss(head, ex, t2d, 1, [1.0], soft_rows=rows, soft_weight=0.75)
+
+        # Reference: the target's next-token logits at every position, restricted to the
+        # draft vocabulary; chain i at step 1 predicts token i + 2 from position i + 1.
+        cache = target.make_kv_cache(1, 16)
+        cache.add(0)
+        meta = cache.plan([(0, len(tokens))])
+        logits = target(tokens, meta, cache, logits_indices=torch.arange(len(tokens))).logits
+        out = eagle3.unrolled_forward(head, tokens, hidden[:, :3], 1)[0]
+        terms = []
+        for i in range(len(tokens) - 2):
+            label = int(t2d[tokens[i + 2]])
+            if i + 2 < ex.prompt_len or label < 0:
+                continue
+            log_q = head.lm_head(head.norm(out[i])).log_softmax(-1)
+            hard = -log_q[label]
+            if i + 1 >= len(tokens) - 2:  # no recorded final state: the hard label alone
+                terms.append(hard)
+                continue
+            p = logits[i + 1, draft_ids].softmax(-1)
+            terms.append(0.25 * hard - 0.75 * (p * log_q).sum())
+    assert len(terms) >= 3
+    # The features are float16 (as recorded), the reference's logits float64.
+    torch.testing.assert_close(got, torch.stack(terms).mean(), rtol=1e-4, atol=0)
+    # Without the final state recorded, soft labels are refused rather than made up.
+    short = eagle3.Example(tokens, 3, hidden[:, :3])
+    try:
+        eagle3.sequence_loss(head, short, t2d, 1, [1.0], soft_rows=rows, soft_weight=0.5)
+    except AssertionError as e:
+        assert "final hidden state" in str(e)
+    else:
+        raise AssertionError("soft labels without the final hidden state were accepted")
