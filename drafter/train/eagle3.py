@@ -182,6 +182,30 @@ def build_head(target: LlamaForCausalLM, draft_ids: torch.Tensor, intermediate_s
     return head
 
 
+@torch.no_grad()
+def revocab(head: DraftHead, target_rows: torch.Tensor, new_ids: torch.Tensor) -> int:
+    """Give a trained head another draft vocabulary of the same size, in place: tokens in
+    both keep their trained lm_head rows; a new token's row is its target row through the
+    linear map that best takes the target's rows of the old vocabulary to the head's
+    (least squares), so it starts where training would have put a row like it.
+    target_rows: [V, H] the target's lm_head rows scaled by its final norm (build_head's
+    initialisation); new_ids: [dv] sorted target ids. Returns how many tokens are new."""
+    dv = len(head.d2t)
+    assert new_ids.shape == (dv,), f"the new vocabulary has {len(new_ids)} tokens, not {dv}"
+    old_ids = head.d2t + torch.arange(dv)  # [dv] target ids
+    weight = head.lm_head.weight  # [dv, H]
+    fit = torch.linalg.lstsq(target_rows[old_ids].double(), weight.double()).solution  # [H, H]
+    rows = (target_rows[new_ids].double() @ fit).to(weight.dtype)  # [dv, H]
+    old_row = {int(t): i for i, t in enumerate(old_ids)}
+    kept = [(j, old_row[int(t)]) for j, t in enumerate(new_ids) if int(t) in old_row]
+    if kept:
+        new_at, old_at = map(torch.tensor, zip(*kept, strict=True))
+        rows[new_at] = weight[old_at]
+    weight.copy_(rows)
+    head.d2t.copy_(new_ids - torch.arange(dv))
+    return dv - len(kept)
+
+
 def _attention(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
                chain_k: list[torch.Tensor], chain_v: list[torch.Tensor]) -> torch.Tensor:
     """q: [n, h, D] queries of one step; k1, v1: [n, hkv, D] step-1 rows (causal: chain i
@@ -410,6 +434,13 @@ def train(args: argparse.Namespace) -> dict:
     else:
         head = init.train()
         head.embed_tokens.weight.requires_grad_(False)
+        if args.new_vocab:
+            new_ids = draft_vocabulary(train_set, len(head.d2t), tcfg.vocab_size,
+                                       args.vocab_prompt_weight)
+            scaled = target.lm_head.weight.detach() * target.norm.weight.detach()  # [V, H]
+            args.new_tokens = revocab(head, scaled, new_ids)
+            print(f"--new-vocab: {args.new_tokens} of {len(new_ids)} draft tokens are new",
+                  flush=True)
         draft_ids = head.d2t + torch.arange(len(head.d2t))
         args.draft_vocab = len(draft_ids)
         args.intermediate_size = head.config.decoder.intermediate_size
@@ -517,8 +548,13 @@ def training_card(args: argparse.Namespace, r: dict) -> str:
         "# EAGLE-3 head: how it was trained", "",
         "Produced by `drafter/train/eagle3.py` (its docstring has the recipe):", "",
         f"    {command}", "",
-        *([f"- went on from the head in `{args.init}` (its draft vocabulary, MLP width and "
-           "target layers; minute 0 below is that head)"] if args.init else []),
+        *([f"- went on from the head in `{args.init}` (its "
+           + ("MLP width and target layers; a new draft vocabulary of the most frequent "
+              f"tokens of the data, {getattr(args, 'new_tokens', 0)} of them new, their "
+              "lm_head rows mapped from the target's (revocab)"
+              if getattr(args, "new_vocab", False) else
+              "draft vocabulary, MLP width and target layers")
+           + "; minute 0 below is that head)"] if args.init else []),
         f"- data: {', '.join(f'`{d.name}`' for d in args.data)}, {r['sequences']} prompt + "
         f"reply sequences ({r['tokens']} tokens) for training, {r['held_out']} held out"
         + (f" ({', '.join(f'`{d.name}`' for d in args.eval_data)})" if args.eval_data else "")
@@ -563,6 +599,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="head directory to go on training from (keeps its draft vocabulary, "
                         "MLP width and target layers)")
     p.add_argument("--draft-vocab", type=int, default=2048)
+    p.add_argument("--new-vocab", action="store_true",
+                   help="with --init: choose the draft vocabulary afresh from --data, of the "
+                        "same size (the tokens kept keep their rows; see revocab)")
     p.add_argument("--vocab-prompt-weight", type=float, default=1.0,
                    help="weight of prompt tokens against reply tokens in the draft vocabulary")
     p.add_argument("--intermediate-size", type=int, default=768, help="the head's MLP width")

@@ -13,7 +13,7 @@ import torch
 from drafter.eagle_model import load_head
 from drafter.train import eagle3
 from specdec.models import load_model
-from tests.drafter.test_eagle import VOCAB, make_target
+from tests.drafter.test_eagle import VOCAB, H, make_target
 
 LAYERS = (2, 4, 5)  # the default for the 8-layer test target
 
@@ -210,3 +210,56 @@ def test_soft_labels_are_the_targets_distribution_over_the_draft_vocabulary(tmp_
         assert "final hidden state" in str(e)
     else:
         raise AssertionError("soft labels without the final hidden state were accepted")
+
+
+def test_revocab_keeps_trained_rows_and_maps_new_ones_from_the_target(tmp_path):
+    make_target(tmp_path / "target")
+    target = load_model(tmp_path / "target", dtype="float64")
+    g = torch.Generator().manual_seed(4)
+    old_ids = torch.randperm(VOCAB, generator=g)[:72].sort().values
+    head = eagle3.build_head(target, old_ids, 48, LAYERS, seed=0).double()
+    scaled = target.lm_head.weight.detach() * target.norm.weight.detach()  # [V, H]
+    # A head whose rows are an exact linear image of the target's: the map is recovered.
+    fit = torch.randn(H, H, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(scaled[old_ids] @ fit)
+        head.lm_head.weight[5] += 1e-5  # a trained row off the map: kept as it is
+    before = head.lm_head.weight.detach().clone()
+    new_ids = torch.cat([old_ids[:60], torch.tensor(sorted(set(range(VOCAB)) - set(  # 5 stays
+        old_ids.tolist())))[:12]]).sort().values
+    assert eagle3.revocab(head, scaled, new_ids) == 12
+    assert torch.equal(head.d2t + torch.arange(72), new_ids)
+    for j, t in enumerate(new_ids.tolist()):
+        if t in old_ids.tolist():
+            assert torch.equal(head.lm_head.weight[j], before[old_ids.tolist().index(t)])
+        else:  # least squares over 72 rows, one of them slightly off the map
+            torch.testing.assert_close(head.lm_head.weight[j], scaled[t] @ fit, atol=1e-4,
+                                       rtol=1e-4)
+    # Drafting maps the draft ids back to the new tokens.
+    ids, _ = head.draft_top(torch.randn(3, H, dtype=torch.float64, generator=g), 5)
+    assert set(ids.flatten().tolist()) <= set(new_ids.tolist())
+
+
+def test_training_goes_on_with_a_new_vocabulary_from_the_data(tmp_path):
+    target_dir = tmp_path / "target"
+    make_target(target_dir)
+    write_data(tmp_path / "data.jsonl", n=16)
+    write_data(tmp_path / "other.jsonl", n=16, seed=5)
+    common = ["--target", str(target_dir), "--minutes", "1", "--batch", "2", "--no-cache",
+              "--eval-fraction", "0.25", "--max-steps", "2"]
+    first = tmp_path / "first"
+    eagle3.train(eagle3.build_parser().parse_args(
+        [*common, "--data", str(tmp_path / "data.jsonl"), "--out", str(first),
+         "--draft-vocab", "16", "--intermediate-size", "32"]))
+    second = tmp_path / "second"
+    result = eagle3.train(eagle3.build_parser().parse_args(
+        [*common, "--data", str(tmp_path / "other.jsonl"), "--out", str(second),
+         "--init", str(first), "--new-vocab"]))
+    loaded = load_head("eagle3", second, target_dir, dtype="float32")
+    examples = eagle3.load_examples(tmp_path / "other.jsonl", max_len=640)
+    random.Random(0).shuffle(examples)
+    want = eagle3.draft_vocabulary(examples[result["held_out"]:], 16, VOCAB)
+    assert torch.equal(loaded.d2t + torch.arange(16), want)
+    old = load_head("eagle3", first, target_dir, dtype="float32")
+    assert not torch.equal(old.d2t + torch.arange(16), want)
+    assert "a new draft vocabulary" in (second / "TRAINING.md").read_text()
