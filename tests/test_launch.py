@@ -53,7 +53,7 @@ def test_local_services_from_compose():
         "127.0.0.1:50051"
     assert by_name["eagle3"].argv[by_name["eagle3"].argv.index("--model") + 1] == "/h"
     assert by_name["eagle3"].argv[by_name["eagle3"].argv.index("--lookup-min") + 1] == "2"
-    assert by_name["eagle3"].argv[by_name["eagle3"].argv.index("--min-confidence") + 1] == "0.6"
+    assert by_name["eagle3"].argv[by_name["eagle3"].argv.index("--min-confidence") + 1] == "0.3"
     assert {s.name: s.health for s in services} == {
         "ngram": "127.0.0.1:50061", "eagle3": "127.0.0.1:50063",
         "verifier": "127.0.0.1:50051", "gateway": "127.0.0.1:50050"}
