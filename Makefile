@@ -52,8 +52,10 @@ compose-config:
 test: model
 	$(PY) -m pytest -q
 
+# ruff, and the architecture: import-linter's contracts in pyproject.toml.
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 # The benchmarks of record (about 30 minutes here): decode speed, verify step
 # against decode step, and the serving grid (each drafter x K 2/4/6/auto x

@@ -2,7 +2,7 @@
 lookup and the two together (the head with prompt lookup, a confidence stop and token
 trees, as compose.yaml deploys eagle3), on held-out chat prompts.
 
-Each prompt (none of them in drafter/train/prompts.py) is decoded greedily for
+Each prompt (none of them in train/prompts.py) is decoded greedily for
 --tokens tokens, batch 1, through the verifier engine with a drafter in
 process at K = --k; the output must equal plain greedy decoding. Reported per
 drafter: acceptance length (1 + accepted / draft rounds), per-position
@@ -28,11 +28,11 @@ from drafter.ngram import NgramMethod
 from specdec.launch import service_flag
 from specdec.models import load_model
 from specdec.models.prepare import prepare_default_model
+from specdec.sampling import SamplingParams
 from specdec.tokenizer import Tokenizer
+from train.inprocess import InProcessProposer
 from verifier.engine import Engine, EngineConfig, Request
 from verifier.engine.proposer import Proposer
-from verifier.inprocess import InProcessProposer
-from verifier.sampling.params import SamplingParams
 
 DEFAULT_HEAD = Path(__file__).resolve().parent.parent / "drafter/weights/smollm2-135m-eagle3"
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -61,10 +61,10 @@ from drafter import registry
 from drafter.method import DraftMethod
 from specdec.models import LlamaForCausalLM, ModelConfig, load_model, save_model
 from specdec.models.attention import ATTENTION_BACKENDS
+from specdec.sampling import SamplingParams
+from train.inprocess import InProcessProposer
 from verifier.engine import Engine, EngineConfig, Request
 from verifier.engine.proposer import Proposer
-from verifier.inprocess import InProcessProposer
-from verifier.sampling.params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -49,8 +49,8 @@ from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache, load_mod
 from specdec.models.cuda_graphs import CudaGraphRunner
 from specdec.models.prepare import prepare_default_model
 from specdec.models.rope import inv_frequencies
-from verifier.sampling.params import SamplingMetadata
-from verifier.sampling.rejection import apply_sampling, draw_random, rejection_sample_from_random
+from specdec.sampling import SamplingMetadata, apply_sampling
+from verifier.sampling.rejection import draw_random, rejection_sample_from_random
 from verifier.sampling.rejection_triton import HAS_TRITON, rejection_sample_from_random_triton
 
 TARGET = {"batch": 1, "k": 4, "max_ratio": 1.3}  # the CPU target

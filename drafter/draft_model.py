@@ -29,13 +29,12 @@ from pathlib import Path
 
 import torch
 
-from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
+from drafter.method import Draft, DrafterInfo, DraftMethod
 from drafter.registry import register
 from specdec.models import LlamaForCausalLM, PagedKVCache, load_model
 from specdec.models.cuda_graphs import CudaGraphRunner
 from specdec.pb import common_pb2
-from verifier.sampling.params import SamplingMetadata, SamplingParams
-from verifier.sampling.rejection import apply_sampling
+from specdec.sampling import SamplingMetadata, SamplingParams, apply_sampling
 
 # Files whose presence says a model directory carries its own tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -197,15 +196,9 @@ class DraftModelMethod(DraftMethod):
         return self._info
 
     def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
-              sampling: DraftSampling, max_k: int) -> None:
+              sampling: SamplingParams, max_k: int) -> None:
         self.free(key)
-        params = None
-        if self.sample:
-            params = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
-                                    top_p=sampling.top_p, min_p=sampling.min_p,
-                                    seed=sampling.seed)
-            if params.is_greedy:
-                params = None
+        params = sampling if self.sample and not sampling.is_greedy else None
         seq = _Seq(slot=next(self._slots), tokens=list(prompt_ids) + list(output_ids),
                    max_k=max_k, sampling=params,
                    generator=params.make_generator(self.device) if params else None)

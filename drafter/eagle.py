@@ -48,10 +48,11 @@ import numpy as np
 import torch
 
 from drafter.eagle_model import DraftHead, load_head
-from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
+from drafter.method import Draft, DrafterInfo, DraftMethod
 from drafter.ngram import TokenBuffer, find_continuation
 from drafter.registry import register
 from specdec.pb import common_pb2
+from specdec.sampling import SamplingParams
 from specdec.tree import chain_with_siblings
 
 # Feature rows a sequence may hold back before advance folds them into its head
@@ -149,7 +150,7 @@ class _EagleMethod(DraftMethod):
         return self._info
 
     def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
-              sampling: DraftSampling, max_k: int) -> None:
+              sampling: SamplingParams, max_k: int) -> None:
         # Greedy whatever the sampling: one-hot drafts stay exact under rejection sampling.
         self.free(key)
         seq = _Seq(next(self._cache_ids), TokenBuffer(list(prompt_ids) + list(output_ids)),

@@ -14,14 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.pb import common_pb2
+from specdec.sampling import SamplingParams
+from specdec.speculation import DRAFTER_METHODS, method_name
 from specdec.tree import check_parents
 
 # Element types hidden states can travel in (specdec/tensor_codec.py).
 _WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-# What a drafter can be; NONE and UNSPECIFIED are choices of the gateway, not methods.
-_DRAFT_METHODS = (common_pb2.SPEC_METHOD_NGRAM, common_pb2.SPEC_METHOD_DRAFT_MODEL,
-                  common_pb2.SPEC_METHOD_EAGLE, common_pb2.SPEC_METHOD_EAGLE3)
 
 
 @dataclass(slots=True)
@@ -43,7 +41,7 @@ class DrafterInfo:
     max_model_len: int = 0  # 0 = unbounded
 
     def __post_init__(self) -> None:
-        if self.method not in _DRAFT_METHODS:
+        if method_name(self.method) not in DRAFTER_METHODS:
             raise ValueError(f"method {self.method} is not a drafting SpecMethod")
         if self.vocab_size < 0:
             raise ValueError(f"vocab_size must be >= 0, got {self.vocab_size}")
@@ -60,37 +58,6 @@ class DrafterInfo:
             raise ValueError(f"hidden_state_layers must be >= 0, got {self.hidden_state_layers}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
-
-
-@dataclass(slots=True)
-class DraftSampling:
-    """The request's sampling, as a sampling drafter needs it to shape q."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-
-    @classmethod
-    def from_proto(cls, msg: common_pb2.SamplingParams) -> DraftSampling:
-        return cls(
-            temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-            top_k=msg.top_k,
-            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-            min_p=msg.min_p,
-            seed=msg.seed if msg.HasField("seed") else None,
-        )
 
 
 @dataclass(slots=True)
@@ -123,7 +90,7 @@ class DraftMethod(ABC):
 
     @abstractmethod
     def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
-              sampling: DraftSampling, max_k: int) -> None:
+              sampling: SamplingParams, max_k: int) -> None:
         """Begin tracking a sequence whose context is prompt_ids + output_ids."""
 
     @abstractmethod

@@ -14,9 +14,10 @@ from collections.abc import Hashable
 import numpy as np
 import torch
 
-from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
+from drafter.method import Draft, DrafterInfo, DraftMethod
 from drafter.registry import register
 from specdec.pb import common_pb2
+from specdec.sampling import SamplingParams
 
 
 def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -105,7 +106,7 @@ class NgramMethod(DraftMethod):
         return self._info
 
     def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
-              sampling: DraftSampling, max_k: int) -> None:
+              sampling: SamplingParams, max_k: int) -> None:
         # Lookup is deterministic whatever the sampling, and reserves nothing per K.
         self._contexts[key] = TokenBuffer(list(prompt_ids) + list(output_ids))
 

@@ -26,9 +26,10 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
+from drafter.method import Draft, DrafterInfo, DraftMethod
 from drafter.pipeline import Guess, PipelineStats, predraft, resolve
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specdec.sampling import SamplingParams
 from specdec.server import GrpcService, start_server
 from specdec.telemetry import incoming_context
 from specdec.tensor_codec import decode_tensor, dtype_to_proto, encode_tensor
@@ -189,7 +190,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._check_token_ids(start.prompt_token_ids, f"{where}.start.prompt_token_ids")
         self._check_token_ids(start.output_token_ids, f"{where}.start.output_token_ids")
         try:
-            sampling = DraftSampling.from_proto(start.sampling)
+            sampling = SamplingParams.from_proto(start.sampling)
         except ValueError as e:
             raise InvalidRequest(f"{where}.start.sampling: {e}") from None
         key = (stream.number, entry.seq_id)

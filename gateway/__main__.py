@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specdec.models.prepare import cache_dir
 from specdec.server import host_port
+from specdec.speculation import METHODS
 
 log = logging.getLogger("gateway")
 
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="REST port")
     p.add_argument("--grpc-port", type=int, default=50050, help="gRPC port (-1 = no gRPC API)")
     p.add_argument("--speculative-method", default="none",
-                   choices=["none", "ngram", "draft_model", "eagle", "eagle3"],
+                   choices=list(METHODS),
                    help="method for requests that do not choose one")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="K for requests that do not choose one")
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def _serve(args: argparse.Namespace) -> int:
     from gateway.core import Gateway, GatewayConfig, Limits
-    from gateway.policy import ItlProfile
+    from gateway.policy.itl_profile import ItlProfile
     from gateway.replicas import ReplicaPool
     from gateway.service import serve
     from specdec.models.prepare import prepare_default_model

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, replace
 
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
-from gateway.policy import Decision, Deployment, ItlProfile, decide
+from gateway.policy.admission import Decision, Deployment, decide
+from gateway.policy.dynamic_k import DynamicK
+from gateway.policy.itl_profile import ItlProfile
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
 from gateway.types import (
-    METHOD_FROM_PROTO,
-    METHOD_TO_PROTO,
     Delta,
     GatewayError,
     GenerationRequest,
@@ -30,6 +30,7 @@ from gateway.types import (
     Unavailable,
 )
 from specdec.pb import verifier_pb2
+from specdec.speculation import METHODS, method_name
 from specdec.tokenizer import Tokenizer
 
 __all__ = ["Delta", "Gateway", "GatewayConfig", "GatewayError", "Generation",
@@ -63,7 +64,7 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("model_name: must not be empty")
-        if self.default_method not in METHOD_TO_PROTO:
+        if self.default_method not in METHODS:
             raise ValueError(f"default_method: unknown method {self.default_method!r}")
         if self.default_k < 0:
             raise ValueError("default_k: must be >= 0")
@@ -147,7 +148,7 @@ class Gateway:
             disable_queue_size=self.config.disable_queue_size)
         spec = req.speculative
         if spec.drafter is not None:
-            configured = {d.name: METHOD_FROM_PROTO.get(d.method) for d in report.drafters}
+            configured = {d.name: method_name(d.method) for d in report.drafters}
             if spec.drafter not in configured:
                 raise InvalidRequest(f"speculative.drafter: unknown drafter {spec.drafter!r} "
                                      f"(configured: {', '.join(configured) or 'none'})",
@@ -181,7 +182,12 @@ class Gateway:
             raise
         if decision.disabled_reason is not None:
             self.metrics.disabled.labels(decision.disabled_reason).inc()
-        return Generation(self, req, request_id, decision, max_tokens, t0, replica)
+        dynamic = None
+        if decision.auto_k and self.profile is not None and decision.k > 0:
+            dynamic = DynamicK(self.profile, decision.method, decision.k,
+                               warmup_steps=self.config.dynamic_k_warmup_steps)
+        return Generation(req, request_id, decision, dynamic, max_tokens, t0, replica,
+                          self.replicas, self.tokenizer, self.metrics)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         generation = await self.open(req)

@@ -12,17 +12,15 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import propagate, trace
 
-from gateway.policy import Decision, DynamicK
-from gateway.replicas import NoReplicaError, Replica
+from gateway.metrics import GatewayMetrics
+from gateway.policy.admission import Decision
+from gateway.policy.dynamic_k import DynamicK
+from gateway.replicas import NoReplicaError, Replica, ReplicaPool
 from gateway.types import (
-    METHOD_TO_PROTO,
-    REASON_FROM_PROTO,
-    REASON_TO_PROTO,
     Delta,
     GatewayError,
     GenerationRequest,
@@ -32,10 +30,9 @@ from gateway.types import (
 )
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.pb import common_pb2, verifier_pb2
+from specdec.speculation import method_to_proto, reason_name, reason_to_proto
 from specdec.stop import StopStringMatcher
-
-if TYPE_CHECKING:
-    from gateway.core import Gateway
+from specdec.tokenizer import Tokenizer
 
 tracer = trace.get_tracer("specdec.gateway")
 
@@ -57,24 +54,24 @@ class Generation:
     """One admitted request: its deltas, streamed from one replica or, after a failure,
     resumed on another."""
 
-    def __init__(self, gw: Gateway, req: GenerationRequest, request_id: str, decision: Decision,
-                 max_tokens: int, t0: float, replica: Replica):
-        self.gw = gw
+    def __init__(self, req: GenerationRequest, request_id: str, decision: Decision,
+                 dynamic: DynamicK | None, max_tokens: int, t0: float, replica: Replica,
+                 replicas: ReplicaPool, tokenizer: Tokenizer, metrics: GatewayMetrics):
+        self.replicas = replicas
+        self.metrics = metrics
         self.replica = replica
         self.req = req
         self.request_id = request_id
         self.decision = decision
         self.progress = _Progress(list(req.prompt_token_ids), max_tokens)
-        self.detok = IncrementalDetokenizer(gw.tokenizer, prompt_ids=req.prompt_token_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=req.prompt_token_ids)
         self.stop = StopStringMatcher(req.stop)
         self.t0 = t0
         self.t_first: float | None = None
         self.t_last: float | None = None
         # The current stream's cumulative SpecDecodeStats (streams restart counting).
         self.spec = common_pb2.SpecDecodeStats()
-        self.dynamic = (DynamicK(gw.profile, decision.method, decision.k,
-                                 warmup_steps=gw.config.dynamic_k_warmup_steps)
-                        if decision.auto_k and gw.profile is not None and decision.k > 0 else None)
+        self.dynamic = dynamic  # None: K stays decision.k
         self.k = decision.k
         self.enabled = decision.disabled_reason is None and decision.k > 0
         self.summary = SpecDecodeSummary(method=decision.method,
@@ -85,7 +82,7 @@ class Generation:
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(self.req.sampling)
         sampling.max_tokens = p.max_tokens - len(p.generated)
-        speculation = common_pb2.SpeculationPolicy(method=METHOD_TO_PROTO[d.method],
+        speculation = common_pb2.SpeculationPolicy(method=method_to_proto(d.method),
                                                    drafter=self.req.speculative.drafter or "")
         reason = common_pb2.DISABLED_REASON_NONE
         if d.method != "none":
@@ -93,7 +90,7 @@ class Generation:
                 self.k = self.dynamic.next_k(replica.load + 1)
             speculation.num_speculative_tokens = self.k
             if d.disabled_reason is not None:
-                reason = REASON_TO_PROTO[d.disabled_reason]
+                reason = reason_to_proto(d.disabled_reason)
             elif self.k == 0:  # dynamic K chose plain decoding for the first step
                 reason = common_pb2.DISABLED_REASON_DYNAMIC_K
                 speculation.num_speculative_tokens = d.k
@@ -109,7 +106,7 @@ class Generation:
             sampling=sampling, speculation=speculation, disabled_reason=reason))
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        metrics = self.gw.metrics
+        metrics = self.metrics
         with tracer.start_as_current_span("gateway.generate") as span:
             span.set_attribute("specdec.request_id", self.request_id)
             span.set_attribute("specdec.method", self.decision.method)
@@ -154,11 +151,11 @@ class Generation:
                 replica.healthy = False
                 replica.error = error
                 try:
-                    replica = await self.gw.replicas.choose(exclude=failed)
+                    replica = await self.replicas.choose(exclude=failed)
                 except NoReplicaError:
                     raise Unavailable(f"{error}; no other verifier replica to resume on") from None
                 if self.progress.generated:
-                    self.gw.metrics.resumed.inc()
+                    self.metrics.resumed.inc()
 
     async def _stream_on(self, replica: Replica) -> AsyncIterator[Delta]:
         metadata: dict[str, str] = {}
@@ -196,7 +193,7 @@ class Generation:
 
     def _on_response(self, resp: verifier_pb2.GenerateResponse) -> Delta:
         now = time.perf_counter()
-        metrics = self.gw.metrics
+        metrics = self.metrics
         ids = list(resp.token_ids)
         if ids:
             if self.t_last is None:
@@ -237,13 +234,13 @@ class Generation:
         s.num_accepted_tokens = p.done_accepted + spec.num_accepted_tokens
         if spec.method == common_pb2.SPEC_METHOD_NONE and s.num_drafts == 0 \
                 and s.disabled_reason is None and self.decision.method != "none":
-            s.disabled_reason = REASON_FROM_PROTO.get(spec.disabled_reason) or "drafter_unavailable"
+            s.disabled_reason = reason_name(spec.disabled_reason) or "drafter_unavailable"
         elif spec.disabled_reason and s.disabled_reason is None and not self.enabled:
-            s.disabled_reason = REASON_FROM_PROTO.get(spec.disabled_reason)
+            s.disabled_reason = reason_name(spec.disabled_reason)
         delta.usage = common_pb2.Usage(prompt_tokens=len(self.req.prompt_token_ids),
                                        completion_tokens=len(p.generated))
         delta.spec_decode = s
-        m = self.gw.metrics
+        m = self.metrics
         elapsed = time.perf_counter() - self.t0
         m.e2e.observe(elapsed)
         n = len(p.generated)
@@ -266,7 +263,7 @@ class Generation:
         k = self.dynamic.next_k(max(step.batch_size, 1))
         if k == (self.k if self.enabled else 0):
             return None
-        self.gw.metrics.k_updates.inc()
+        self.metrics.k_updates.inc()
         update = verifier_pb2.GenerateRequest.PolicyUpdate()
         if k == 0:
             update.enabled = False

@@ -7,23 +7,16 @@ import hmac
 import grpc
 
 from gateway.core import Delta, Gateway, GatewayError, GenerationRequest, InvalidRequest
-from gateway.policy import SpeculativeRequest
+from gateway.policy.request import SpeculativeRequest
 from specdec.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
-
-_METHOD_NAMES = {
-    common_pb2.SPEC_METHOD_UNSPECIFIED: None,
-    common_pb2.SPEC_METHOD_NONE: "none",
-    common_pb2.SPEC_METHOD_NGRAM: "ngram",
-    common_pb2.SPEC_METHOD_DRAFT_MODEL: "draft_model",
-    common_pb2.SPEC_METHOD_EAGLE: "eagle",
-    common_pb2.SPEC_METHOD_EAGLE3: "eagle3",
-}
+from specdec.speculation import method_name
 
 
 def speculative_from_proto(p: common_pb2.SpeculationPolicy) -> SpeculativeRequest:
-    if p.method not in _METHOD_NAMES:
+    method = method_name(p.method)
+    if method is None and p.method != common_pb2.SPEC_METHOD_UNSPECIFIED:
         raise InvalidRequest(f"speculation.method: unknown value {p.method}")
-    return SpeculativeRequest(method=_METHOD_NAMES[p.method],
+    return SpeculativeRequest(method=method,
                               num_speculative_tokens=p.num_speculative_tokens or None,
                               auto=p.auto_k, drafter=p.drafter or None)
 

@@ -27,7 +27,7 @@ from gateway.core import (
     GenerationRequest,
     InvalidRequest,
 )
-from gateway.policy import SpeculativeRequest
+from gateway.policy.request import SpeculativeRequest
 from specdec.pb import common_pb2
 
 MAX_TOP_LOGPROBS = 20

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import grpc
 
-from gateway.policy import ItlProfile, OnlineAcceptance
-from gateway.replicas import _METHOD_NAMES
+from gateway.policy.dynamic_k import OnlineAcceptance
+from gateway.policy.itl_profile import ItlProfile
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.server import GRPC_OPTIONS
+from specdec.speculation import DRAFTER_METHODS, method_name
 
 # Chat-like prompts with some repetition, so copy-based drafters see realistic text.
 PROMPTS = [
@@ -86,8 +87,8 @@ async def profile(address: str, prompts: Sequence[list[int]], batch_sizes: Seque
     async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         report = await stub.Load(verifier_pb2.LoadRequest(), timeout=10)
-        methods = {_METHOD_NAMES[d.method]: d.method for d in report.drafters
-                   if d.method in _METHOD_NAMES}
+        methods = {method_name(d.method): d.method for d in report.drafters
+                   if method_name(d.method) in DRAFTER_METHODS}
         if method is None:
             wanted = list(methods)[:1]
         elif isinstance(method, str):
@@ -149,7 +150,15 @@ def _names(text: str) -> list[str]:
     return names
 
 
-def add_arguments(p) -> None:
+def register_command(sub: argparse._SubParsersAction) -> None:
+    """`specdec profile`, registered through the `specdec.commands` entry point."""
+    p = sub.add_parser("profile", help="measure a running deployment's step time over batch "
+                       "size x K, for dynamic K (writes JSON for specdec-gateway --profile)")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default="127.0.0.1:50051", help="HOST:PORT of a verifier")
     p.add_argument("--model", help="model directory for the tokenizer (default: the prepared "
                    "default model)")

@@ -16,18 +16,11 @@ from collections.abc import Iterable
 
 import grpc
 
-from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specdec.pb import verifier_pb2, verifier_pb2_grpc
 from specdec.server import GRPC_OPTIONS
+from specdec.speculation import DRAFTER_METHODS, method_name
 
 log = logging.getLogger(__name__)
-
-_METHOD_NAMES = {
-    common_pb2.SPEC_METHOD_NGRAM: "ngram",
-    common_pb2.SPEC_METHOD_DRAFT_MODEL: "draft_model",
-    common_pb2.SPEC_METHOD_EAGLE: "eagle",
-    common_pb2.SPEC_METHOD_EAGLE3: "eagle3",
-}
-
 
 class NoReplicaError(RuntimeError):
     """No verifier replica can take a request now."""
@@ -54,8 +47,8 @@ class Replica:
         """Methods some drafter of this replica serves (available or not right now)."""
         if self.report is None:
             return frozenset()
-        return frozenset(_METHOD_NAMES[d.method] for d in self.report.drafters
-                         if d.method in _METHOD_NAMES)
+        return frozenset(method_name(d.method) for d in self.report.drafters
+                         if method_name(d.method) in DRAFTER_METHODS)
 
     def connect(self) -> None:
         if self.channel is None:

@@ -7,36 +7,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.policy import SpeculativeRequest
+from gateway.policy.request import SpeculativeRequest
 from specdec.pb import common_pb2
-
-METHOD_TO_PROTO = {
-    "none": common_pb2.SPEC_METHOD_NONE,
-    "ngram": common_pb2.SPEC_METHOD_NGRAM,
-    "draft_model": common_pb2.SPEC_METHOD_DRAFT_MODEL,
-    "eagle": common_pb2.SPEC_METHOD_EAGLE,
-    "eagle3": common_pb2.SPEC_METHOD_EAGLE3,
-}
-METHOD_FROM_PROTO = {v: k for k, v in METHOD_TO_PROTO.items()}
-REASON_TO_PROTO = {
-    None: common_pb2.DISABLED_REASON_NONE,
-    "request": common_pb2.DISABLED_REASON_REQUEST,
-    "queue_size": common_pb2.DISABLED_REASON_QUEUE_SIZE,
-    "drafter_unavailable": common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE,
-    "deadline": common_pb2.DISABLED_REASON_DEADLINE,
-    "dynamic_k": common_pb2.DISABLED_REASON_DYNAMIC_K,
-    "tokenizer_mismatch": common_pb2.DISABLED_REASON_TOKENIZER_MISMATCH,
-    "drafter_max_len": common_pb2.DISABLED_REASON_DRAFTER_MAX_LEN,
-}
-REASON_FROM_PROTO = {v: k for k, v in REASON_TO_PROTO.items()}
-# OpenAI reports "stop" for every natural end that is not the length limit.
-FINISH_NAMES = {
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_EOS: "stop",
-    common_pb2.FINISH_REASON_STOP_TOKEN: "stop",
-    common_pb2.FINISH_REASON_STOP_STRING: "stop",
-    common_pb2.FINISH_REASON_CANCELLED: "abort",
-}
+from specdec.speculation import FINISH_REASONS, acceptance_length, method_to_proto, reason_to_proto
 
 
 class GatewayError(Exception):
@@ -94,7 +67,7 @@ class SpecDecodeSummary:
 
     @property
     def acceptance_length(self) -> float:
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return acceptance_length(self.num_accepted_tokens, self.num_drafts)
 
     def to_json(self) -> dict:
         out = {"method": self.method, "num_drafts": self.num_drafts,
@@ -107,11 +80,10 @@ class SpecDecodeSummary:
 
     def to_proto(self) -> common_pb2.SpecDecodeStats:
         return common_pb2.SpecDecodeStats(
-            method=METHOD_TO_PROTO[self.method], num_drafts=self.num_drafts,
+            method=method_to_proto(self.method), num_drafts=self.num_drafts,
             num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,
             acceptance_length=self.acceptance_length,
-            disabled_reason=REASON_TO_PROTO.get(self.disabled_reason,
-                                                common_pb2.DISABLED_REASON_NONE))
+            disabled_reason=reason_to_proto(self.disabled_reason))
 
 
 @dataclass
@@ -128,4 +100,4 @@ class Delta:
 
     @property
     def finish_reason(self) -> str | None:
-        return FINISH_NAMES.get(self.finish) if self.finish else None
+        return FINISH_REASONS.get(self.finish) if self.finish else None

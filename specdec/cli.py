@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from specdec.models.prepare import default_model_dir, prepare_default_model
+
+# Entry points of this group are `register(subparsers)` functions of the services.
+COMMANDS_GROUP = "specdec.commands"
 
 
 def _model_dir(arg: str | None) -> Path:
@@ -101,12 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_arguments(p)
     p.set_defaults(func=cmd_up)
 
-    from gateway import profile
-
-    p = sub.add_parser("profile", help="measure a running deployment's step time over batch "
-                       "size x K, for dynamic K (writes JSON for specdec-gateway --profile)")
-    profile.add_arguments(p)
-    p.set_defaults(func=profile.run)
+    # Services add their own subcommands (e.g. the gateway's `profile`): this package
+    # knows no service, so it finds them by entry point rather than by import.
+    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        entry.load()(sub)
 
     args = parser.parse_args(argv)
     return args.func(args)

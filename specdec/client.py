@@ -26,34 +26,7 @@ import grpc
 
 from specdec.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specdec.server import GRPC_OPTIONS
-
-_METHODS = {
-    None: common_pb2.SPEC_METHOD_UNSPECIFIED,
-    "none": common_pb2.SPEC_METHOD_NONE,
-    "ngram": common_pb2.SPEC_METHOD_NGRAM,
-    "draft_model": common_pb2.SPEC_METHOD_DRAFT_MODEL,
-    "eagle": common_pb2.SPEC_METHOD_EAGLE,
-    "eagle3": common_pb2.SPEC_METHOD_EAGLE3,
-}
-_METHOD_NAMES = {v: k or "unspecified" for k, v in _METHODS.items()}
-_FINISH = {
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_EOS: "stop",
-    common_pb2.FINISH_REASON_STOP_TOKEN: "stop",
-    common_pb2.FINISH_REASON_STOP_STRING: "stop",
-    common_pb2.FINISH_REASON_CANCELLED: "abort",
-    common_pb2.FINISH_REASON_ABORTED: "abort",
-}
-_REASONS = {
-    common_pb2.DISABLED_REASON_REQUEST: "request",
-    common_pb2.DISABLED_REASON_QUEUE_SIZE: "queue_size",
-    common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE: "drafter_unavailable",
-    common_pb2.DISABLED_REASON_DEADLINE: "deadline",
-    common_pb2.DISABLED_REASON_DYNAMIC_K: "dynamic_k",
-    common_pb2.DISABLED_REASON_TOKENIZER_MISMATCH: "tokenizer_mismatch",
-    common_pb2.DISABLED_REASON_DRAFTER_MAX_LEN: "drafter_max_len",
-}
-
+from specdec.speculation import FINISH_REASONS, method_name, method_to_proto, reason_name
 
 # -- errors -------------------------------------------------------------------------
 
@@ -113,8 +86,8 @@ class SpecDecode:
 
     @classmethod
     def from_proto(cls, p: common_pb2.SpecDecodeStats) -> SpecDecode:
-        return cls(_METHOD_NAMES.get(p.method, "unspecified"), p.num_drafts, p.num_draft_tokens,
-                   p.num_accepted_tokens, p.acceptance_length, _REASONS.get(p.disabled_reason))
+        return cls(method_name(p.method) or "unspecified", p.num_drafts, p.num_draft_tokens,
+                   p.num_accepted_tokens, p.acceptance_length, reason_name(p.disabled_reason))
 
 
 @dataclass(frozen=True)
@@ -152,7 +125,7 @@ def _chunk(msg: Any) -> Chunk:
     text = msg.content if isinstance(msg, gateway_pb2.ChatResponse) else msg.text
     last = msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
     return Chunk(msg.request_id, text, list(msg.token_ids), list(msg.logprobs),
-                 _FINISH.get(msg.finish_reason) if last else None,
+                 FINISH_REASONS.get(msg.finish_reason) if last else None,
                  Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if last else None,
                  SpecDecode.from_proto(msg.spec_decode) if last else None)
 
@@ -172,11 +145,13 @@ def _speculation(spec: Mapping[str, Any] | None) -> common_pb2.SpeculationPolicy
     unknown = set(spec) - {"method", "num_speculative_tokens", "drafter"}
     if unknown:
         raise InvalidRequestError(f"speculative: unknown keys {sorted(unknown)}")
-    method = spec.get("method")
-    if method not in _METHODS:
-        raise InvalidRequestError(f"speculative.method: unknown method {method!r}")
+    try:
+        method = method_to_proto(spec.get("method"))
+    except (TypeError, ValueError):  # TypeError: an unhashable value
+        raise InvalidRequestError(
+            f"speculative.method: unknown method {spec.get('method')!r}") from None
     k = spec.get("num_speculative_tokens")
-    policy = common_pb2.SpeculationPolicy(method=_METHODS[method], drafter=spec.get("drafter") or "")
+    policy = common_pb2.SpeculationPolicy(method=method, drafter=spec.get("drafter") or "")
     if k == "auto":
         policy.auto_k = True
     elif k is not None:

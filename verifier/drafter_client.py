@@ -28,11 +28,11 @@ from opentelemetry import trace
 
 from specdec import tree as token_tree
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specdec.sampling import SamplingParams
 from specdec.server import GRPC_OPTIONS
 from specdec.telemetry import outgoing_metadata
 from specdec.tensor_codec import decode_tensor, dtype_from_proto, encode_tensor
 from verifier.engine.proposer import Outcome, Proposal
-from verifier.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.verifier")

@@ -10,17 +10,10 @@ from __future__ import annotations
 import time
 
 from specdec.pb import common_pb2
+from specdec.speculation import DRAFTER_METHODS, METHODS, method_name
 from verifier.drafter_client import DrafterClient
 from verifier.engine.proposer import Outcome, Proposal, Proposer
 from verifier.engine.sequence import Request
-
-# Method names as the CLI and `--drafter NAME=...` conventions spell them.
-METHOD_NAMES = {
-    common_pb2.SPEC_METHOD_NGRAM: "ngram",
-    common_pb2.SPEC_METHOD_DRAFT_MODEL: "draft_model",
-    common_pb2.SPEC_METHOD_EAGLE: "eagle",
-    common_pb2.SPEC_METHOD_EAGLE3: "eagle3",
-}
 
 
 class DrafterPool(Proposer):
@@ -50,7 +43,9 @@ class DrafterPool(Proposer):
                                  f"configured: {sorted(self.clients) or 'none'}")
             return self.clients[name]
         for c in self.clients.values():
-            if c.method == method or (c.info is None and c.name == METHOD_NAMES.get(method)):
+            # A drafter not reached yet is known by its name (`--drafter ngram=...`).
+            if c.method == method or (c.info is None and c.name in DRAFTER_METHODS
+                                      and c.name == method_name(method)):
                 return c
         return None
 
@@ -59,9 +54,8 @@ class DrafterPool(Proposer):
         for c in self.clients.values():
             if c.method != common_pb2.SPEC_METHOD_UNSPECIFIED:
                 return c.method
-            for method, name in METHOD_NAMES.items():
-                if c.name == name:
-                    return method
+            if c.name in DRAFTER_METHODS:
+                return METHODS[c.name]
         return common_pb2.SPEC_METHOD_NONE
 
     # -- Proposer -------------------------------------------------------------

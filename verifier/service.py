@@ -19,12 +19,13 @@ import grpc
 from opentelemetry import trace
 
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specdec.sampling import SamplingParams
 from specdec.server import GrpcService, start_server
+from specdec.speculation import acceptance_length, reason_to_proto
 from specdec.telemetry import incoming_context
 from verifier.drafter_client import TargetInfo
 from verifier.drafting import DrafterPool
 from verifier.engine import Engine, FinishReason, Request, StepOutput
-from verifier.sampling.params import SamplingParams
 from verifier.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,6 @@ _FINISH = {
     FinishReason.STOP_TOKEN: common_pb2.FINISH_REASON_STOP_TOKEN,
     FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
 }
-_MISS = {
-    "deadline": common_pb2.DISABLED_REASON_DEADLINE,
-    "drafter_unavailable": common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE,
-}
 
 
 @dataclass(slots=True)
@@ -50,10 +47,13 @@ class Policy:
 
     method: int  # SpecMethod; NONE = no drafter at all
     drafter: str | None
-    k: int
-    enabled: bool
+    k: int  # kept while speculation is off, for when it is turned back on
     auto_k: bool
-    disabled_reason: int  # DisabledReason while not enabled
+    disabled_reason: int  # DisabledReason; DISABLED_REASON_NONE = speculation on
+
+    @property
+    def enabled(self) -> bool:
+        return self.disabled_reason == common_pb2.DISABLED_REASON_NONE
 
     @property
     def effective_k(self) -> int:
@@ -93,10 +93,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         cfg = self.engine.config
         s = start.sampling
         try:
-            sampling = SamplingParams(
-                temperature=s.temperature if s.HasField("temperature") else 1.0,
-                top_k=s.top_k, top_p=s.top_p if s.HasField("top_p") else 1.0, min_p=s.min_p,
-                seed=s.seed if s.HasField("seed") else None)
+            sampling = SamplingParams.from_proto(s)
         except ValueError as e:
             raise _field_error("start.sampling", e) from None
         if s.logprobs > MAX_LOGPROBS:
@@ -130,14 +127,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if client is not None and spec.drafter and method == common_pb2.SPEC_METHOD_UNSPECIFIED:
             method = client.method
         if method == common_pb2.SPEC_METHOD_NONE:
-            policy = Policy(method, None, 0, False, False, common_pb2.DISABLED_REASON_REQUEST)
+            policy = Policy(method, None, 0, False, common_pb2.DISABLED_REASON_REQUEST)
         elif client is None:
-            policy = Policy(method, None, k, False, spec.auto_k,
+            policy = Policy(method, None, k, spec.auto_k,
                             common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE)
         else:
-            reason = start.disabled_reason
-            policy = Policy(client.method or method, client.name, k,
-                            reason == common_pb2.DISABLED_REASON_NONE, spec.auto_k, reason)
+            policy = Policy(client.method or method, client.name, k, spec.auto_k,
+                            start.disabled_reason)
 
         request = Request(
             request_id=start.request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
@@ -161,7 +157,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if update.HasField("enabled"):
             if update.enabled and policy.method == common_pb2.SPEC_METHOD_NONE:
                 raise ValueError("policy_update.enabled: the request's method is NONE")
-            policy.enabled = update.enabled
             policy.disabled_reason = (common_pb2.DISABLED_REASON_NONE if update.enabled
                                       else update.disabled_reason or common_pb2.DISABLED_REASON_REQUEST)
         if update.HasField("auto_k"):
@@ -176,7 +171,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             stats.num_accepted_tokens += out.num_accepted
         step_reason = common_pb2.DISABLED_REASON_NONE
         if out.num_speculative_tokens and not out.num_drafted and out.miss_reason:
-            step_reason = _MISS.get(out.miss_reason, common_pb2.DISABLED_REASON_NONE)
+            step_reason = reason_to_proto(out.miss_reason)
         elif not out.num_speculative_tokens and not policy.enabled:
             step_reason = policy.disabled_reason
         request_reason = common_pb2.DISABLED_REASON_NONE
@@ -197,8 +192,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 method=policy.method if policy.drafter is not None else common_pb2.SPEC_METHOD_NONE,
                 num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
                 num_accepted_tokens=stats.num_accepted_tokens,
-                acceptance_length=(1 + stats.num_accepted_tokens / stats.num_drafts
-                                   if stats.num_drafts else 0.0),
+                acceptance_length=acceptance_length(stats.num_accepted_tokens, stats.num_drafts),
                 disabled_reason=request_reason))
         if out.finish_reason is not None:
             resp.finish_reason = (common_pb2.FINISH_REASON_ABORTED if out.request_id in self._aborting

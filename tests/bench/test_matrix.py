@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import matrix
-from verifier.sampling import rejection
+from verifier.sampling import sampler
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def accept_all(logits, draft_ids, draft_probs, num_drafts, metadata):
     """A broken rejection sampler: every draft is accepted. The token after the drafts
     is still sampled correctly from p, so only the acceptance rule is wrong."""
     last = (num_drafts + 1).cumsum(0) - 1  # [B] each request's last row
-    final, _ = rejection.rejection_sample(logits.index_select(0, last), draft_ids[:0], None,
+    final, _ = sampler.rejection_sample(logits.index_select(0, last), draft_ids[:0], None,
                                           torch.zeros_like(num_drafts), metadata)
     out = torch.full((len(num_drafts), int(num_drafts.max()) + 1), -1, dtype=torch.int64)
     start = 0

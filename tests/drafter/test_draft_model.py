@@ -16,10 +16,10 @@ import torch
 from drafter import registry
 from drafter.__main__ import build_method, build_parser, main
 from drafter.draft_model import DraftModelMethod
-from drafter.method import DraftSampling
 from specdec.generate import greedy_generate
 from specdec.models import LlamaForCausalLM
 from specdec.pb import common_pb2, drafter_pb2
+from specdec.sampling import SamplingMetadata, SamplingParams, apply_sampling
 from tests.tiny import tiny_llama
 from tests.verifier.test_service import (
     K_MAX,
@@ -34,10 +34,8 @@ from tests.verifier.test_service import (
     start_msg,
 )
 from verifier.drafter_client import TargetInfo, check_info
-from verifier.sampling.params import SamplingMetadata, SamplingParams
-from verifier.sampling.rejection import apply_sampling
 
-GREEDY = DraftSampling(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +138,7 @@ def test_sampled_proposals_carry_q_shaped_like_the_verifiers_p(draft):
     method = DraftModelMethod(model=draft, num_kv_blocks=64, sample=True)
     assert method.info().returns_probs
     context = prompts(1, seed=4)[0]
-    sampling = DraftSampling(temperature=0.7, top_k=5, seed=123)
+    sampling = SamplingParams(temperature=0.7, top_k=5, seed=123)
     method.start("t", context, [], sampling, max_k=8)
     method.start("g", context, [], GREEDY, max_k=8)  # greedy in the same batch
     drafts = method.propose({"t": 6, "g": 3})
@@ -169,7 +167,7 @@ def test_sampled_proposals_carry_q_shaped_like_the_verifiers_p(draft):
     torch.testing.assert_close(replay.probs, q)
     others = set()
     for seed in range(5):
-        again.start("t", context, [], DraftSampling(temperature=0.7, top_k=5, seed=seed), 8)
+        again.start("t", context, [], SamplingParams(temperature=0.7, top_k=5, seed=seed), 8)
         others.add(tuple(again.propose({"t": 6})["t"].token_ids))
     assert len(others) > 1
     # Without sample=True, a sampled request gets greedy drafts and no q.

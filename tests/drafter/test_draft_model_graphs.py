@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from drafter.draft_model import DraftModelMethod
-from drafter.method import DraftSampling
 from specdec.generate import greedy_generate
 from specdec.models import LlamaForCausalLM
 from specdec.models.cuda_graphs import CudaGraphRunner
+from specdec.sampling import SamplingParams
 from tests.tiny import tiny_llama
 
 VOCAB = 97
-GREEDY = DraftSampling(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from drafter import registry
 from drafter.__main__ import build_method, build_parser
 from drafter.eagle import Eagle3Method, EagleMethod
 from drafter.eagle_model import load_head
-from drafter.method import DraftSampling
 from drafter.ngram import find_continuation
 from specdec import tree
 from specdec.generate import greedy_generate
@@ -31,6 +30,7 @@ from specdec.models import (
 )
 from specdec.models.llama import Linear
 from specdec.pb import common_pb2
+from specdec.sampling import SamplingParams
 from tests.loop_thread import LoopThread
 from tests.verifier.test_service import Stack, generate, prompts, run_concurrently, start_msg
 
@@ -245,7 +245,7 @@ class Driver:
         return torch.randn(n, self.layers, H, generator=self.g, dtype=F64)
 
     def start(self, key, prompt, output=()):
-        self.m.start(key, list(prompt), list(output), DraftSampling(), 8)
+        self.m.start(key, list(prompt), list(output), SamplingParams(temperature=0.0), 8)
         self.tokens[key] = list(prompt) + list(output)
         self.states[key] = {}
 
@@ -462,7 +462,7 @@ def test_tree_width_proposes_the_most_probable_tree(tmp_path, target_dir, target
     drv = Driver(method)
     drv.start("greedy", [20, 21, 22, 23, 24])
     drv.prefill("greedy", [5], 25)
-    method.start("sampled", [30, 31, 32], [], DraftSampling(temperature=0.7), 8)
+    method.start("sampled", [30, 31, 32], [], SamplingParams(temperature=0.7), 8)
     drv.tokens["sampled"], drv.states["sampled"] = [30, 31, 32], {}
     drv.prefill("sampled", [3], 33)
     for k in (1, 4, 6):

@@ -7,9 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from drafter.method import DraftSampling
 from drafter.ngram import NgramMethod, find_continuation
 from specdec.pb import common_pb2
+from specdec.sampling import SamplingParams
 
 
 def _find(tokens: list[int], min_n: int = 1, max_n: int = 4, k: int = 8) -> list[int]:
@@ -76,7 +76,7 @@ def test_matches_the_quadratic_definition_on_random_contexts():
             tokens, min_n, max_n, k)
 
 
-GREEDY = DraftSampling(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 def test_method_tracks_context_through_advance_and_rollback():

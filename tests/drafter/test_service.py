@@ -10,10 +10,11 @@ import grpc
 import pytest
 import torch
 
-from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
+from drafter.method import Draft, DrafterInfo, DraftMethod
 from drafter.ngram import NgramMethod
 from drafter.service import serve
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specdec.sampling import SamplingParams
 from specdec.server import GRPC_OPTIONS
 from specdec.tensor_codec import decode_tensor, encode_tensor
 
@@ -35,7 +36,7 @@ class RecordingMethod(DraftMethod):
     def __init__(self) -> None:
         self.contexts: dict[Hashable, list[int]] = {}
         self.hidden: list[tuple[torch.Tensor | None, int]] = []
-        self.sampling: list[DraftSampling] = []
+        self.sampling: list[SamplingParams] = []
 
     def info(self) -> DrafterInfo:
         return DrafterInfo(

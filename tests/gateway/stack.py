@@ -14,7 +14,7 @@ from drafter.method import DrafterInfo, DraftMethod
 from drafter.ngram import NgramMethod
 from drafter.service import serve as serve_drafter
 from gateway.core import Gateway, GatewayConfig
-from gateway.policy import ItlProfile
+from gateway.policy.itl_profile import ItlProfile
 from gateway.replicas import ReplicaPool
 from gateway.service import serve as serve_gateway
 from specdec.generate import greedy_generate

@@ -10,7 +10,7 @@ import httpx2
 import openai
 import pytest
 
-from gateway.policy import ItlProfile
+from gateway.policy.itl_profile import ItlProfile
 from gateway.profile import add_arguments, profile
 from tests.gateway.stack import MODEL_NAME, GatewayStack, OracleDraftModel
 

@@ -15,19 +15,12 @@ import random
 
 import pytest
 
-from gateway.policy import (
-    METHODS,
-    Decision,
-    Deployment,
-    DynamicK,
-    ItlProfile,
-    OnlineAcceptance,
-    SpeculativeRequest,
-    acceptance_length,
-    choose_k,
-    decide,
-    goodput,
-)
+from gateway.policy.admission import Decision, Deployment, decide
+from gateway.policy.dynamic_k import DynamicK, OnlineAcceptance
+from gateway.policy.goodput import acceptance_length, choose_k, goodput
+from gateway.policy.itl_profile import ItlProfile
+from gateway.policy.request import SpeculativeRequest
+from specdec.speculation import METHODS
 
 
 def table(batch_sizes, ks, itl, acceptance=None) -> ItlProfile:

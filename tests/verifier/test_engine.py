@@ -10,9 +10,9 @@ import torch
 
 from specdec.generate import greedy_generate
 from specdec.models import LlamaForCausalLM
+from specdec.sampling import SamplingParams
 from tests.tiny import tiny_llama
 from verifier.engine import Engine, EngineConfig, FinishReason, Proposal, Proposer, Request
-from verifier.sampling.params import SamplingParams
 
 VOCAB = 97
 GREEDY = SamplingParams(temperature=0.0)

@@ -25,10 +25,10 @@ import torch
 
 from bench.stats import chi_square_p_value
 from specdec.models import LlamaForCausalLM, PagedKVCache
+from specdec.sampling import SamplingParams
 from tests.tiny import tiny_llama
 from tests.verifier.test_rejection import filtered_table
 from verifier.engine import Engine, EngineConfig, Proposal, Proposer, Request
-from verifier.sampling.params import SamplingParams
 
 VOCAB = 8  # x1, x2, x3 make VOCAB**3 = 512 cells per prompt
 K = 2

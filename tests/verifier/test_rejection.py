@@ -11,19 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.sampling import SamplingMetadata, SamplingParams, apply_sampling
 from verifier.sampling import rejection_triton
-from verifier.sampling.params import SamplingMetadata, SamplingParams
 from verifier.sampling.rejection import (
     PLACEHOLDER_TOKEN_ID,
-    apply_sampling,
     draw_random,
-    rejection_sample,
     rejection_sample_from_random,
 )
 from verifier.sampling.rejection_triton import (
     HAS_TRITON,
     rejection_sample_from_random_triton,
 )
+from verifier.sampling.sampler import rejection_sample
 
 # A CUDA device runs the Triton kernel (when triton is installed) and device generators.
 ON_CUDA = [pytest.mark.gpu,
@@ -34,66 +33,6 @@ def ragged(num_draft_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Row index of each request's first target row [B] and the K tensor [B]."""
     k = torch.tensor(num_draft_tokens, dtype=torch.int64)
     return k.cumsum(0) - k + torch.arange(len(k)), k
-
-
-# --- parameters --------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [
-        ({"temperature": -0.1}, "temperature"),
-        ({"temperature": float("nan")}, "temperature"),
-        ({"temperature": float("inf")}, "temperature"),
-        ({"top_k": -2}, "top_k"),
-        ({"top_k": 2.5}, "top_k"),
-        ({"top_p": 0.0}, "top_p"),
-        ({"top_p": 1.5}, "top_p"),
-        ({"min_p": -0.1}, "min_p"),
-        ({"min_p": 1.1}, "min_p"),
-        ({"seed": -1}, "seed"),
-        ({"seed": 2**64}, "seed"),
-    ],
-)
-def test_invalid_params_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        SamplingParams(**kwargs)
-
-
-def test_valid_params_and_metadata():
-    for top_k in (-1, 0, 1, 50):
-        SamplingParams(temperature=0.0, top_k=top_k, top_p=1.0, min_p=1.0, seed=0)
-    params = [SamplingParams(temperature=0.0), SamplingParams(seed=3), SamplingParams(top_k=-1)]
-    shared = torch.Generator().manual_seed(0)
-    with pytest.raises(ValueError, match="generators"):
-        SamplingMetadata.from_params(params, [None, None, None], shared)
-    own = params[1].make_generator()
-    meta = SamplingMetadata.from_params(params, [None, own, None], shared)
-    assert meta.is_greedy.tolist() == [True, False, False]
-    assert meta.generators[0] is shared and meta.generators[1] is own
-    assert meta.generators[2] is shared
-    assert meta.top_k is None and meta.top_p is None and meta.min_p is None  # -1 is off
-    assert not meta.all_greedy and SamplingMetadata.make_dummy(4, temperature=0).all_greedy
-
-
-def test_apply_sampling_filters_in_vllm_order():
-    probs = torch.tensor([0.45, 0.35, 0.15, 0.05])
-    logits = probs.log()[None]  # [1, 4]
-    one = torch.ones(1, dtype=torch.int64)
-
-    def filtered(**kwargs) -> list[float]:
-        meta = SamplingMetadata.make_dummy(1, **kwargs)
-        return apply_sampling(logits, meta, one)[0].tolist()
-
-    assert filtered() == pytest.approx(probs.tolist())
-    assert filtered(temperature=0.5) == pytest.approx((probs**2 / (probs**2).sum()).tolist())
-    assert filtered(top_k=2) == pytest.approx([0.5625, 0.4375, 0, 0])
-    assert filtered(top_p=0.75) == pytest.approx([0.5625, 0.4375, 0, 0])
-    assert filtered(top_p=0.82) == pytest.approx([0.45 / 0.95, 0.35 / 0.95, 0.15 / 0.95, 0])
-    assert filtered(min_p=0.2) == pytest.approx([0.45 / 0.95, 0.35 / 0.95, 0.15 / 0.95, 0])
-    # min-p comes before top-p: top-p then sees mass renormalised over the first three
-    # tokens and keeps two; the other order would keep three.
-    assert filtered(min_p=0.2, top_p=0.82) == pytest.approx([0.5625, 0.4375, 0, 0])
 
 
 # --- greedy ------------------------------------------------------------------------

@@ -11,10 +11,10 @@ import torch
 from drafter.method import Draft
 from specdec import tree
 from specdec.generate import greedy_generate
+from specdec.sampling import SamplingParams
 from tests.tiny import tiny_llama
 from tests.verifier.test_engine import GREEDY, VOCAB, run
 from verifier.engine import Engine, EngineConfig, Proposal, Proposer, Request
-from verifier.sampling.params import SamplingParams
 
 # A tree of 7 tokens: two children of the root (0, 3), a chain 0-1-2 with a sibling 4 of
 # 1, and 5 under 3, 6 under 5.

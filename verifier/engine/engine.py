@@ -24,11 +24,11 @@ import torch
 from specdec import tree as token_tree
 from specdec.models import LlamaForCausalLM
 from specdec.models.cuda_graphs import CudaGraphRunner
+from specdec.sampling import SamplingMetadata
 from verifier.engine.proposer import Outcome, Proposer
 from verifier.engine.scheduler import Scheduled, Scheduler
 from verifier.engine.sequence import FinishReason, Request, Sequence, Status
-from verifier.sampling.params import SamplingMetadata
-from verifier.sampling.rejection import rejection_sample
+from verifier.sampling.sampler import rejection_sample
 
 
 @dataclass(slots=True)

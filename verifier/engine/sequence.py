@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verifier.sampling.params import SamplingParams
+from specdec.sampling import SamplingParams
 
 
 class FinishReason(enum.Enum):

@@ -37,68 +37,10 @@ from __future__ import annotations
 
 import torch
 
-from .params import SamplingMetadata
+from specdec.sampling import SamplingMetadata
 
 # Pads `output_token_ids` after each request's last emitted token.
 PLACEHOLDER_TOKEN_ID = -1
-
-
-def apply_sampling(
-    logits: torch.Tensor,  # [N, V]
-    metadata: SamplingMetadata,
-    num_rows: torch.Tensor,  # [B] int64, rows per request; sums to N
-) -> torch.Tensor:  # [N, V] float32
-    """Target probabilities after temperature, min-p, top-k and top-p, in vLLM's order.
-
-    Rows of greedy requests come out as softmax(logits); the sampler never reads them,
-    since greedy requests use the argmax of the raw logits.
-    """
-    n = logits.shape[0]
-
-    def per_row(x: torch.Tensor) -> torch.Tensor:  # [B] -> [N]
-        return x.repeat_interleave(num_rows, output_size=n)
-
-    # Greedy temperatures are 0; divide those rows by 1 instead of by zero.
-    temperature = torch.where(metadata.is_greedy, 1.0, metadata.temperature)
-    logits = logits.float() / per_row(temperature)[:, None]  # a new tensor: masked in place below
-    if metadata.min_p is not None:
-        logits = _apply_min_p(logits, per_row(metadata.min_p))
-    if metadata.top_k is not None or metadata.top_p is not None:
-        logits = _apply_top_k_top_p(
-            logits,
-            per_row(metadata.top_k) if metadata.top_k is not None else None,
-            per_row(metadata.top_p) if metadata.top_p is not None else None,
-        )
-    return logits.softmax(dim=-1)
-
-
-def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    # logits: [N, V], min_p: [N]. Drop tokens less likely than min_p times the top token.
-    probs = logits.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [N, 1]
-    return logits.masked_fill_(probs < threshold, float("-inf"))
-
-
-def _apply_top_k_top_p(
-    logits: torch.Tensor,  # [N, V]
-    top_k: torch.Tensor | None,  # [N] int64, 0 = off
-    top_p: torch.Tensor | None,  # [N] float32, 1 = off
-) -> torch.Tensor:
-    vocab_size = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1)  # ascending: [N, V]
-    if top_k is not None:
-        k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)  # [N]
-        kth_largest = sorted_logits.gather(-1, (vocab_size - k)[:, None])  # [N, 1]
-        # Ties with the k-th largest logit stay, as in vLLM.
-        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
-    if top_p is not None:
-        # Drop the least likely tokens while their total mass stays <= 1 - top_p: what
-        # remains is the smallest top set with mass >= top_p. The top token always stays.
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
-        drop = cumulative <= 1 - top_p[:, None]
-        drop[:, -1] = False
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    return logits.scatter_(-1, order, sorted_logits)
 
 
 def draw_random(
@@ -243,29 +185,3 @@ def rejection_sample_from_random(
     output_token_ids[:, :max_k] = torch.where(is_accepted, x, PLACEHOLDER_TOKEN_ID)
     output_token_ids.scatter_(1, num_accepted[:, None], final_token[:, None])
     return output_token_ids, num_accepted
-
-
-def rejection_sample(
-    target_logits: torch.Tensor,  # [sum(K_i + 1), V]
-    draft_token_ids: torch.Tensor,  # [sum K] int64
-    draft_probs: torch.Tensor | None,  # [sum K, V] float32; None = one-hot q
-    num_draft_tokens: torch.Tensor,  # [B] int64
-    metadata: SamplingMetadata,
-) -> tuple[torch.Tensor, torch.Tensor]:  # output_token_ids [B, max_K + 1], num_accepted [B]
-    """One verifier step's rejection sampling; the Triton kernel runs it on CUDA when present."""
-    target_argmax = target_logits.argmax(dim=-1)  # greedy reads the raw logits
-    if metadata.all_greedy:
-        target_probs = target_logits.float()  # never read: only greedy requests
-    else:
-        target_probs = apply_sampling(target_logits, metadata, num_draft_tokens + 1)
-    uniform, exp_noise = draw_random(num_draft_tokens, target_logits.shape[-1], metadata)
-
-    from_random = rejection_sample_from_random
-    if target_logits.is_cuda:
-        # Imported here: the kernel module imports this one, and CPU runs never need it.
-        from .rejection_triton import HAS_TRITON, rejection_sample_from_random_triton
-
-        if HAS_TRITON:
-            from_random = rejection_sample_from_random_triton
-    return from_random(target_probs, target_argmax, draft_token_ids, draft_probs,
-                       num_draft_tokens, metadata.is_greedy, uniform, exp_noise)

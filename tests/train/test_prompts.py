@@ -1,5 +1,5 @@
-"""The self-distillation prompt sets (drafter/train/prompts.py, the mixed set, and
-drafter/train/chat_prompts.py, everyday chat): large, deterministic, their two splits
+"""The self-distillation prompt sets (train/prompts.py, the mixed set, and
+train/chat_prompts.py, everyday chat): large, deterministic, their two splits
 disjoint, and free of the project's benchmark prompts."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from bench.eagle_acceptance import PROMPTS as CHAT
 from bench.prompts import PROMPTS
-from drafter.train.data import PROMPT_SETS
+from train.data import PROMPT_SETS
 
 # Smallest sizes of each set's splits (train, heldout).
 SIZES = {"mixed": (2000, 200), "chat": (1200, 120)}

@@ -14,7 +14,7 @@ both common in real chat traffic and in the benchmark's chat/other prompts:
   themselves (the project has no other offline source of everyday prose);
   for the spelling task, with deterministic typos planted.
 
-Rows come from a self-distillation file of the chat set (drafter/train/data.py
+Rows come from a self-distillation file of the chat set (train/data.py
 writes them), so the split follows that file: replies to held-out subjects
 make held-out prompts. Every row gives one conversation of each kind, chosen
 by a hash of its prompt index, so the set is deterministic.

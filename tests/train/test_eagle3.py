@@ -1,4 +1,4 @@
-"""EAGLE-3 training (drafter/train/eagle3.py) on a tiny random target: the unrolled
+"""EAGLE-3 training (train/eagle3.py) on a tiny random target: the unrolled
 training forward computes what the drafting head computes, the loss goes down, and
 the checkpoint it writes loads and drafts over the most frequent tokens."""
 
@@ -11,9 +11,9 @@ from collections import Counter
 import torch
 
 from drafter.eagle_model import load_head
-from drafter.train import eagle3
 from specdec.models import load_model
 from tests.drafter.test_eagle import VOCAB, H, make_target
+from train import eagle3
 
 LAYERS = (2, 4, 5)  # the default for the 8-layer test target
 

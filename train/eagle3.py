@@ -1,16 +1,16 @@
 """Train an EAGLE-3 head for a target model on CPU, from self-distillation data.
 
-    python -m drafter.train.eagle3 --data ~/.cache/specdec/train/selfdistill.jsonl \\
+    python -m train.eagle3 --data ~/.cache/specdec/train/selfdistill.jsonl \\
         --out drafter/weights/smollm2-135m-eagle3 --minutes 30
 
 Recipe:
-  * data: the target's own greedy replies (drafter/train/data.py), so the
+  * data: the target's own greedy replies (train/data.py), so the
     data's next token is the target's greedy next token on every reply position;
   * draft vocabulary: the N most frequent tokens of the data, with EAGLE-3's
     d2t offsets (target id = draft id + d2t[draft id]); the head's lm_head has
     N rows instead of the target's 49k, initialised from the target's rows;
   * teacher forcing: the target's three feature layers, recorded by
-    drafter/train/data.py while generating (DATA.features/) or computed here
+    train/data.py while generating (DATA.features/) or computed here
     once per sequence and cached (float16, under the cache directory);
   * training-time test: S steps unrolled as drafting runs them
     (drafter/eagle.py). Step 1 is row i = (t_{i+1}, f_i) over the target's
@@ -131,7 +131,7 @@ def feature_key(tokens: list[int], layers: tuple[int, ...]) -> str:
 def attach_features(model: LlamaForCausalLM, examples: list[Example], layers: tuple[int, ...],
                     store: Path | None, shards: list[Path] = (), compute: bool = True) -> float:
     """Fill each example's hidden states, from `store` or the `shards` directories
-    (features recorded by drafter/train/data.py) where they have them, keyed by the
+    (features recorded by train/data.py) where they have them, keyed by the
     token ids and layers, and by running the target otherwise (unless `compute` is
     False: those examples keep hidden None). Returns seconds spent."""
     t0 = time.perf_counter()
@@ -541,12 +541,12 @@ def shell_arg(arg: str) -> str:
 
 def training_card(args: argparse.Namespace, r: dict) -> str:
     """TRAINING.md: how the head in this directory was made, and how well it did."""
-    command = "python -m drafter.train.eagle3 " + " ".join(
+    command = "python -m train.eagle3 " + " ".join(
         shell_arg(a) for a in (getattr(args, "argv", None) or sys.argv[1:]))
     acc = " / ".join(f"{a:.3f}" for a in r["final"]["accuracy"])
     lines = [
         "# EAGLE-3 head: how it was trained", "",
-        "Produced by `drafter/train/eagle3.py` (its docstring has the recipe):", "",
+        "Produced by `train/eagle3.py` (its docstring has the recipe):", "",
         f"    {command}", "",
         *([f"- went on from the head in `{args.init}` (its "
            + ("MLP width and target layers; a new draft vocabulary of the most frequent "
@@ -558,7 +558,7 @@ def training_card(args: argparse.Namespace, r: dict) -> str:
         f"- data: {', '.join(f'`{d.name}`' for d in args.data)}, {r['sequences']} prompt + "
         f"reply sequences ({r['tokens']} tokens) for training, {r['held_out']} held out"
         + (f" ({', '.join(f'`{d.name}`' for d in args.eval_data)})" if args.eval_data else "")
-        + "; the target's own greedy replies (drafter/train/data.py)",
+        + "; the target's own greedy replies (train/data.py)",
         f"- target layers (HF numbering): {r['layers']}; draft vocabulary {r['draft_vocab']}; "
         f"MLP width {args.intermediate_size}; training-time-test steps {args.ttt_steps} "
         f"(loss weight {args.step_decay}^(j-1)); prompt-token weight {args.prompt_weight}; "
@@ -628,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="do not keep target features on disk")
     p.add_argument("--stored-features-only", action="store_true",
                    help="train on the sequences whose features are stored or were recorded by "
-                        "drafter/train/data.py only (no target pass)")
+                        "train/data.py only (no target pass)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     return p

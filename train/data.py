@@ -7,19 +7,19 @@ written as JSON lines of token ids, one per prompt:
 {"i": prompt index, "prompt": [...], "reply": [...]}. Re-running continues
 an interrupted file. The target's EAGLE-3 feature layers, and its final normed
 hidden state for soft labels, are recorded on the way (FeatureRecorder) into
-OUT.features/, which drafter/train/eagle3.py reads instead of running the
+OUT.features/, which train/eagle3.py reads instead of running the
 target again.
 
-    python -m drafter.train.data --out ~/.cache/specdec/train/selfdistill_v2.jsonl --threads 1
-    python -m drafter.train.data --split heldout --limit 64 --threads 1 \\
+    python -m train.data --out ~/.cache/specdec/train/selfdistill_v2.jsonl --threads 1
+    python -m train.data --split heldout --limit 64 --threads 1 \\
         --out ~/.cache/specdec/train/selfdistill_v2_heldout.jsonl
-    python -m drafter.train.data --prompts chat --out ~/.cache/specdec/train/selfdistill_chat.jsonl
-    python -m drafter.train.data --prompts chat \\
+    python -m train.data --prompts chat --out ~/.cache/specdec/train/selfdistill_chat.jsonl
+    python -m train.data --prompts chat \\
         --followups-of ~/.cache/specdec/train/selfdistill_chat.jsonl \\
         --out ~/.cache/specdec/train/selfdistill_followups.jsonl
 
 --followups-of builds second-turn prompts from an earlier file's replies
-(drafter/train/followups.py); its split is that file's, and --prompts names
+(train/followups.py); its split is that file's, and --prompts names
 the set that file was generated from.
 
 The prompts are shuffled, so a file stopped early is a sample of its split.
@@ -36,21 +36,21 @@ from pathlib import Path
 
 import torch
 
-from drafter.train.chat_prompts import build_chat_prompts
-from drafter.train.eagle3 import default_layers, feature_key, feature_layers
-from drafter.train.followups import build_followups
-from drafter.train.prompts import build_prompts
 from specdec.models import load_model
 from specdec.models.prepare import cache_dir, prepare_default_model
+from specdec.sampling import SamplingParams
 from specdec.tokenizer import Tokenizer
+from train.chat_prompts import build_chat_prompts
+from train.eagle3 import default_layers, feature_key, feature_layers
+from train.followups import build_followups
+from train.prompts import build_prompts
 from verifier.engine import Engine, EngineConfig, Request
 from verifier.engine.proposer import Outcome, Proposal, Proposer
-from verifier.sampling.params import SamplingParams
 
 MAX_MODEL_LEN = 1024
-FEATURE_MAX_LEN = 640  # drafter/train/eagle3.py's default --max-len
+FEATURE_MAX_LEN = 640  # train/eagle3.py's default --max-len
 # The prompt sets, by --prompts name: the mixed set (text, code and data tasks, templated
-# questions) and everyday chat (drafter/train/chat_prompts.py).
+# questions) and everyday chat (train/chat_prompts.py).
 PROMPT_SETS = {"mixed": build_prompts, "chat": build_chat_prompts}
 
 
@@ -98,7 +98,7 @@ def default_path() -> Path:
 
 def features_dir(out: Path) -> Path:
     """Where `generate` keeps the target features of `out`'s rows: one file per wave of
-    {feature_key: [T, len(layers), H] float16}, read by drafter/train/eagle3.py."""
+    {feature_key: [T, len(layers), H] float16}, read by train/eagle3.py."""
     return out.with_suffix(".features")
 
 
@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--split", choices=("train", "heldout"), default="train")
     p.add_argument("--prompts", choices=sorted(PROMPT_SETS), default="mixed",
-                   help="prompt set: mixed (drafter/train/prompts.py) or everyday chat "
-                        "(drafter/train/chat_prompts.py)")
+                   help="prompt set: mixed (train/prompts.py) or everyday chat "
+                        "(train/chat_prompts.py)")
     p.add_argument("--followups-of", type=Path, default=None, metavar="FILE",
                    help="second-turn prompts built from FILE's replies (a file of the "
                         "--prompts set; its split is FILE's)")

@@ -1,6 +1,6 @@
 """Everyday chat prompts for self-distillation: what people ask an assistant.
 
-The mixed prompt set (drafter/train/prompts.py) is mostly work over text and
+The mixed prompt set (train/prompts.py) is mostly work over text and
 code, and its open questions come from about twenty instruction templates.
 A head trained on it predicts the target's replies to those templates well
 (held-out accuracy 0.56 at the first draft step) and its replies to plain
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 
-from drafter.train.prompts import split_of
+from train.prompts import split_of
 
 HOW_TO = [
     "fix a squeaky door", "clean a cast-iron pan", "stop procrastinating", "train a puppy to sit",

@@ -1,6 +1,6 @@
-"""Second-turn self-distillation prompts (drafter/train/followups.py): follow-ups to
+"""Second-turn self-distillation prompts (train/followups.py): follow-ups to
 the target's own replies and tasks over them as passages, built from a data file's
-rows through drafter.train.data.conversations_of."""
+rows through train.data.conversations_of."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 from bench.eagle_acceptance import PROMPTS as CHAT
 from bench.prompts import PROMPTS
-from drafter.train.data import PROMPT_SETS, conversations_of
-from drafter.train.followups import FOLLOWUPS, build_followups, plant_typos, whole_sentences
 from specdec.tokenizer import Tokenizer
+from train.data import PROMPT_SETS, conversations_of
+from train.followups import FOLLOWUPS, build_followups, plant_typos, whole_sentences
 
 REPLY = ("Water a pothos when the top inch of soil is dry. It prefers bright, indirect "
          "light. Yellow leaves usually mean too much water, and brown tips")

@@ -1,15 +1,15 @@
-"""Self-distillation data (drafter/train/data.py): the features recorded while the
-engine generates are the ones a separate target pass computes (drafter/train/eagle3.py)."""
+"""Self-distillation data (train/data.py): the features recorded while the
+engine generates are the ones a separate target pass computes (train/eagle3.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from drafter.train import data, eagle3
 from specdec.models import load_model
+from specdec.sampling import SamplingParams
 from tests.drafter.test_eagle import VOCAB, make_target
+from train import data, eagle3
 from verifier.engine import Engine, EngineConfig, Request
-from verifier.sampling.params import SamplingParams
 
 LAYERS = (2, 4, 5)
 

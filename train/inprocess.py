@@ -8,7 +8,7 @@ drafting itself, and for tests of the methods against the engine.
 
 from __future__ import annotations
 
-from drafter.method import DraftMethod, DraftSampling
+from drafter.method import DraftMethod
 from verifier.engine import Request
 from verifier.engine.proposer import Outcome, Proposal, Proposer
 
@@ -25,10 +25,7 @@ class InProcessProposer(Proposer):
         self.layers = tuple(info.hidden_state_layers) if info.needs_hidden_states else ()
 
     def start(self, seq_id: int, request: Request) -> None:
-        s = request.sampling
-        sampling = DraftSampling(temperature=s.temperature, top_k=max(s.top_k, 0), top_p=s.top_p,
-                                 min_p=s.min_p, seed=s.seed)
-        self.method.start(seq_id, list(request.prompt_token_ids), [], sampling, self.max_k)
+        self.method.start(seq_id, list(request.prompt_token_ids), [], request.sampling, self.max_k)
 
     def propose(self, wanted: dict[int, int], tokens: dict[int, list[int]]) -> dict[int, Proposal]:
         drafts = self.method.propose(wanted) if wanted else {}

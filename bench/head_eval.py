@@ -8,14 +8,14 @@ measuring only, never training data. For each head the script reports:
   * draft-vocabulary coverage: the share of reply tokens the head can draft;
   * teacher-forced accuracy of draft steps 1..S over those replies, with each
     chain fed the head's own previous outputs (what drafting computes, as in
-    drafter/train/eagle3.py's held-out evaluation), and the acceptance length
+    train/eagle3.py's held-out evaluation), and the acceptance length
     it implies, 1 + a1 + a1 a2 + ... (greedy verification, K = S);
   * with --engine-tokens N: the acceptance length measured by decoding each
     prompt through the verifier engine with the head in process (batch 1,
     K = S, N tokens, bench/eagle_acceptance.py's `run`); outputs of all heads
     must agree.
 
-    python -m drafter.train.bench_eval drafter/weights/smollm2-135m-eagle3 /tmp/new-head
+    python -m bench.head_eval drafter/weights/smollm2-135m-eagle3 /tmp/new-head
 """
 
 from __future__ import annotations
@@ -26,18 +26,21 @@ from pathlib import Path
 
 import torch
 
+from bench.eagle_acceptance import PROMPTS as CHAT
+from bench.eagle_acceptance import run
+from bench.prompts import PROMPTS
+from drafter.eagle import Eagle3Method
 from drafter.eagle_model import load_head
-from drafter.train import eagle3
 from specdec.models import load_model
 from specdec.models.prepare import cache_dir, prepare_default_model
+from specdec.sampling import SamplingParams
 from specdec.tokenizer import Tokenizer
+from train import eagle3
+from train.inprocess import InProcessProposer
 from verifier.engine import Engine, EngineConfig, Request
-from verifier.sampling.params import SamplingParams
 
 
 def bench_conversations() -> dict[str, list[list[dict]]]:
-    from bench.eagle_acceptance import PROMPTS as CHAT
-    from bench.prompts import PROMPTS
     return {"bench": [list(p.messages) for p in PROMPTS],
             "eagle_acceptance": [[{"role": "user", "content": p}] for p in CHAT]}
 
@@ -51,7 +54,7 @@ def bench_replies(model, tok: Tokenizer, path: Path, max_tokens: int) -> list[di
     engine = Engine(model, EngineConfig(max_num_seqs=8, max_model_len=4096, num_kv_blocks=2048,
                                         max_num_batched_tokens=8 * 4096),
                     eos_token_ids=tok.eos_token_ids)
-    # Waves of similar prompt lengths (see drafter/train/data.py: padding is costly on CPU).
+    # Waves of similar prompt lengths (see train/data.py: padding is costly on CPU).
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt"]))
     short = [i for i in order if len(rows[i]["prompt"]) <= 1024]
     waves = [short[w:w + 8] for w in range(0, len(short), 8)]
@@ -126,9 +129,6 @@ def main(argv: list[str] | None = None) -> int:
                   + f", implied acceptance length {r['implied_acceptance_length']:.3f}",
                   flush=True)
     if args.engine_tokens:
-        from bench.eagle_acceptance import run
-        from drafter.eagle import Eagle3Method
-        from verifier.inprocess import InProcessProposer
         outputs: dict[str, list[list[int]]] = {}  # greedy output is the same for every head
         for head_dir in args.heads:
             method = Eagle3Method(head_dir, target_dir, max_num_speculative_tokens=args.steps)

@@ -1,4 +1,12 @@
-"""Sampling parameters: one request's (`SamplingParams`) and a batch's (`SamplingMetadata`)."""
+"""Sampling, as the verifier and the sampling drafters both apply it.
+
+One request's parameters (`SamplingParams`, also read from the wire), a batch's as
+tensors (`SamplingMetadata`), and the filters that turn logits into the distribution
+p a request samples from (`apply_sampling`: temperature, min-p, top-k, top-p, in
+vLLM's order). The verifier's rejection sampler scores drafts against this p; a
+sampling drafter shapes its q with the same function, so q and p agree on what a
+filter removes.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from specdec.pb import common_pb2
 
 # Temperatures below this are treated as greedy, as vLLM does: dividing logits by a
 # near-zero temperature only approaches argmax, at the risk of overflow.
@@ -37,6 +47,18 @@ class SamplingParams:
             or not 0 <= self.seed < 2**64
         ):
             raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.SamplingParams) -> SamplingParams:
+        """The wire's SamplingParams (unset temperature and top_p mean 1, as in OpenAI's
+        API); ValueError naming the field for values out of range."""
+        return cls(
+            temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+            top_k=msg.top_k,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            min_p=msg.min_p,
+            seed=msg.seed if msg.HasField("seed") else None,
+        )
 
     @property
     def is_greedy(self) -> bool:
@@ -141,3 +163,61 @@ class SamplingMetadata:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         shared = torch.Generator(device=device).manual_seed(seed)
         return cls.from_params([params] * batch_size, [None] * batch_size, shared, device)
+
+
+def apply_sampling(
+    logits: torch.Tensor,  # [N, V]
+    metadata: SamplingMetadata,
+    num_rows: torch.Tensor,  # [B] int64, rows per request; sums to N
+) -> torch.Tensor:  # [N, V] float32
+    """Target probabilities after temperature, min-p, top-k and top-p, in vLLM's order.
+
+    Rows of greedy requests come out as softmax(logits); the sampler never reads them,
+    since greedy requests use the argmax of the raw logits.
+    """
+    n = logits.shape[0]
+
+    def per_row(x: torch.Tensor) -> torch.Tensor:  # [B] -> [N]
+        return x.repeat_interleave(num_rows, output_size=n)
+
+    # Greedy temperatures are 0; divide those rows by 1 instead of by zero.
+    temperature = torch.where(metadata.is_greedy, 1.0, metadata.temperature)
+    logits = logits.float() / per_row(temperature)[:, None]  # a new tensor: masked in place below
+    if metadata.min_p is not None:
+        logits = _apply_min_p(logits, per_row(metadata.min_p))
+    if metadata.top_k is not None or metadata.top_p is not None:
+        logits = _apply_top_k_top_p(
+            logits,
+            per_row(metadata.top_k) if metadata.top_k is not None else None,
+            per_row(metadata.top_p) if metadata.top_p is not None else None,
+        )
+    return logits.softmax(dim=-1)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    # logits: [N, V], min_p: [N]. Drop tokens less likely than min_p times the top token.
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [N, 1]
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor,  # [N, V]
+    top_k: torch.Tensor | None,  # [N] int64, 0 = off
+    top_p: torch.Tensor | None,  # [N] float32, 1 = off
+) -> torch.Tensor:
+    vocab_size = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)  # ascending: [N, V]
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)  # [N]
+        kth_largest = sorted_logits.gather(-1, (vocab_size - k)[:, None])  # [N, 1]
+        # Ties with the k-th largest logit stay, as in vLLM.
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        # Drop the least likely tokens while their total mass stays <= 1 - top_p: what
+        # remains is the smallest top set with mass >= top_p. The top token always stays.
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [N, V]
+        drop = cumulative <= 1 - top_p[:, None]
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(-1, order, sorted_logits)

@@ -1,0 +1,84 @@
+"""Admission: how one request starts, from its `speculative` field and the load of the
+verifier it goes to (the method, K or its bound, and whether speculation is off)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.policy.request import SpeculativeRequest
+from gateway.policy.values import check_count
+from specdec.speculation import METHODS
+
+# The reasons an admission decision may give; the verifier adds its own per step.
+DECISION_REASONS = (None, "request", "queue_size", "drafter_unavailable")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What this gateway's deployment offers; `methods_available` are the drafters now up."""
+
+    default_method: str
+    methods_available: frozenset[str]
+    default_k: int
+    k_max: int
+    disable_queue_size: int | None  # None = never auto-disable
+
+    def __post_init__(self) -> None:
+        if self.default_method not in METHODS:
+            raise ValueError(f"deployment: default_method {self.default_method!r} is unknown "
+                             f"(expected one of {', '.join(METHODS)})")
+        object.__setattr__(self, "methods_available", frozenset(self.methods_available))
+        unknown = sorted(self.methods_available - set(METHODS))
+        if unknown:
+            raise ValueError(f"deployment: methods_available has unknown method(s) {unknown}")
+        check_count("deployment: default_k", self.default_k)
+        check_count("deployment: k_max", self.k_max)
+        if self.default_k > self.k_max:
+            raise ValueError(f"deployment: default_k ({self.default_k}) must not exceed "
+                             f"k_max ({self.k_max})")
+        if self.disable_queue_size is not None:
+            check_count("deployment: disable_queue_size", self.disable_queue_size)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How one request starts. With a disabled_reason it runs plainly (K=0 every step)."""
+
+    method: str  # "none" or a drafter method
+    k: int  # fixed K, or K's upper bound when auto_k
+    auto_k: bool
+    disabled_reason: str | None  # one of DECISION_REASONS
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"decision: unknown method {self.method!r}")
+        check_count("decision: k", self.k)
+        if self.disabled_reason not in DECISION_REASONS:
+            raise ValueError(f"decision: disabled_reason must be one of {DECISION_REASONS}, "
+                             f"got {self.disabled_reason!r}")
+        if self.method == "none" and self.k:
+            raise ValueError(f"decision: method 'none' needs k=0, got {self.k}")
+
+
+def decide(req: SpeculativeRequest, dep: Deployment, num_running: int) -> Decision:
+    """Admission policy for one request on a verifier with `num_running` running requests."""
+    check_count("num_running", num_running)
+    method = req.method or dep.default_method
+    requested_k = req.num_speculative_tokens
+    # Checked first: a K no deployment setting allows is a mistake even when unused.
+    if requested_k is not None and requested_k > dep.k_max:
+        raise ValueError(f"speculative.num_speculative_tokens: {requested_k} exceeds this "
+                         f"deployment's maximum of {dep.k_max}")
+    if method == "none" or requested_k == 0:
+        return Decision("none", 0, False, "request")
+    if method not in dep.methods_available:
+        # Better a plain answer than an error: the drafter may only be restarting.
+        return Decision(method, 0, False, "drafter_unavailable")
+    if requested_k is not None:
+        k = requested_k
+    else:
+        k = dep.k_max if req.auto else dep.default_k
+    # Under load the method and K are kept, so the verifier can be told to turn
+    # speculation on later without asking the user again.
+    overloaded = dep.disable_queue_size is not None and num_running > dep.disable_queue_size
+    return Decision(method, k, req.auto, "queue_size" if overloaded else None)

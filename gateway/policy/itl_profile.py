@@ -1,0 +1,183 @@
+"""The ITL profile: a deployment's measured step time by batch size and K (one table
+shared by all methods, optionally one per drafter method), with prior acceptance rates
+per method; its JSON file format (written by `specdec profile`, read by
+`specdec-gateway --profile`) and bilinear interpolation over it."""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gateway.policy.values import is_int, is_number
+from specdec.speculation import DRAFTER_METHODS
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ItlProfile:
+    """Measured time of one verifier step by batch size and K, for one deployment.
+
+    Written by the profiling command; `acceptance` holds per-method prior rates
+    a_1, a_2, ... measured on a reference prompt set. `method_itl_ms` holds step
+    times of drafter methods profiled on their own (same grid as itl_ms); a method
+    without a table there uses the shared itl_ms.
+    """
+
+    batch_sizes: tuple[int, ...]  # strictly increasing, >= 1
+    ks: tuple[int, ...]  # strictly increasing, starting at 0
+    itl_ms: tuple[tuple[float, ...], ...]  # [len(batch_sizes)][len(ks)]
+    acceptance: dict[str, tuple[float, ...]] = field(default_factory=dict, hash=False)
+    method_itl_ms: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict,
+                                                                     hash=False)
+
+    def __post_init__(self) -> None:
+        for name, least in (("batch_sizes", 1), ("ks", 0)):
+            grid = tuple(getattr(self, name))
+            object.__setattr__(self, name, grid)
+            if not grid:
+                raise ValueError(f"ITL profile: {name} must not be empty")
+            if not all(is_int(x) and x >= least for x in grid):
+                raise ValueError(f"ITL profile: {name} must be integers >= {least}, got {grid}")
+            if any(a >= b for a, b in zip(grid, grid[1:], strict=False)):
+                raise ValueError(f"ITL profile: {name} must be strictly increasing, got {grid}")
+        # Plain decoding is always a candidate; its cost must be measured, not guessed.
+        if self.ks[0] != 0:
+            raise ValueError(f"ITL profile: ks must include 0, got {self.ks}")
+        object.__setattr__(self, "itl_ms", self._checked_table("itl_ms", self.itl_ms))
+        method_tables = {}
+        for method, rows in dict(self.method_itl_ms).items():
+            if method not in DRAFTER_METHODS:
+                raise ValueError(f"ITL profile: method_itl_ms has unknown method {method!r} "
+                                 f"(expected one of {', '.join(DRAFTER_METHODS)})")
+            method_tables[method] = self._checked_table(f"method_itl_ms[{method!r}]", rows)
+        object.__setattr__(self, "method_itl_ms", method_tables)
+        acceptance = {}
+        for method, rates in dict(self.acceptance).items():
+            if method not in DRAFTER_METHODS:
+                raise ValueError(f"ITL profile: acceptance has unknown method {method!r} "
+                                 f"(expected one of {', '.join(DRAFTER_METHODS)})")
+            rates = tuple(rates)
+            if not rates or not all(is_number(r) and 0 <= r <= 1 for r in rates):
+                raise ValueError(f"ITL profile: acceptance[{method!r}] must be a non-empty "
+                                 f"list of rates in [0, 1], got {rates}")
+            acceptance[method] = rates
+        object.__setattr__(self, "acceptance", acceptance)
+
+    def _checked_table(self, name: str, table: object) -> tuple[tuple[float, ...], ...]:
+        """`table` as a tuple of rows, one per batch size and one positive ms per k."""
+        rows = tuple(tuple(row) for row in table)
+        if len(rows) != len(self.batch_sizes):
+            raise ValueError(f"ITL profile: {name} must have {len(self.batch_sizes)} rows "
+                             f"(one per batch size), got {len(rows)}")
+        for i, row in enumerate(rows):
+            if len(row) != len(self.ks):
+                raise ValueError(f"ITL profile: {name}[{i}] must have {len(self.ks)} entries "
+                                 f"(one per k), got {len(row)}")
+            for j, ms in enumerate(row):
+                if not (is_number(ms) and ms > 0):
+                    raise ValueError(f"ITL profile: {name}[{i}][{j}] must be a positive "
+                                     f"number, got {ms!r}")
+        return rows
+
+    def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
+        """Bilinear interpolation of the method's table (else itl_ms), clamped to its edges.
+
+        Clamped rather than extrapolated: the slope of the last cell carries the
+        noise of two measurements, and extended far it can turn an ITL negative.
+        """
+        if not (math.isfinite(batch_size) and math.isfinite(k)):
+            raise ValueError(f"itl: batch_size and k must be finite, got {batch_size}, {k}")
+        table = self.method_itl_ms.get(method, self.itl_ms)  # None: the shared table
+        i0, i1, tb = _bracket(self.batch_sizes, batch_size)
+        j0, j1, tk = _bracket(self.ks, k)
+        low = _lerp(table[i0][j0], table[i0][j1], tk)
+        high = _lerp(table[i1][j0], table[i1][j1], tk)
+        return _lerp(low, high, tb)
+
+    def to_json(self) -> dict:
+        obj = {
+            "version": PROFILE_VERSION,
+            "batch_sizes": list(self.batch_sizes),
+            "ks": list(self.ks),
+            "itl_ms": [list(row) for row in self.itl_ms],
+            "acceptance": {m: list(r) for m, r in sorted(self.acceptance.items())},
+        }
+        # Only when present, so that a single-table profile is written as before.
+        if self.method_itl_ms:
+            obj["method_itl_ms"] = {m: [list(row) for row in rows]
+                                    for m, rows in sorted(self.method_itl_ms.items())}
+        return obj
+
+    @classmethod
+    def from_json(cls, obj: object) -> ItlProfile:
+        if not isinstance(obj, dict):
+            raise ValueError(f"ITL profile: must be a JSON object, got {type(obj).__name__}")
+        # Unknown keys are refused so that a misspelt "acceptance" is not silently dropped.
+        unknown = [key for key in obj if key not in _PROFILE_KEYS]
+        if unknown:
+            raise ValueError(f"ITL profile: unknown key(s) {', '.join(map(repr, unknown))}")
+        for key in ("version", "batch_sizes", "ks", "itl_ms"):
+            if key not in obj:
+                raise ValueError(f"ITL profile: missing key {key!r}")
+        version = obj["version"]
+        if not is_int(version) or version != PROFILE_VERSION:
+            raise ValueError(f"ITL profile: key 'version' is {version!r}, this gateway reads "
+                             f"version {PROFILE_VERSION}")
+        for key in ("batch_sizes", "ks", "itl_ms"):
+            if not isinstance(obj[key], list):
+                raise ValueError(f"ITL profile: key {key!r} must be a list")
+        if not all(isinstance(row, list) for row in obj["itl_ms"]):
+            raise ValueError("ITL profile: key 'itl_ms' must be a list of lists")
+        acceptance = obj.get("acceptance", {})
+        if not (isinstance(acceptance, dict)
+                and all(isinstance(r, list) for r in acceptance.values())):
+            raise ValueError("ITL profile: key 'acceptance' must map method names to lists")
+        method_itl_ms = obj.get("method_itl_ms", {})
+        if not (isinstance(method_itl_ms, dict)
+                and all(isinstance(rows, list) and all(isinstance(row, list) for row in rows)
+                        for rows in method_itl_ms.values())):
+            raise ValueError("ITL profile: key 'method_itl_ms' must map method names to "
+                             "lists of lists")
+        return cls(batch_sizes=tuple(obj["batch_sizes"]), ks=tuple(obj["ks"]),
+                   itl_ms=tuple(tuple(row) for row in obj["itl_ms"]),
+                   acceptance={m: tuple(r) for m, r in acceptance.items()},
+                   method_itl_ms={m: tuple(tuple(row) for row in rows)
+                                  for m, rows in method_itl_ms.items()})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ItlProfile:
+        text = Path(path).read_text()
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: ITL profile is not valid JSON ({e})") from e
+        try:
+            return cls.from_json(obj)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+
+
+_PROFILE_KEYS = ("version", "batch_sizes", "ks", "itl_ms", "acceptance", "method_itl_ms")
+
+
+def _bracket(grid: Sequence[int], x: float) -> tuple[int, int, float]:
+    """Grid indices around x (clamped to the grid) and x's weight toward the upper one."""
+    if x <= grid[0]:
+        return 0, 0, 0.0
+    if x >= grid[-1]:
+        return len(grid) - 1, len(grid) - 1, 0.0
+    hi = bisect.bisect_right(grid, x)  # grid[hi - 1] <= x < grid[hi]
+    return hi - 1, hi, (x - grid[hi - 1]) / (grid[hi] - grid[hi - 1])
+
+
+def _lerp(a: float, b: float, t: float) -> float:
+    # This form is exact at t=0 and t=1, so grid points return the measured value.
+    return (1.0 - t) * a + t * b
