@@ -51,6 +51,7 @@ from drafter.eagle_model import DraftHead, load_head
 from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
 from drafter.ngram import TokenBuffer, find_continuation
 from drafter.registry import register
+from specdec.models.linear import use_small_rows
 from specdec.pb import common_pb2
 from specdec.tree import chain_with_siblings
 
@@ -127,7 +128,9 @@ class _EagleMethod(DraftMethod):
             raise ValueError(f"tree_width must be >= 1, got {tree_width}")
         self.tree_width = tree_width
         self.head: DraftHead = load_head(self.name, model_dir, target_dir, dtype, device)
-        self.head.use_small_rows()  # inference only: the kernel has no autograd
+        # Few rows every drafting step, as the target's verify steps. Inference only: the
+        # kernel has no autograd, so a head loaded for training keeps F.linear.
+        use_small_rows(self.head)
         cfg = self.head.config
         vocab_size, tokenizer_hash = _fingerprint(Path(target_dir), cfg.vocab_size)
         self._info = DrafterInfo(

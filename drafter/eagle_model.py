@@ -37,19 +37,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from specdec.models import small_rows
 from specdec.models.attention import ATTENTION_BACKENDS
 from specdec.models.config import ModelConfig
 from specdec.models.kv_cache import AttentionMetadata, PagedKVCache
-from specdec.models.llama import (
-    MLP,
-    Attention,
-    DecoderLayer,
-    Linear,
-    RMSNorm,
-    StepContext,
-    linear,
-)
+from specdec.models.linear import Linear, linear
+from specdec.models.llama import MLP, Attention, DecoderLayer, RMSNorm, StepContext
 from specdec.models.loader import parse_dtype, safetensors_files
 from specdec.models.rope import RotaryEmbedding, inv_frequencies
 
@@ -182,17 +174,6 @@ class DraftHead(nn.Module):
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] row outputs -> [N, V_draft] logits over the draft vocabulary."""
         return linear(hidden if self.norm is None else self.norm(hidden), self.lm_head)
-
-    def use_small_rows(self) -> bool:
-        """Run the head's projections of few rows (every drafting step) on the small-rows
-        kernel, as the target's (specdec/models/small_rows.py): float32 on a CPU that
-        has it. Returns whether it does."""
-        on = (self.dtype == torch.float32 and self.device.type == "cpu"
-              and small_rows.available())
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.small_rows = on
-        return on
 
     def draft_token_ids(self, hidden: torch.Tensor,
                         with_confidence: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

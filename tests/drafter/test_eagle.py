@@ -29,7 +29,7 @@ from specdec.models import (
     save_model,
     small_rows,
 )
-from specdec.models.llama import Linear
+from specdec.models.linear import Linear
 from specdec.pb import common_pb2
 from tests.loop_thread import LoopThread
 from tests.verifier.test_service import Stack, generate, prompts, run_concurrently, start_msg
