@@ -47,7 +47,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafter.eagle_model import DraftHead, load_head
+from drafter.heads.base import DraftHead
+from drafter.heads.load import load_head
 from drafter.method import Draft, DrafterInfo, DraftMethod, DraftSampling
 from drafter.ngram import TokenBuffer, find_continuation
 from drafter.registry import register
@@ -91,7 +92,7 @@ class _Seq:
 
 
 class _EagleMethod(DraftMethod):
-    """Shared by both heads; they differ only in the head (drafter/eagle_model.py)."""
+    """Shared by both heads; they differ only in the head (drafter/heads/)."""
 
     _spec_method: int
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.eagle_model import load_head
+from drafter.heads.load import load_head
 from drafter.train import eagle3
 from specdec.models import load_model
 from specdec.models.prepare import cache_dir, prepare_default_model

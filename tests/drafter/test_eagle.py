@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from drafter import registry
 from drafter.__main__ import build_method, build_parser
 from drafter.eagle import Eagle3Method, EagleMethod
-from drafter.eagle_model import load_head
+from drafter.heads.load import load_head
 from drafter.method import DraftSampling
 from drafter.ngram import find_continuation
 from specdec import tree
