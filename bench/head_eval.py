@@ -30,7 +30,7 @@ from bench.eagle_acceptance import PROMPTS as CHAT
 from bench.eagle_acceptance import run
 from bench.prompts import PROMPTS
 from drafter.eagle import Eagle3Method
-from drafter.eagle_model import load_head
+from drafter.heads.load import load_head
 from specdec.models import load_model
 from specdec.models.prepare import cache_dir, prepare_default_model
 from specdec.sampling import SamplingParams

@@ -47,6 +47,7 @@ import torch
 
 from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache, load_model, parse_dtype
 from specdec.models.cuda_graphs import CudaGraphRunner
+from specdec.models.linear import pack_linear_weights
 from specdec.models.prepare import prepare_default_model
 from specdec.models.rope import inv_frequencies
 from specdec.sampling import SamplingMetadata, apply_sampling
@@ -112,7 +113,7 @@ def random_model(cfg: ModelConfig, dtype: str, device: torch.device) -> LlamaFor
     with device:
         model = LlamaForCausalLM(cfg).to(parse_dtype(dtype))
     model.rotary.inv_freq = inv_frequencies(cfg).to(device)  # float32, as load_model keeps it
-    model.pack_linear_weights(model.dtype == torch.float32)
+    pack_linear_weights(model, model.dtype == torch.float32)
     return model.eval()
 
 

@@ -47,10 +47,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafter.eagle_model import DraftHead, load_head
+from drafter.heads.base import DraftHead
+from drafter.heads.load import load_head
 from drafter.method import Draft, DrafterInfo, DraftMethod
 from drafter.ngram import TokenBuffer, find_continuation
 from drafter.registry import register
+from specdec.models.linear import use_small_rows
 from specdec.pb import common_pb2
 from specdec.sampling import SamplingParams
 from specdec.tree import chain_with_siblings
@@ -91,7 +93,7 @@ class _Seq:
 
 
 class _EagleMethod(DraftMethod):
-    """Shared by both heads; they differ only in the head (drafter/eagle_model.py)."""
+    """Shared by both heads; they differ only in the head (drafter/heads/)."""
 
     _spec_method: int
 
@@ -128,7 +130,9 @@ class _EagleMethod(DraftMethod):
             raise ValueError(f"tree_width must be >= 1, got {tree_width}")
         self.tree_width = tree_width
         self.head: DraftHead = load_head(self.name, model_dir, target_dir, dtype, device)
-        self.head.use_small_rows()  # inference only: the kernel has no autograd
+        # Few rows every drafting step, as the target's verify steps. Inference only: the
+        # kernel has no autograd, so a head loaded for training keeps F.linear.
+        use_small_rows(self.head)
         cfg = self.head.config
         vocab_size, tokenizer_hash = _fingerprint(Path(target_dir), cfg.vocab_size)
         self._info = DrafterInfo(

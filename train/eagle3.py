@@ -43,7 +43,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from drafter.eagle_model import DraftHead, HeadConfig, load_head
+from drafter.heads.base import HeadConfig
+from drafter.heads.eagle3 import Eagle3Head
+from drafter.heads.load import load_head
 from specdec.models import load_model
 from specdec.models.config import ModelConfig
 from specdec.models.llama import LlamaForCausalLM
@@ -163,17 +165,17 @@ def attach_features(model: LlamaForCausalLM, examples: list[Example], layers: tu
 # -- the head -----------------------------------------------------------------------------
 
 def build_head(target: LlamaForCausalLM, draft_ids: torch.Tensor, intermediate_size: int,
-               layers: tuple[int, ...], seed: int) -> DraftHead:
+               layers: tuple[int, ...], seed: int) -> Eagle3Head:
     """A fresh float32 EAGLE-3 head: the target's (frozen) embedding, lm_head rows of the
     draft vocabulary from the target's lm_head, the rest randomly initialised."""
     torch.manual_seed(seed)
     tcfg = target.config
     dec = dataclasses.replace(tcfg, num_layers=1, intermediate_size=intermediate_size,
                               tie_word_embeddings=False, attention_bias=False)
-    cfg = HeadConfig(kind="eagle3", decoder=dec, target_hidden_size=tcfg.hidden_size,
+    cfg = HeadConfig(decoder=dec, target_hidden_size=tcfg.hidden_size,
                      vocab_size=tcfg.vocab_size, draft_vocab_size=len(draft_ids),
                      target_layers=layers)
-    head = DraftHead(cfg)
+    head = Eagle3Head(cfg)
     with torch.no_grad():
         head.embed_tokens.weight.copy_(target.embed_tokens.weight)
         head.lm_head.weight.copy_(target.lm_head.weight[draft_ids] * target.norm.weight)
@@ -183,7 +185,7 @@ def build_head(target: LlamaForCausalLM, draft_ids: torch.Tensor, intermediate_s
 
 
 @torch.no_grad()
-def revocab(head: DraftHead, target_rows: torch.Tensor, new_ids: torch.Tensor) -> int:
+def revocab(head: Eagle3Head, target_rows: torch.Tensor, new_ids: torch.Tensor) -> int:
     """Give a trained head another draft vocabulary of the same size, in place: tokens in
     both keep their trained lm_head rows; a new token's row is its target row through the
     linear map that best takes the target's rows of the old vocabulary to the head's
@@ -231,7 +233,7 @@ def _attention(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor,
     return out.reshape(n, h * d)
 
 
-def unrolled_forward(head: DraftHead, tokens: torch.Tensor, hidden: torch.Tensor,
+def unrolled_forward(head: Eagle3Head, tokens: torch.Tensor, hidden: torch.Tensor,
                      steps: int) -> list[torch.Tensor]:
     """Training forward of `steps` draft steps over one sequence, differentiable.
 
@@ -271,7 +273,7 @@ def unrolled_forward(head: DraftHead, tokens: torch.Tensor, hidden: torch.Tensor
     return outs
 
 
-def sequence_loss(head: DraftHead, ex: Example, t2d: torch.Tensor, steps: int,
+def sequence_loss(head: Eagle3Head, ex: Example, t2d: torch.Tensor, steps: int,
                   step_weights: list[float], prompt_weight: float = 0.0,
                   feature_noise: float = 0.0, soft_rows: torch.Tensor | None = None,
                   soft_weight: float = 0.0) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -333,8 +335,8 @@ def sequence_loss(head: DraftHead, ex: Example, t2d: torch.Tensor, steps: int,
 
 # -- checkpoint ---------------------------------------------------------------------------
 
-def checkpoint_tensors(head: DraftHead, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The head in the EAGLE-3 repositories' layout (what drafter/eagle_model.py loads)."""
+def checkpoint_tensors(head: Eagle3Head, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The head in the EAGLE-3 repositories' layout (what drafter/heads/load.py loads)."""
     layer, attn = head.layers[0], head.layers[0].self_attn
     q, k, v = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
     gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
@@ -352,7 +354,7 @@ def checkpoint_tensors(head: DraftHead, dtype: torch.dtype) -> dict[str, torch.T
     return out
 
 
-def head_config_json(target_dir: Path, head: DraftHead, layers: tuple[int, ...]) -> dict:
+def head_config_json(target_dir: Path, head: Eagle3Head, layers: tuple[int, ...]) -> dict:
     raw = json.loads((target_dir / "config.json").read_text())
     cfg = head.config
     L = cfg.decoder  # the target's fields, with the head's own sizes
@@ -364,7 +366,7 @@ def head_config_json(target_dir: Path, head: DraftHead, layers: tuple[int, ...])
     return raw
 
 
-def save_head(head: DraftHead, out: Path, target_dir: Path, layers: tuple[int, ...],
+def save_head(head: Eagle3Head, out: Path, target_dir: Path, layers: tuple[int, ...],
               dtype: torch.dtype = torch.bfloat16) -> int:
     """Write config.json + model.safetensors; returns the weights file's size in bytes."""
     out.mkdir(parents=True, exist_ok=True)
@@ -377,7 +379,7 @@ def save_head(head: DraftHead, out: Path, target_dir: Path, layers: tuple[int, .
 # -- the loop -----------------------------------------------------------------------------
 
 @torch.no_grad()
-def evaluate(head: DraftHead, examples: list[Example], t2d: torch.Tensor, steps: int) -> dict:
+def evaluate(head: Eagle3Head, examples: list[Example], t2d: torch.Tensor, steps: int) -> dict:
     """Per-step accuracy on reply tokens given the previous ones were right (teacher
     forcing) and the chain's conditional accuracy, on held-out sequences."""
     correct, counted, loss = [0] * steps, [0] * steps, 0.0

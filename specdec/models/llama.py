@@ -7,14 +7,9 @@ q/k/v and gate/up projections are fused into one matmul each (fewer, larger
 kernels: on CPU the step is bound by reading weights and by per-op
 overhead). Logits are computed only at the positions asked for.
 
-On CPU, `pack_linear_weights()` prepares every float32 projection for the
-step sizes that matter: up to SMALL_ROWS_MAX rows (decode and verify steps)
-it runs on a small AVX-512 (or AVX2) kernel that streams the weight once for all rows
-(small_rows.py); above, on oneDNN with the weight reordered once into its
-blocked layout. MKL's plain sgemm slows down sharply past a few input rows
-(at SmolLM2-135M size, 5 rows take ~1.7x the time of 1), which makes a verify
-step of K + 1 tokens cost far more than a decode step although both read the
-same weights.
+Every projection is a `Linear` run through `linear()` (linear.py), which
+picks the CPU kernel by the number of rows once `pack_linear_weights(model)`
+has prepared the weights.
 """
 
 from __future__ import annotations
@@ -25,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.models import small_rows
 from specdec.models.attention import ATTENTION_BACKENDS, AttentionBackend
 from specdec.models.config import ModelConfig
 from specdec.models.kv_cache import AttentionMetadata, PagedKVCache
+from specdec.models.linear import Linear, linear
 from specdec.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -41,43 +36,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
-
-
-class Linear(nn.Linear):
-    """nn.Linear that may hold a oneDNN-packed copy of its weight and run few
-    rows on the small-rows kernel (see LlamaForCausalLM.pack_linear_weights)."""
-
-    packed: torch.Tensor | None = None
-    small_rows: bool = False
-
-
-# Rows from which a projection runs on the oneDNN-packed weight. Below, F.linear
-# (MKL's GEMV-like path) is faster; from 4 rows on it falls off a cliff (SmolLM2's
-# lm_head, 2 threads: 4.4 / 5.6 / 6.4 ms for 1 / 2 / 3 rows, then 9.3 / 12.5 ms for
-# 4 / 5, packed 5.0 / 5.2). Whole verify steps at batch 1 (K = 1, 2) cost 1.04x /
-# 1.12x a decode step this way, 1.22x / 1.27x with packed weights from 2 rows on.
-PACKED_MIN_ROWS = 4
-# Rows up to which a projection runs on the small-rows kernel where it is
-# available: one pass over the weight. Past 16 rows it takes two passes and the
-# packed weight wins (all of SmolLM2's projections, 2 threads, side by side:
-# 1 / 5 / 8 rows 19.6 / 21.2 / 25.8 ms against packed 23.7 / 28.4 / 32.5 and
-# F.linear 20.2 / 37.9 / 47.6; 12 / 16 rows 27.7 / 35.9 against packed
-# 38.5 / 41.3). With AVX2 a pass takes 12 rows, and 16 rows in two passes tie
-# with packed (an AMD EPYC without AVX-512: 1 / 5 / 12 / 16 rows 28.7 / 30.7 /
-# 49.2 / 64.9 ms, packed 33.8 / 45.3 / 56.1 / 65.1, F.linear 41.9 / 101.9 /
-# 121.3 / 105.0).
-SMALL_ROWS_MAX = 16
-
-
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """x: [M, in] -> [M, out] on the path its Linear was prepared for (getattr: a plain
-    nn.Linear takes F.linear)."""
-    if x.shape[0] <= SMALL_ROWS_MAX and getattr(layer, "small_rows", False):
-        return small_rows.linear(x, layer.weight, layer.bias)
-    packed = getattr(layer, "packed", None)
-    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
-    return F.linear(x, layer.weight, layer.bias)
 
 
 class RMSNorm(nn.Module):
@@ -197,22 +155,6 @@ class LlamaForCausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
-
-    @torch.no_grad()
-    def pack_linear_weights(self, enabled: bool = True) -> bool:
-        """Run every projection through oneDNN on a reordered copy of its weight
-        (CPU float32/bfloat16 only; returns whether it did), and in float32 few
-        rows on the small-rows kernel when this machine can build it. The
-        copies are not parameters: call again after changing weights, dtype or
-        device."""
-        enabled = (enabled and self.device.type == "cpu" and torch.backends.mkldnn.is_available()
-                   and self.dtype in (torch.float32, torch.bfloat16))
-        small = enabled and self.dtype == torch.float32 and small_rows.available()
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()) if enabled else None
-                m.small_rows = small
-        return enabled
 
     def make_kv_cache(self, num_blocks: int, block_size: int = 16,
                       dtype: torch.dtype | None = None) -> PagedKVCache:

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from specdec.models.config import ModelConfig
+from specdec.models.linear import pack_linear_weights
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.rope import inv_frequencies
 
@@ -69,7 +70,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", attention: str = "sdpa",
                pack_linear: bool = True) -> LlamaForCausalLM:
     """pack_linear: on CPU in float32, run the projections on oneDNN-packed
-    weights (see LlamaForCausalLM.pack_linear_weights; costs a second copy of
+    weights (see linear.pack_linear_weights; costs a second copy of
     the projection weights)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
@@ -110,7 +111,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
     if missing:
         raise ValueError(f"{model_dir}: missing tensors for {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
-    model.pack_linear_weights(pack_linear and dtype == torch.float32)
+    pack_linear_weights(model, pack_linear and dtype == torch.float32)
     return model.eval()
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from drafter import registry
 from drafter.__main__ import build_method, build_parser
 from drafter.eagle import Eagle3Method, EagleMethod
-from drafter.eagle_model import load_head
+from drafter.heads.load import load_head
 from drafter.ngram import find_continuation
 from specdec import tree
 from specdec.generate import greedy_generate
@@ -28,7 +28,7 @@ from specdec.models import (
     save_model,
     small_rows,
 )
-from specdec.models.llama import Linear
+from specdec.models.linear import Linear
 from specdec.pb import common_pb2
 from specdec.sampling import SamplingParams
 from tests.loop_thread import LoopThread

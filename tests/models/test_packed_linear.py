@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from specdec.models import load_model, small_rows
-from specdec.models.llama import PACKED_MIN_ROWS, Linear, linear
+from specdec.models.linear import PACKED_MIN_ROWS, Linear, linear, pack_linear_weights
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -52,7 +52,7 @@ def test_tiny_packed_matches_plain(tiny_dir):
 
 def test_float64_not_packed(tiny_dir):
     model = load_model(tiny_dir, dtype="float64")
-    assert not model.pack_linear_weights()
+    assert not pack_linear_weights(model)
     assert all(m.packed is None and not m.small_rows
                for m in model.modules() if isinstance(m, Linear))
 

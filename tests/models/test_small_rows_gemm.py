@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models import small_rows
-from specdec.models.llama import SMALL_ROWS_MAX, Linear, linear
+from specdec.models.linear import SMALL_ROWS_MAX, Linear, linear
 
 
 @pytest.fixture(autouse=True, scope="module")

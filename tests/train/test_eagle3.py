@@ -10,7 +10,7 @@ from collections import Counter
 
 import torch
 
-from drafter.eagle_model import load_head
+from drafter.heads.load import load_head
 from specdec.models import load_model
 from tests.drafter.test_eagle import VOCAB, H, make_target
 from train import eagle3

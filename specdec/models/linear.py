@@ -1,0 +1,96 @@
+"""CPU kernel dispatch of the models' projections.
+
+Every projection of the target (llama.py) and of the EAGLE heads is a `Linear`
+run through `linear()`, which picks the kernel by the number of input rows:
+up to SMALL_ROWS_MAX rows (decode and verify steps) a small AVX-512 (or AVX2)
+kernel that streams the weight once for all rows (small_rows.py); from
+PACKED_MIN_ROWS on, oneDNN with the weight reordered once into its blocked
+layout; otherwise, or where neither was prepared, F.linear. MKL's plain sgemm
+slows down sharply past a few input rows (at SmolLM2-135M size, 5 rows take
+~1.7x the time of 1), which makes a verify step of K + 1 tokens cost far more
+than a decode step although both read the same weights.
+
+`pack_linear_weights(module)` prepares a whole model for both paths;
+`use_small_rows(module)` the small-rows path alone (the EAGLE heads: their
+steps are always few rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.models import small_rows
+
+# Rows from which a projection runs on the oneDNN-packed weight. Below, F.linear
+# (MKL's GEMV-like path) is faster; from 4 rows on it falls off a cliff (SmolLM2's
+# lm_head, 2 threads: 4.4 / 5.6 / 6.4 ms for 1 / 2 / 3 rows, then 9.3 / 12.5 ms for
+# 4 / 5, packed 5.0 / 5.2). Whole verify steps at batch 1 (K = 1, 2) cost 1.04x /
+# 1.12x a decode step this way, 1.22x / 1.27x with packed weights from 2 rows on.
+PACKED_MIN_ROWS = 4
+# Rows up to which a projection runs on the small-rows kernel where it is
+# available: one pass over the weight. Past 16 rows it takes two passes and the
+# packed weight wins (all of SmolLM2's projections, 2 threads, side by side:
+# 1 / 5 / 8 rows 19.6 / 21.2 / 25.8 ms against packed 23.7 / 28.4 / 32.5 and
+# F.linear 20.2 / 37.9 / 47.6; 12 / 16 rows 27.7 / 35.9 against packed
+# 38.5 / 41.3). With AVX2 a pass takes 12 rows, and 16 rows in two passes tie
+# with packed (an AMD EPYC without AVX-512: 1 / 5 / 12 / 16 rows 28.7 / 30.7 /
+# 49.2 / 64.9 ms, packed 33.8 / 45.3 / 56.1 / 65.1, F.linear 41.9 / 101.9 /
+# 121.3 / 105.0).
+SMALL_ROWS_MAX = 16
+
+
+class Linear(nn.Linear):
+    """nn.Linear that may hold a oneDNN-packed copy of its weight and run few
+    rows on the small-rows kernel (see pack_linear_weights, use_small_rows)."""
+
+    packed: torch.Tensor | None = None
+    small_rows: bool = False
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """x: [M, in] -> [M, out] on the path its Linear was prepared for (getattr: a plain
+    nn.Linear takes F.linear)."""
+    if x.shape[0] <= SMALL_ROWS_MAX and getattr(layer, "small_rows", False):
+        return small_rows.linear(x, layer.weight, layer.bias)
+    packed = getattr(layer, "packed", None)
+    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def _dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The module's parameter dtype and device (its first parameter's: models here
+    keep all weights in one dtype on one device)."""
+    p = next(module.parameters())
+    return p.dtype, p.device
+
+
+@torch.no_grad()
+def pack_linear_weights(module: nn.Module, enabled: bool = True) -> bool:
+    """Run every Linear of `module` through oneDNN on a reordered copy of its weight
+    (CPU float32/bfloat16 only; returns whether it did), and in float32 few rows on
+    the small-rows kernel when this machine can build it. The copies are not
+    parameters: call again after changing weights, dtype or device."""
+    dtype, device = _dtype_device(module)
+    enabled = (enabled and device.type == "cpu" and torch.backends.mkldnn.is_available()
+               and dtype in (torch.float32, torch.bfloat16))
+    small = enabled and dtype == torch.float32 and small_rows.available()
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()) if enabled else None
+            m.small_rows = small
+    return enabled
+
+
+def use_small_rows(module: nn.Module) -> bool:
+    """Run the Linears of `module` on the small-rows kernel for few rows (float32 on
+    a CPU that has it); no packed copies. Inference only: the kernel has no autograd.
+    Returns whether it does."""
+    dtype, device = _dtype_device(module)
+    on = dtype == torch.float32 and device.type == "cpu" and small_rows.available()
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.small_rows = on
+    return on
