@@ -4,7 +4,7 @@ Pure functions and small dataclasses, no gRPC. At admission the gateway turns a
 request's `speculative` field and the chosen verifier's load into a `Decision`
 (`decide`); while the request runs, `DynamicK` picks each round's K.
 
-Dynamic K (DESIGN.md section 5): a step that drafts k tokens yields on average
+Dynamic K (docs/design.md section 5): a step that drafts k tokens yields on average
 AL(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens, where a_j is the probability that draft
 position j is accepted given that positions 1..j-1 were, and costs ITL(batch size, k)
 ms, read from a profiled table. K is the k in 0..K_max with the highest goodput
