@@ -60,8 +60,9 @@ lint: install
 # The benchmarks of record (about 30 minutes here): decode speed, verify step
 # against decode step, and the serving grid (each drafter x K 2/4/6/auto x
 # concurrency 1/4/16, beside transformers and, after `make bench-peers`, vLLM);
-# then the README's section is rebuilt from their results. The deeper single-
-# purpose benchmarks (bench.drafters, bench.gateway, bench.peers) run on their own.
+# then bench.report rebuilds docs/benchmarks.md and the README's headline table
+# from bench/results/. The deeper single-purpose benchmarks (bench.drafters,
+# bench.gateway, bench.peers) run on their own; rerun bench.report after them.
 bench: model $(VENV)/.bench-stamp
 	$(PY) bench/decode.py
 	$(PY) -m bench.verifier

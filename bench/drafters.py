@@ -17,7 +17,7 @@ per cell and per group (copy-heavy prompts, the others):
 - outputs identical to plain greedy (a float32 divergence is a near tie when
   plain decoding's top-2 logprobs there are within 1e-4).
 
-Pipelined drafting (DESIGN.md section 2) is measured apart: draft_model
+Pipelined drafting (docs/design.md section 2) is measured apart: draft_model
 drafters run inside this process (their hit statistics are only in-process,
 DrafterServicer.pipeline_stats), with pipelining on and off, behind another
 verifier process.
@@ -76,7 +76,7 @@ DEPLOYED_EAGLE3_FLAGS = ("--lookup-min", "--min-confidence", "--tree-width")
 # (bench/prompts.py's "chat" category: conversations with no given text to work on).
 GROUPS = {"copy_heavy": lambda p: p.copy_heavy, "other": lambda p: not p.copy_heavy,
           "chat": lambda p: p.category == "chat", "all": lambda p: True}
-NEAR_TIE = 1e-4  # DESIGN.md section 4: float32 verify and decode may differ below this
+NEAR_TIE = 1e-4  # docs/design.md section 4: float32 verify and decode may differ below this
 QUICK_PROMPTS = "code_edit_rename,chat_learn_guitar"
 TARGETS = "ngram >= 1.5x plain on copy-heavy prompts; eagle3 acceptance length >= 1.8 at K=4 " \
           "and, at its best K, faster than plain on the chat prompts (each for eagle3, " \
@@ -720,7 +720,7 @@ def main() -> None:
         "Outputs stop at EOS or the token limit (same for every method, since greedy output "
         "is the same); speedup compares decode time of the same tokens.",
         "draft_model is left out of the main table by default: no smaller SmolLM2 exists "
-        "offline, and a layer-truncated target is a poor draft (DESIGN.md section 6); "
+        "offline, and a layer-truncated target is a poor draft (docs/design.md section 6); "
         "`--methods draft_model` adds one (the first --draft-layers layers). It is used below "
         "for pipelining, the only method that supports it.",
         "'late / empty steps': steps run without drafts that the verifier labels DEADLINE; "

@@ -20,7 +20,7 @@ Hugging Face directories (EAGLE heads in the checkpoint layout beside them):
     graphs     CUDA graphs on / off (on only where a GPU exists)
 
 Status: pass; warn when greedy output differs from plain only where the target's
-top-2 logits are within the dtype's tolerance (TOLERANCE: DESIGN.md section 4's
+top-2 logits are within the dtype's tolerance (TOLERANCE: docs/design.md section 4's
 1e-4 for float32; 0 for float64) or when a random cell's first p-value was
 <= 0.001 and a second seed passed; fail otherwise; n/a for what cannot run here.
 
@@ -76,7 +76,7 @@ DTYPES = ("float64", "float32", "bfloat16", "fp8-kv")
 K_STATIC = 3
 K_MAX = 3  # dynamic K cycles 0..K_MAX
 # Greedy divergences are accepted (warn) only where the target's top-2 logits are
-# this close. float32: DESIGN.md section 4. bfloat16 (8-bit mantissa): logits of
+# this close. float32: docs/design.md section 4. bfloat16 (8-bit mantissa): logits of
 # these targets are O(10), where one bf16 ulp is 0.0625, and a verify pass and a
 # one-token decode round activations differently in every layer. Seen: 1 ulp;
 # 0.25 (4 ulps) leaves a margin.

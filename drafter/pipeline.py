@@ -1,4 +1,4 @@
-"""Pipelined drafting (DESIGN.md section 2): draft the next block while the verifier verifies.
+"""Pipelined drafting (docs/design.md section 2): draft the next block while the verifier verifies.
 
 Right after answering a step, the drafter bets that every draft of a greedy
 proposal d (k tokens) will be accepted and that the target's bonus token will

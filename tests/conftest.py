@@ -21,3 +21,13 @@ def smollm2_dir() -> Path:
     if not (path / "config.json").is_file():
         pytest.fail(f"default model not prepared at {path}: run `make model`")
     return path
+
+
+@pytest.fixture(scope="session")
+def local_stack(smollm2_dir, tmp_path_factory):
+    """The stack as `make run` starts it, on free ports; one per session, shared by the
+    tests that need it (tests/local_stack.py)."""
+    from tests.local_stack import running_stack
+
+    with running_stack(smollm2_dir, tmp_path_factory.mktemp("stack-logs")) as stack:
+        yield stack

@@ -1,14 +1,12 @@
 """The whole stack as `make run` starts it (compose.yaml's local services as real
-processes on loopback): chat completions with each drafter, streaming and
-concurrent; a drafter killed mid-request; the gateway killed and restarted;
-64 concurrent streams that leave nothing allocated behind."""
+processes on loopback, on free ports: tests/local_stack.py): chat completions with
+each drafter, streaming and concurrent; a drafter killed mid-request; the gateway
+killed and restarted; 64 concurrent streams that leave nothing allocated behind."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -17,48 +15,13 @@ import openai
 import pytest
 
 from specdec.client import Client
-from specdec.launch import EAGLE3_HEAD, LocalStack, local_services
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
-BASE = "http://127.0.0.1:8000/v1"
 COPY_PROMPT = ("Repeat this list exactly, one item per line: apples, pears, plums, cherries, "
                "peaches, grapes, lemons, limes, melons, figs.")
-
-
-@pytest.fixture(scope="module")
-def stack(smollm2_dir, tmp_path_factory):
-    env = {"SPECDEC_MODEL_ROOT": str(smollm2_dir.parent), "SPECDEC_MODEL": smollm2_dir.name,
-           "EAGLE3_HEAD": str(EAGLE3_HEAD), "SPECDEC_THREADS": "1", **os.environ}
-    stop = threading.Event()
-    s = LocalStack(local_services(environ=env), tmp_path_factory.mktemp("logs"),
-                   log=lambda _: None)
-    try:
-        s.start(timeout_s=300)
-        supervisor = threading.Thread(target=s.supervise, args=(stop, 0.2), daemon=True)
-        supervisor.start()
-        _wait_drafters(("ngram", "eagle3"))
-        yield s
-    finally:
-        stop.set()
-        s.stop()
-
-
-def _load() -> verifier_pb2.LoadReport:
-    with grpc.insecure_channel("127.0.0.1:50051") as ch:
-        return verifier_pb2_grpc.VerifierStub(ch).Load(verifier_pb2.LoadRequest(), timeout=5)
-
-
-def _wait_drafters(names, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        available = {d.name for d in _load().drafters if d.available}
-        if set(names) <= available:
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"drafters {names} not available")
 
 
 def _wait(cond, timeout_s: float, what: str) -> None:
@@ -81,8 +44,8 @@ def _rss_kb(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_chat_with_each_drafter_streaming_and_concurrent(stack):
-    client = openai.OpenAI(base_url=BASE, api_key="x", max_retries=0)
+def test_chat_with_each_drafter_streaming_and_concurrent(local_stack):
+    client = openai.OpenAI(base_url=local_stack.base_url, api_key="x", max_retries=0)
     plain = _chat(client, COPY_PROMPT, "none")
     assert plain.usage.completion_tokens > 10
     for method in ("ngram", "eagle3"):
@@ -102,7 +65,8 @@ def test_chat_with_each_drafter_streaming_and_concurrent(stack):
     alone = [_chat(client, p, "none", 24).choices[0].message.content for p in prompts]
 
     async def together():
-        aclient = openai.AsyncOpenAI(base_url=BASE, api_key="x", max_retries=0)
+        aclient = openai.AsyncOpenAI(base_url=local_stack.base_url, api_key="x",
+                                     max_retries=0)
         outs = await asyncio.gather(*(aclient.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": p}], temperature=0,
             max_tokens=24, extra_body={"speculative": {"method": m}})
@@ -112,8 +76,8 @@ def test_chat_with_each_drafter_streaming_and_concurrent(stack):
     assert asyncio.run(together()) == alone
 
 
-def test_drafter_killed_mid_request(stack):
-    client = openai.OpenAI(base_url=BASE, api_key="x", max_retries=0)
+def test_drafter_killed_mid_request(local_stack):
+    client = openai.OpenAI(base_url=local_stack.base_url, api_key="x", max_retries=0)
     want = _chat(client, COPY_PROMPT, "none", 120, ignore_eos=True).choices[0].message.content
     stream = client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": COPY_PROMPT}], temperature=0,
@@ -121,46 +85,47 @@ def test_drafter_killed_mid_request(stack):
         extra_body={"speculative": {"method": "ngram"}, "ignore_eos": True})
     chunks = iter(stream)
     got = [next(chunks) for _ in range(3)]
-    old = stack.procs["ngram"]
+    old = local_stack.procs["ngram"]
     old.send_signal(signal.SIGKILL)
     got += list(chunks)
     assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == want
     # The supervisor restarts it; the verifier reconnects and speculation resumes.
-    _wait(lambda: stack.procs["ngram"] is not old, 30, "ngram drafter not restarted")
-    _wait_drafters(("ngram",))
+    _wait(lambda: local_stack.procs["ngram"] is not old, 30, "ngram drafter not restarted")
+    local_stack.wait_drafters(("ngram",))
     again = _chat(client, COPY_PROMPT, "ngram", 120, ignore_eos=True)
     assert again.choices[0].message.content == want
     assert again.model_extra["spec_decode"]["num_accepted_tokens"] > 0
 
 
-def test_gateway_killed_and_restarted(stack):
-    client = openai.OpenAI(base_url=BASE, api_key="x", max_retries=0)
+def test_gateway_killed_and_restarted(local_stack):
+    client = openai.OpenAI(base_url=local_stack.base_url, api_key="x", max_retries=0)
     stream = client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": "Tell me a long story."}],
         max_tokens=1000, stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
     next(chunks)
-    assert _load().num_running == 1
-    old = stack.procs["gateway"]
+    assert local_stack.load().num_running == 1
+    old = local_stack.procs["gateway"]
     old.send_signal(signal.SIGKILL)
     with pytest.raises(openai.APIError):
         list(chunks)
     # The verifier frees what the dead gateway abandoned.
-    _wait(lambda: _load().num_running == 0, 10, "verifier kept the abandoned request")
-    load = _load()
+    _wait(lambda: local_stack.load().num_running == 0, 10,
+          "verifier kept the abandoned request")
+    load = local_stack.load()
     assert load.num_free_kv_tokens == load.num_total_kv_tokens
     # The SDK retries UNAVAILABLE before its first message while the gateway restarts.
-    with Client("127.0.0.1:50050", max_retries=8, retry_backoff_s=0.25) as sdk:
+    with Client(local_stack.grpc_address, max_retries=8, retry_backoff_s=0.25) as sdk:
         out = sdk.chat([{"role": "user", "content": "hi"}], max_tokens=4)
     assert out.usage.completion_tokens == 4
-    assert stack.procs["gateway"] is not old
+    assert local_stack.procs["gateway"] is not old
 
 
-def test_64_concurrent_streams_leave_nothing_behind(stack):
-    client = openai.OpenAI(base_url=BASE, api_key="x", max_retries=0)
+def test_64_concurrent_streams_leave_nothing_behind(local_stack):
+    client = openai.OpenAI(base_url=local_stack.base_url, api_key="x", max_retries=0)
     _chat(client, "warm up", "ngram", 16)
-    verifier_pid = stack.procs["verifier"].pid
+    verifier_pid = local_stack.procs["verifier"].pid
     rss_before = _rss_kb(verifier_pid)
 
     async def one(aclient, i):
@@ -175,21 +140,22 @@ def test_64_concurrent_streams_leave_nothing_behind(stack):
         return usage.completion_tokens
 
     async def run():
-        aclient = openai.AsyncOpenAI(base_url=BASE, api_key="x", max_retries=0, timeout=300)
+        aclient = openai.AsyncOpenAI(base_url=local_stack.base_url, api_key="x",
+                                     max_retries=0, timeout=300)
         return await asyncio.wait_for(asyncio.gather(*(one(aclient, i) for i in range(64))), 300)
 
     t0 = time.monotonic()
     assert asyncio.run(run()) == [16] * 64
     elapsed = time.monotonic() - t0
-    _wait(lambda: _load().num_running == 0, 10, "requests still running")
-    load = _load()
+    _wait(lambda: local_stack.load().num_running == 0, 10, "requests still running")
+    load = local_stack.load()
     assert load.num_waiting == 0 and load.num_free_kv_tokens == load.num_total_kv_tokens
     rss_after = _rss_kb(verifier_pid)
     # Memory returns to its level before the burst (allocator slack aside).
     assert rss_after < rss_before * 1.15 + 50_000, (rss_before, rss_after, elapsed)
 
 
-def test_verifier_replica_killed_mid_request(stack, smollm2_dir, tmp_path):
+def test_verifier_replica_killed_mid_request(local_stack, smollm2_dir, tmp_path):
     """A second verifier process and a gateway over both: SIGKILL the replica serving a
     request; the request resumes on the other from the tokens produced so far."""
     import subprocess
@@ -202,11 +168,12 @@ def test_verifier_replica_killed_mid_request(stack, smollm2_dir, tmp_path):
     spare = subprocess.Popen(
         [sys.executable, "-m", "verifier", "--model", str(smollm2_dir), "--port", str(spare_port),
          "--max-num-seqs", "4", "--max-model-len", "1024", "--threads", "1",
-         "--drafter", "ngram=127.0.0.1:50061"],
+         "--drafter", f"ngram={local_stack.address(50061)}"],
         stdout=(tmp_path / "spare.log").open("w"), stderr=subprocess.STDOUT)
     gateway = subprocess.Popen(
         [sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--served-model-name",
-         "smollm2", "--verifier", "127.0.0.1:50051", "--verifier", f"127.0.0.1:{spare_port}",
+         "smollm2", "--verifier", local_stack.verifier_address,
+         "--verifier", f"127.0.0.1:{spare_port}",
          "--port", str(http_port), "--grpc-port", str(grpc_port)],
         stdout=(tmp_path / "gateway.log").open("w"), stderr=subprocess.STDOUT)
     try:
@@ -225,7 +192,7 @@ def test_verifier_replica_killed_mid_request(stack, smollm2_dir, tmp_path):
         with grpc.insecure_channel(f"127.0.0.1:{spare_port}") as ch:
             on_spare = verifier_pb2_grpc.VerifierStub(ch).Load(
                 verifier_pb2.LoadRequest(), timeout=5).num_running == 1
-        victim = spare if on_spare else stack.procs["verifier"]
+        victim = spare if on_spare else local_stack.procs["verifier"]
         victim.send_signal(signal.SIGKILL)
         got += list(chunks)
         assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == want
@@ -239,12 +206,12 @@ def test_verifier_replica_killed_mid_request(stack, smollm2_dir, tmp_path):
             except subprocess.TimeoutExpired:
                 p.kill()
         # The stack's own verifier may have been the victim: wait for its restart.
-        _wait(_load_ok, 120, "stack verifier did not come back")
+        _wait(lambda: _load_ok(local_stack), 120, "stack verifier did not come back")
 
 
-def _load_ok() -> bool:
+def _load_ok(stack) -> bool:
     try:
-        _load()
+        stack.load()
         return True
     except grpc.RpcError:
         return False
