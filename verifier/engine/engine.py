@@ -29,6 +29,7 @@ from verifier.engine.scheduler import Scheduled, Scheduler
 from verifier.engine.sequence import FinishReason, Request, Sequence, Status
 from verifier.sampling.params import SamplingMetadata
 from verifier.sampling.rejection import rejection_sample
+from verifier.sampling.tree_acceptance import chain_blocks
 
 
 @dataclass(slots=True)
@@ -290,25 +291,12 @@ class Engine:
                             trees: dict[int, list[int]], hidden: _Hidden) -> list[StepOutput]:
         seqs = [item.seq for item, _ in sampled]
         dev = logits.device
-        # Tree blocks: the accepted root path, then its tokens as a chain of drafts over
-        # the rows [root, path...]: the sampler accepts all of them and adds the argmax
-        # at the path's end, which is exactly the tree's greedy result.
-        paths: dict[int, list[int]] = {}  # seq_id -> accepted token indices of its tree
         num_nodes = [len(d) for _, d in sampled]
-        if trees:
-            rows, first = [], 0
-            for i, (item, draft) in enumerate(sampled):
-                parents = trees.get(item.seq.seq_id)
-                if parents is None:
-                    rows.extend(range(first, first + len(draft) + 1))
-                else:
-                    argmax = logits[first: first + len(draft) + 1].argmax(dim=-1).tolist()
-                    path = paths[item.seq.seq_id] = token_tree.greedy_path(parents, draft, argmax)
-                    rows.append(first)
-                    rows.extend(first + 1 + j for j in path)
-                    sampled[i] = (item, [draft[j] for j in path])
-                first += len(draft) + 1
-            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
+        # Tree blocks become the chains of their accepted root paths.
+        chains = chain_blocks(logits, [d for _, d in sampled], [trees.get(s.seq_id) for s in seqs])
+        logits = chains.logits
+        sampled = [(item, chain) for (item, _), chain in zip(sampled, chains.drafts, strict=True)]
+        paths = {s.seq_id: p for s, p in zip(seqs, chains.paths, strict=True) if p is not None}
         num_drafts = torch.tensor([len(d) for _, d in sampled], dtype=torch.int64, device=dev)
         draft_ids = torch.tensor([t for _, d in sampled for t in d], dtype=torch.int64, device=dev)
         q = None
