@@ -24,6 +24,7 @@ import torch
 from specdec import tree as token_tree
 from specdec.models import LlamaForCausalLM
 from specdec.models.cuda_graphs import CudaGraphRunner
+from verifier.engine.drafts import collect_drafts
 from verifier.engine.proposer import Outcome, Proposer
 from verifier.engine.scheduler import Scheduled, Scheduler
 from verifier.engine.sequence import FinishReason, Request, Sequence, Status
@@ -166,7 +167,8 @@ class Engine:
         if not batch:
             return []
         self.num_steps += 1
-        drafts, draft_probs, trees = self._drafts(batch)
+        drafts = collect_drafts(self.proposer, batch, self.model.config)
+        drafts, draft_probs, trees = drafts.token_ids, drafts.probs, drafts.trees
         draft_wait_ms = (time.perf_counter() - t0) * 1e3
         feeds = [self._feed(item, drafts.get(item.seq.seq_id, [])) for item in batch]
         meta = self.cache.plan([(item.seq.seq_id, len(f)) for item, f in zip(batch, feeds, strict=True)])
@@ -240,44 +242,6 @@ class Engine:
                 if layer not in layers:
                     layers.append(layer)
         return tuple(layers)
-
-    def _drafts(self, batch: list[Scheduled]) -> tuple[
-            dict[int, list[int]], dict[int, torch.Tensor], dict[int, list[int]]]:
-        """Draft ids per sequence, the draft distributions [K_i, V] of the proposals
-        that carry them (the others are one-hot), and the parents of the drafts that
-        form a token tree rather than a chain."""
-        if self.proposer is None:
-            return {}, {}, {}
-        wanted = {item.seq.seq_id: item.k for item in batch if item.k > 0}
-        tokens = {item.seq.seq_id: item.seq.tokens for item in batch if item.k > 0}
-        # Called even when nobody speculates: the proposer forwards pending outcomes.
-        proposals = self.proposer.propose(wanted, tokens)
-        vocab = self.model.config.vocab_size
-        greedy = {item.seq.seq_id: item.seq.request.sampling.is_greedy for item in batch}
-        drafts, probs, trees = {}, {}, {}
-        for seq_id, k in wanted.items():
-            p = proposals.get(seq_id)
-            if p is not None:
-                # A drafter can only lower K; out-of-vocabulary ids end the draft (a
-                # tree's prefix is a tree: parents come first).
-                ids = list(itertools.takewhile(lambda t: 0 <= t < vocab, p.token_ids[:k]))
-                if p.parents is not None and not token_tree.is_chain(p.parents[: len(ids)]):
-                    if p.probs is not None:
-                        continue  # trees carry one-hot drafts only: run K = 0
-                    parents = p.parents[: len(ids)]
-                    # Trees are verified for greedy requests only; a sampled request, or
-                    # a sliding window (it would count a tree token's slot rather than
-                    # its position), keeps the chain of first children.
-                    if greedy[seq_id] and self.model.config.sliding_window is None:
-                        trees[seq_id] = parents
-                    else:
-                        ids = [ids[i] for i in token_tree.first_child_chain(parents)]
-                if p.probs is not None and ids:
-                    if p.probs.dim() != 2 or p.probs.shape[0] < len(ids) or p.probs.shape[1] != vocab:
-                        continue  # a malformed q can't be verified exactly: run K = 0
-                    probs[seq_id] = p.probs[: len(ids)]
-                drafts[seq_id] = ids
-        return drafts, probs, trees
 
     @staticmethod
     def _feed(item: Scheduled, draft: list[int]) -> list[int]:
