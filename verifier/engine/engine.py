@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec import tree as token_tree
 from specdec.models import LlamaForCausalLM
 from specdec.models.cuda_graphs import CudaGraphRunner
 from verifier.engine.drafts import collect_drafts
 from verifier.engine.proposer import Outcome, Proposer
+from verifier.engine.runner import Hidden, ModelRunner
 from verifier.engine.scheduler import Scheduled, Scheduler
 from verifier.engine.sequence import FinishReason, Request, Sequence, Status
 from verifier.sampling.params import SamplingMetadata
@@ -91,12 +91,11 @@ class Engine:
         self.config = config
         self.proposer = proposer
         self.eos_token_ids = frozenset(eos_token_ids)
-        use_graphs = config.cuda_graphs and model.device.type == "cuda"
-        # With graphs, one more block: the scratch block their padding writes to.
-        self.cache = model.make_kv_cache(config.num_kv_blocks + use_graphs, config.block_size)
-        self.graphs = CudaGraphRunner(
-            model, self.cache, config.max_num_seqs, config.num_speculative_tokens_max + 1,
-            config.max_model_len) if use_graphs else None
+        self.runner = ModelRunner(
+            model, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs, max_query_len=config.num_speculative_tokens_max + 1,
+            max_model_len=config.max_model_len, cuda_graphs=config.cuda_graphs)
+        self.cache = self.runner.cache
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len)
         # Generators live where the logits are: torch draws on a device only from its own.
@@ -149,6 +148,16 @@ class Engine:
         self._by_request[request_id].request.num_speculative_tokens = k
 
     @property
+    def graphs(self) -> CudaGraphRunner | None:
+        """The runner's CUDA graphs; None when every step runs eagerly. Settable, so a
+        test can give a CPU engine a runner that pads without capturing."""
+        return self.runner.graphs
+
+    @graphs.setter
+    def graphs(self, graphs: CudaGraphRunner | None) -> None:
+        self.runner.graphs = graphs
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
@@ -168,91 +177,32 @@ class Engine:
             return []
         self.num_steps += 1
         drafts = collect_drafts(self.proposer, batch, self.model.config)
-        drafts, draft_probs, trees = drafts.token_ids, drafts.probs, drafts.trees
         draft_wait_ms = (time.perf_counter() - t0) * 1e3
-        feeds = [self._feed(item, drafts.get(item.seq.seq_id, [])) for item in batch]
-        meta = self.cache.plan([(item.seq.seq_id, len(f)) for item, f in zip(batch, feeds, strict=True)])
-        starts = meta.query_start[:-1].tolist()
-        if trees:
-            # The root of a tree block is the last token, at position num_computed.
-            token_tree.plan_tree_attention(
-                meta, [trees.get(item.seq.seq_id) for item in batch],
-                [item.seq.num_computed for item in batch])
-
-        # Rows to sample: every position of a verify block; the last position
-        # of a prefill chunk that reaches the end of its sequence.
-        sampled: list[tuple[Scheduled, list[int]]] = []
-        logit_rows: list[int] = []
-        for item, feed, start in zip(batch, feeds, starts, strict=True):
-            if item.is_prefill:
-                if item.seq.num_computed + len(feed) == len(item.seq.tokens):
-                    sampled.append((item, []))
-                    logit_rows.append(start + len(feed) - 1)
-            else:
-                sampled.append((item, feed[1:]))
-                logit_rows.extend(range(start, start + len(feed)))
-
-        # Hidden states for drafters that read them (EAGLE): every fed row of
-        # their sequences; the rows kept are chosen after sampling.
-        hidden_layers = self._hidden_layers(batch)
-        hidden_rows: dict[int, int] = {}  # seq_id -> first row in the hidden output
-        hidden_indices: list[int] = []
-        for item, feed, start in zip(batch, feeds, starts, strict=True):
-            if hidden_layers and self.proposer.hidden_layers(item.seq.seq_id):
-                hidden_rows[item.seq.seq_id] = len(hidden_indices)
-                hidden_indices.extend(range(start, start + len(feed)))
-
-        ids = torch.tensor([t for f in feeds for t in f], device=self.model.device)
-        dev = ids.device
-        hidden_index = torch.tensor(hidden_indices, dtype=torch.int64, device=dev)
-        out = None
-        if self.graphs is not None and not trees and not any(item.is_prefill for item in batch):
-            # No prefill: every row is sampled, which is what a graph computes.
-            out = self.graphs.run(ids, meta, hidden_layers, hidden_index)
-        if out is None:
-            out = self.model(ids, meta, self.cache,
-                             logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
-                             hidden_layers=hidden_layers, hidden_indices=hidden_index)
-        hidden = _Hidden(out.hidden_states, hidden_layers, hidden_rows)
-        for item, feed in zip(batch, feeds, strict=True):
+        out = self.runner.run(batch, drafts, self.proposer)
+        for item in batch:
             if item.is_prefill:
                 start_pos = item.seq.num_computed
-                item.seq.num_computed += len(feed)
-                if item.seq.in_prefill and item.seq.seq_id in hidden_rows:
+                item.seq.num_computed += item.num_tokens
+                if item.seq.in_prefill and item.seq.seq_id in out.hidden.first_row:
                     # A partial chunk emits no token but its hidden states are the
                     # drafter's features for these positions.
                     self.proposer.advance(item.seq.seq_id, Outcome(
-                        0, 0, [], hidden.take(item.seq.seq_id, self.proposer, len(feed)), start_pos))
+                        0, 0, [], out.hidden.take(item.seq.seq_id, self.proposer, item.num_tokens),
+                        start_pos))
 
         outputs: list[StepOutput] = []
-        if sampled:
-            outputs = self._sample_and_advance(sampled, out.logits, draft_probs, trees, hidden)
+        if out.sampled:
+            outputs = self._sample_and_advance(list(zip(out.sampled, out.drafts, strict=True)),
+                                               out.logits, drafts.probs, drafts.trees, out.hidden)
         dt = (time.perf_counter() - t0) * 1e3
         self.step_time_ema_ms = dt if not self.step_time_ema_ms else 0.9 * self.step_time_ema_ms + 0.1 * dt
         for o in outputs:
             o.step, o.batch_size, o.step_time_ms, o.draft_wait_ms = self.num_steps, len(batch), dt, draft_wait_ms
         return outputs
 
-    def _hidden_layers(self, batch: list[Scheduled]) -> tuple[int, ...]:
-        if self.proposer is None:
-            return ()
-        layers: list[int] = []
-        for item in batch:
-            for layer in self.proposer.hidden_layers(item.seq.seq_id):
-                if layer not in layers:
-                    layers.append(layer)
-        return tuple(layers)
-
-    @staticmethod
-    def _feed(item: Scheduled, draft: list[int]) -> list[int]:
-        seq = item.seq
-        if item.is_prefill:
-            return seq.tokens[seq.num_computed: seq.num_computed + item.num_tokens]
-        return [seq.tokens[-1], *draft]
-
     def _sample_and_advance(self, sampled: list[tuple[Scheduled, list[int]]],
                             logits: torch.Tensor, draft_probs: dict[int, torch.Tensor],
-                            trees: dict[int, list[int]], hidden: _Hidden) -> list[StepOutput]:
+                            trees: dict[int, list[int]], hidden: Hidden) -> list[StepOutput]:
         seqs = [item.seq for item, _ in sampled]
         dev = logits.device
         num_nodes = [len(d) for _, d in sampled]
@@ -340,30 +290,6 @@ class Engine:
         self._by_request.pop(seq.request.request_id, None)
         if self.proposer is not None:
             self.proposer.free(seq.seq_id)
-
-
-@dataclass(slots=True)
-class _Hidden:
-    """The step's hidden-state output and where each sequence's rows start in it."""
-
-    states: torch.Tensor | None  # [len(layers), M, hidden]
-    layers: tuple[int, ...]
-    first_row: dict[int, int]  # seq_id -> first of its rows (one per fed token)
-
-    def take(self, seq_id: int, proposer: Proposer, num_rows: int,
-             rows: list[int] | None = None) -> torch.Tensor | None:
-        """[num_rows, L_seq, hidden]: the sequence's first num_rows rows (or those of
-        its fed tokens listed in `rows`: a tree's root and accepted path), layers in
-        the order its drafter asked for."""
-        if self.states is None or seq_id not in self.first_row:
-            return None
-        index = [self.layers.index(layer) for layer in proposer.hidden_layers(seq_id)]
-        first = self.first_row[seq_id]
-        if rows is None:
-            out = self.states[index, first: first + num_rows]  # [L_seq, P, hidden]
-        else:
-            out = self.states[index][:, [first + r for r in rows]]
-        return out.transpose(0, 1).contiguous()
 
 
 def _logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
