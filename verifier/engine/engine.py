@@ -1,16 +1,15 @@
 """The verifier engine. One step, top to bottom:
 
-    schedule -> drafts -> one ragged target forward -> rejection sampling -> postprocess
+    schedule -> drafts -> run -> sample -> postprocess
 
-Prefill chunks and verify blocks (last token + K_i drafts, K_i per
-sequence, 0 allowed) share one forward. A greedy sequence's drafts may form a
-token tree (specdec/tree.py): its block is verified under tree attention, the
-longest root path the target agrees with is accepted, and that path's KV is
-moved to consecutive slots. Logits are taken only where a token
-is sampled: every position of a verify block, and the last position of a
-prefill chunk that completes its sequence. Rejected drafts are rolled back
-by truncating the sequence in the KV cache. On a GPU, steps with no prefill
-and one query length for all sequences replay a CUDA graph (specdec/models/cuda_graphs.py).
+The scheduler picks the sequences and their K (scheduler.py); the proposer's
+drafts are cut to what can be verified (drafts.py); the model runner plans the
+batch in the KV cache and runs one ragged target forward over prefill chunks
+and verify blocks (runner.py); a tree block's accepted path becomes a chain
+(verifier/sampling/tree_acceptance.py) and every chain is rejection-sampled;
+each sampled sequence then keeps the KV of what was accepted (rejected drafts
+are rolled back by truncating it in the cache), appends its new tokens up to a
+stop condition and reports the outcome to its drafter.
 """
 
 from __future__ import annotations
@@ -25,12 +24,12 @@ from specdec.models import LlamaForCausalLM
 from specdec.models.cuda_graphs import CudaGraphRunner
 from verifier.engine.drafts import collect_drafts
 from verifier.engine.proposer import Outcome, Proposer
-from verifier.engine.runner import Hidden, ModelRunner
+from verifier.engine.runner import Hidden, ModelRunner, RunnerOutput
 from verifier.engine.scheduler import Scheduled, Scheduler
 from verifier.engine.sequence import FinishReason, Request, Sequence, Status
 from verifier.sampling.params import SamplingMetadata
 from verifier.sampling.rejection import rejection_sample
-from verifier.sampling.tree_acceptance import chain_blocks
+from verifier.sampling.tree_acceptance import Chains, chain_blocks
 
 
 @dataclass(slots=True)
@@ -179,94 +178,106 @@ class Engine:
         drafts = collect_drafts(self.proposer, batch, self.model.config)
         draft_wait_ms = (time.perf_counter() - t0) * 1e3
         out = self.runner.run(batch, drafts, self.proposer)
-        for item in batch:
-            if item.is_prefill:
-                start_pos = item.seq.num_computed
-                item.seq.num_computed += item.num_tokens
-                if item.seq.in_prefill and item.seq.seq_id in out.hidden.first_row:
-                    # A partial chunk emits no token but its hidden states are the
-                    # drafter's features for these positions.
-                    self.proposer.advance(item.seq.seq_id, Outcome(
-                        0, 0, [], out.hidden.take(item.seq.seq_id, self.proposer, item.num_tokens),
-                        start_pos))
-
+        self._advance_prefill(batch, out.hidden)
         outputs: list[StepOutput] = []
         if out.sampled:
-            outputs = self._sample_and_advance(list(zip(out.sampled, out.drafts, strict=True)),
-                                               out.logits, drafts.probs, drafts.trees, out.hidden)
+            chains = chain_blocks(out.logits, out.drafts,
+                                  [drafts.trees.get(item.seq.seq_id) for item in out.sampled])
+            token_ids, num_accepted = self._sample(out.sampled, chains, drafts.probs)
+            outputs = self._postprocess(out, chains, token_ids, num_accepted)
         dt = (time.perf_counter() - t0) * 1e3
         self.step_time_ema_ms = dt if not self.step_time_ema_ms else 0.9 * self.step_time_ema_ms + 0.1 * dt
         for o in outputs:
             o.step, o.batch_size, o.step_time_ms, o.draft_wait_ms = self.num_steps, len(batch), dt, draft_wait_ms
         return outputs
 
-    def _sample_and_advance(self, sampled: list[tuple[Scheduled, list[int]]],
-                            logits: torch.Tensor, draft_probs: dict[int, torch.Tensor],
-                            trees: dict[int, list[int]], hidden: Hidden) -> list[StepOutput]:
-        seqs = [item.seq for item, _ in sampled]
-        dev = logits.device
-        num_nodes = [len(d) for _, d in sampled]
-        # Tree blocks become the chains of their accepted root paths.
-        chains = chain_blocks(logits, [d for _, d in sampled], [trees.get(s.seq_id) for s in seqs])
-        logits = chains.logits
-        sampled = [(item, chain) for (item, _), chain in zip(sampled, chains.drafts, strict=True)]
-        paths = {s.seq_id: p for s, p in zip(seqs, chains.paths, strict=True) if p is not None}
-        num_drafts = torch.tensor([len(d) for _, d in sampled], dtype=torch.int64, device=dev)
-        draft_ids = torch.tensor([t for _, d in sampled for t in d], dtype=torch.int64, device=dev)
+    def _advance_prefill(self, batch: list[Scheduled], hidden: Hidden) -> None:
+        """Every prefill chunk's KV is now computed. A chunk that leaves its sequence
+        in prefill emits no token, but its hidden states are the drafter's features
+        for these positions."""
+        for item in batch:
+            if item.is_prefill:
+                start_pos = item.seq.num_computed
+                item.seq.num_computed += item.num_tokens
+                if item.seq.in_prefill and item.seq.seq_id in hidden.first_row:
+                    self.proposer.advance(item.seq.seq_id, Outcome(
+                        0, 0, [], hidden.take(item.seq.seq_id, self.proposer, item.num_tokens),
+                        start_pos))
+
+    def _sample(self, sampled: list[Scheduled], chains: Chains,
+                draft_probs: dict[int, torch.Tensor]) -> tuple[list[list[int]], list[int]]:
+        """Rejection-sample every sequence's chain. Returns per sequence its row of
+        output ids (the first num_accepted + 1 are its new tokens) and num_accepted."""
+        seqs = [item.seq for item in sampled]
+        dev, i64 = chains.logits.device, torch.int64
+        num_drafts = torch.tensor([len(d) for d in chains.drafts], dtype=i64, device=dev)  # [B]
+        # [sum K_i]: the chains' drafts, concatenated
+        draft_ids = torch.tensor([t for d in chains.drafts for t in d], dtype=i64, device=dev)
         q = None
         if draft_probs:
-            # [sum K_i, V]: the drafter's q where it sent one, one-hot rows elsewhere.
-            q = torch.nn.functional.one_hot(draft_ids, logits.shape[-1]).float()
-            row = 0
-            for seq, (_, draft) in zip(seqs, sampled, strict=True):
-                if seq.seq_id in draft_probs:
-                    q[row: row + len(draft)] = draft_probs[seq.seq_id].to(dev, torch.float32)
-                row += len(draft)
+            blocks = [(draft_probs.get(s.seq_id), len(d))
+                      for s, d in zip(seqs, chains.drafts, strict=True)]
+            q = _draft_q(draft_ids, chains.logits.shape[-1], blocks)
         metadata = SamplingMetadata.from_params(
             [s.request.sampling for s in seqs], [s.generator for s in seqs], self.shared_generator,
             device=dev)
-        out_ids, num_accepted = rejection_sample(logits, draft_ids, q, num_drafts, metadata)
-        out_ids, num_accepted = out_ids.tolist(), num_accepted.tolist()
+        out_ids, num_accepted = rejection_sample(chains.logits, draft_ids, q, num_drafts, metadata)
+        return out_ids.tolist(), num_accepted.tolist()
+
+    def _postprocess(self, out: RunnerOutput, chains: Chains, token_ids: list[list[int]],
+                     num_accepted: list[int]) -> list[StepOutput]:
+        """Each sampled sequence in batch order: keep the KV of what was accepted, append
+        the new tokens up to a stop condition, report to the proposer, finish."""
         outputs = []
-        logit_row = 0  # first row of this sequence's block in `logits`
-        for (item, draft), nodes, row, accepted in zip(sampled, num_nodes, out_ids, num_accepted,
-                                                      strict=True):
-            seq = item.seq
-            new = row[: accepted + 1]
-            start_pos = seq.num_computed if not item.is_prefill else seq.num_computed - item.num_tokens
-            path = paths.get(seq.seq_id)
-            if not item.is_prefill:
-                # KV was written for the last token and every draft; keep the
-                # accepted ones (the sampled token has none yet).
-                if path is not None and path[:accepted] != list(range(accepted)):
-                    base = seq.num_computed + 1
-                    self.cache.move(seq.seq_id, [base + j for j in path[:accepted]],
-                                    list(range(base, base + accepted)))
-                self.cache.truncate(seq.seq_id, seq.num_computed + 1 + accepted)
-            appended, reason = self._append(seq, new)
-            seq.num_computed = len(seq.tokens) - 1
-            seq.num_drafted += nodes
-            seq.num_accepted += min(accepted, len(appended))
-            logprobs = None
-            if seq.request.num_logprobs:
-                logprobs = _logprobs(logits[logit_row: logit_row + len(appended)], appended,
-                                     seq.request.num_logprobs)
-            logit_row += len(draft) + 1
-            if self.proposer is not None and reason is None:
-                # Hidden rows kept: a whole prefill chunk, or the last token plus the accepted drafts.
-                kept = item.num_tokens if item.is_prefill else accepted + 1
-                tree_rows = None if path is None else [0, *(1 + j for j in path[:accepted])]
-                self.proposer.advance(seq.seq_id, Outcome(
-                    nodes, accepted, appended,
-                    hidden.take(seq.seq_id, self.proposer, kept, tree_rows), start_pos))
-            miss = None
-            if item.k and not nodes and self.proposer is not None:
-                miss = self.proposer.miss_reason(seq.seq_id)
-            if reason is not None:
-                self._finish(seq, reason)
-            outputs.append(StepOutput(seq.request.request_id, appended, nodes, accepted, reason,
-                                      item.k, miss, logprobs))
+        row = 0  # first row of the sequence's chain in chains.logits
+        for item, fed, chain, path, ids, accepted in zip(
+                out.sampled, out.drafts, chains.drafts, chains.paths, token_ids, num_accepted,
+                strict=True):
+            logits = chains.logits[row: row + len(chain) + 1]  # [len(chain) + 1, V]
+            row += len(chain) + 1
+            outputs.append(self._postprocess_seq(item, len(fed), path, ids[: accepted + 1],
+                                                 accepted, logits, out.hidden))
         return outputs
+
+    def _postprocess_seq(self, item: Scheduled, num_drafted: int, path: list[int] | None,
+                         new: list[int], accepted: int, logits: torch.Tensor,
+                         hidden: Hidden) -> StepOutput:
+        """new: the accepted drafts and the sampled token; path: the accepted tree
+        indices of a tree block; logits: [len(chain) + 1, V], the rows the sampler read."""
+        seq = item.seq
+        start_pos = seq.num_computed if not item.is_prefill else seq.num_computed - item.num_tokens
+        if not item.is_prefill:
+            self._keep_accepted_kv(seq, path, accepted)
+        appended, reason = self._append(seq, new)
+        seq.num_computed = len(seq.tokens) - 1
+        seq.num_drafted += num_drafted
+        seq.num_accepted += min(accepted, len(appended))
+        logprobs = None
+        if seq.request.num_logprobs:
+            logprobs = _logprobs(logits[: len(appended)], appended, seq.request.num_logprobs)
+        if self.proposer is not None and reason is None:
+            # Hidden rows kept: a whole prefill chunk, or the last token plus the accepted drafts.
+            kept = item.num_tokens if item.is_prefill else accepted + 1
+            tree_rows = None if path is None else [0, *(1 + j for j in path[:accepted])]
+            self.proposer.advance(seq.seq_id, Outcome(
+                num_drafted, accepted, appended,
+                hidden.take(seq.seq_id, self.proposer, kept, tree_rows), start_pos))
+        miss = None
+        if item.k and not num_drafted and self.proposer is not None:
+            miss = self.proposer.miss_reason(seq.seq_id)
+        if reason is not None:
+            self._finish(seq, reason)
+        return StepOutput(seq.request.request_id, appended, num_drafted, accepted, reason,
+                          item.k, miss, logprobs)
+
+    def _keep_accepted_kv(self, seq: Sequence, path: list[int] | None, accepted: int) -> None:
+        """KV was written for the last token and every draft; keep the accepted ones
+        (the sampled token has none yet), a tree's path moved to consecutive slots."""
+        if path is not None and path[:accepted] != list(range(accepted)):
+            base = seq.num_computed + 1
+            self.cache.move(seq.seq_id, [base + j for j in path[:accepted]],
+                            list(range(base, base + accepted)))
+        self.cache.truncate(seq.seq_id, seq.num_computed + 1 + accepted)
 
     def _append(self, seq: Sequence, new: list[int]) -> tuple[list[int], FinishReason | None]:
         """Append sampled tokens up to the first stop condition."""
@@ -290,6 +301,19 @@ class Engine:
         self._by_request.pop(seq.request.request_id, None)
         if self.proposer is not None:
             self.proposer.free(seq.seq_id)
+
+
+def _draft_q(draft_ids: torch.Tensor, vocab: int,
+             blocks: list[tuple[torch.Tensor | None, int]]) -> torch.Tensor:
+    """[sum K_i, V]: the drafter's q where it sent one, one-hot rows elsewhere.
+    draft_ids: [sum K_i]; blocks: per sequence its [K_i, V] q (or None) and K_i."""
+    q = torch.nn.functional.one_hot(draft_ids, vocab).float()
+    row = 0
+    for probs, k in blocks:
+        if probs is not None:
+            q[row: row + k] = probs.to(q.device, torch.float32)
+        row += k
+    return q
 
 
 def _logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
