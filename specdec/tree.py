@@ -10,8 +10,9 @@ The verifier feeds [root, token 0, ..., token N - 1] as one block: token i
 sits at position root + depth(i) for RoPE, attends to the context, the root and
 its own ancestors (`ancestor_mask`), and its target row scores what follows its
 root path. For greedy requests the accepted tokens are the longest root path
-whose every token is the target's argmax after its parent (`greedy_path`);
-the KV of that path is then moved to consecutive slots.
+whose every token is the target's argmax after its parent
+(verifier/sampling/tree_acceptance.py); the KV of that path is then moved to
+consecutive slots.
 """
 
 from __future__ import annotations
@@ -83,24 +84,6 @@ def plan_tree_attention(meta: AttentionMetadata, trees: Sequence[Sequence[int] |
             depth = torch.tensor(depths(parents), dtype=torch.int64)
             rope[start + 1: start + 1 + len(parents)] = (root + depth).to(rope.device)
     meta.rope_positions, meta.tree_masks = rope, masks
-
-
-def greedy_path(parents: Sequence[int], token_ids: Sequence[int],
-                target_argmax: Sequence[int]) -> list[int]:
-    """The accepted tokens of a greedy verify: indices of the longest root path on which
-    every token equals the target's argmax at its parent's row. target_argmax: N + 1
-    ints, the argmax of the raw logits at the root's row and then at each token's row.
-    Among siblings with the same token the first wins."""
-    path: list[int] = []
-    node = -1
-    while True:
-        want = target_argmax[node + 1]
-        child = next((i for i in range(node + 1, len(parents))
-                      if parents[i] == node and token_ids[i] == want), None)
-        if child is None:
-            return path
-        path.append(child)
-        node = child
 
 
 def chain_with_siblings(top_ids: Sequence[Sequence[int]], top_probs: Sequence[Sequence[float]],

@@ -169,7 +169,7 @@ def _engine_with_runner(model: LlamaForCausalLM, proposer, **cfg) -> Engine:
     """An engine on CPU with the runner a GPU engine makes, forward called instead of replayed."""
     engine = Engine(model, EngineConfig(**cfg), proposer)
     c = engine.config
-    engine.graphs = CudaGraphRunner(model, engine.cache, c.max_num_seqs,
+    engine.runner.graphs = CudaGraphRunner(model, engine.cache, c.max_num_seqs,
                                     c.num_speculative_tokens_max + 1, c.max_model_len,
                                     capture=False, min_context=16)
     return engine
@@ -196,13 +196,13 @@ def test_engine_with_padded_steps_keeps_greedy_exact(model, batch, k):
             out[o.request_id] += o.new_token_ids
     assert [out[f"r{i}"] for i in range(batch)] == plain
     # Every step ran padded (mixed K too) but the first, which prefilled every prompt.
-    assert engine.graphs.num_runs == engine.num_steps - 1 > max_tokens // (max(ks) + 1) // 2
+    assert engine.runner.graphs.num_runs == engine.num_steps - 1 > max_tokens // (max(ks) + 1) // 2
     assert engine.cache.num_free_blocks == free  # every real block returned
 
 
 def test_config_flag_and_cpu_stay_eager(model):
-    assert Engine(model, EngineConfig()).graphs is None  # CPU: never graphs
-    assert Engine(model, EngineConfig(cuda_graphs=False)).graphs is None
+    assert Engine(model, EngineConfig()).runner.graphs is None  # CPU: never graphs
+    assert Engine(model, EngineConfig(cuda_graphs=False)).runner.graphs is None
 
 
 # -- on a GPU -------------------------------------------------------------------
@@ -225,9 +225,9 @@ def test_replayed_graphs_equal_eager_on_cuda():
     # the graphs of (3, 5) and (7, 3).
     assert len(runner.graphs) == 4
     engine = Engine(model, EngineConfig(max_model_len=64, block_size=BLOCK, num_kv_blocks=32))
-    assert engine.graphs is not None and engine.cache.num_free_blocks == 32
+    assert engine.runner.graphs is not None and engine.cache.num_free_blocks == 32
     assert Engine(model, EngineConfig(max_model_len=64, block_size=BLOCK, num_kv_blocks=32,
-                                      cuda_graphs=False)).graphs is None
+                                      cuda_graphs=False)).runner.graphs is None
 
 
 @pytest.mark.gpu
@@ -246,7 +246,7 @@ def test_engine_on_cuda_with_graphs_keeps_greedy_exact(k):
     engine = Engine(model, EngineConfig(max_num_seqs=8, max_model_len=64, block_size=BLOCK,
                                         num_kv_blocks=256, num_speculative_tokens_max=4),
                     ScriptedProposer(refs, error_rate=0.3, seed=1))
-    assert engine.graphs is not None and engine.graphs.capture
+    assert engine.runner.graphs is not None and engine.runner.graphs.capture
     for i, p in enumerate(prompts):
         ki = [0, 1, 2, 4][i % 4] if k == "mixed" else k
         engine.add_request(Request(f"r{i}", p, max_tokens, GREEDY, num_speculative_tokens=ki))
@@ -256,4 +256,4 @@ def test_engine_on_cuda_with_graphs_keeps_greedy_exact(k):
             out[o.request_id] += o.new_token_ids
     assert [out[f"r{i}"] for i in range(batch)] == plain
     # Every step replayed a graph (mixed K too) but the first, which prefilled every prompt.
-    assert engine.graphs.num_runs == engine.num_steps - 1 and engine.graphs.graphs
+    assert engine.runner.graphs.num_runs == engine.num_steps - 1 and engine.runner.graphs.graphs

@@ -237,7 +237,7 @@ def test_output_equals_plain_greedy_on_cuda(loop, model, drafter):
         msgs = [start_msg(p, 40, k=1 + i % K_MAX, drafter=drafter) for i, p in enumerate(ps)]
         results = run_concurrently(lambda m: generate(stack.stub, m), [(m,) for m in msgs])
         assert [tokens for tokens, _ in results] == greedy_generate(model, ps, 40)
-        graphs = stack.servicer.engine.graphs
+        graphs = stack.servicer.engine.runner.graphs
         assert graphs is not None and graphs.num_runs > 10
         assert stack.load().num_running == 0
     finally:

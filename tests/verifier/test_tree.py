@@ -55,19 +55,6 @@ def test_a_drafter_cannot_build_a_bad_tree():
         Draft([1, 2], probs=torch.full((2, VOCAB), 1 / VOCAB), parents=[-1, -1])
 
 
-def test_greedy_path_follows_the_target():
-    tokens = [10, 11, 12, 20, 13, 21, 22]
-    # argmax at rows [root, 0..6]: root wants 20 (token 3), token 3 wants 21, 5 wants 22,
-    # 6 wants anything: the path is 3, 5, 6.
-    argmax = [20, 11, 12, 0, 21, 0, 22, 5]
-    assert tree.greedy_path(PARENTS, tokens, argmax) == [3, 5, 6]
-    argmax[0] = 10  # now the chain: 0, 1 (argmax at 0's row is 11), 2, then nothing
-    assert tree.greedy_path(PARENTS, tokens, argmax) == [0, 1, 2]
-    argmax[1] = 13  # after 0 the target wants 13: sibling 4 of token 1
-    assert tree.greedy_path(PARENTS, tokens, argmax) == [0, 4]
-    assert tree.greedy_path(PARENTS, tokens, [99] * 8) == []
-
-
 def test_chain_with_siblings_keeps_the_most_probable_paths():
     ids = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     probs = [[0.5, 0.4, 0.1], [0.9, 0.05, 0.05], [0.6, 0.3, 0.1]]

@@ -1,16 +1,15 @@
 """The verifier engine. One step, top to bottom:
 
-    schedule -> drafts -> one ragged target forward -> rejection sampling -> postprocess
+    schedule -> drafts -> run -> sample -> postprocess
 
-Prefill chunks and verify blocks (last token + K_i drafts, K_i per
-sequence, 0 allowed) share one forward. A greedy sequence's drafts may form a
-token tree (specdec/tree.py): its block is verified under tree attention, the
-longest root path the target agrees with is accepted, and that path's KV is
-moved to consecutive slots. Logits are taken only where a token
-is sampled: every position of a verify block, and the last position of a
-prefill chunk that completes its sequence. Rejected drafts are rolled back
-by truncating the sequence in the KV cache. On a GPU, steps with no prefill
-and one query length for all sequences replay a CUDA graph (specdec/models/cuda_graphs.py).
+The scheduler picks the sequences and their K (scheduler.py); the proposer's
+drafts are cut to what can be verified (drafts.py); the model runner plans the
+batch in the KV cache and runs one ragged target forward over prefill chunks
+and verify blocks (runner.py); a tree block's accepted path becomes a chain
+(verifier/sampling/tree_acceptance.py) and every chain is rejection-sampled;
+each sampled sequence then keeps the KV of what was accepted (rejected drafts
+are rolled back by truncating it in the cache), appends its new tokens up to a
+stop condition and reports the outcome to its drafter.
 """
 
 from __future__ import annotations
@@ -21,14 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec import tree as token_tree
 from specdec.models import LlamaForCausalLM
-from specdec.models.cuda_graphs import CudaGraphRunner
 from specdec.sampling import SamplingMetadata
+from verifier.engine.drafts import collect_drafts
 from verifier.engine.proposer import Outcome, Proposer
+from verifier.engine.runner import Hidden, ModelRunner, RunnerOutput
 from verifier.engine.scheduler import Scheduled, Scheduler
 from verifier.engine.sequence import FinishReason, Request, Sequence, Status
 from verifier.sampling.sampler import rejection_sample
+from verifier.sampling.tree_acceptance import Chains, chain_blocks
 
 
 @dataclass(slots=True)
@@ -89,12 +89,11 @@ class Engine:
         self.config = config
         self.proposer = proposer
         self.eos_token_ids = frozenset(eos_token_ids)
-        use_graphs = config.cuda_graphs and model.device.type == "cuda"
-        # With graphs, one more block: the scratch block their padding writes to.
-        self.cache = model.make_kv_cache(config.num_kv_blocks + use_graphs, config.block_size)
-        self.graphs = CudaGraphRunner(
-            model, self.cache, config.max_num_seqs, config.num_speculative_tokens_max + 1,
-            config.max_model_len) if use_graphs else None
+        self.runner = ModelRunner(
+            model, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs, max_query_len=config.num_speculative_tokens_max + 1,
+            max_model_len=config.max_model_len, cuda_graphs=config.cuda_graphs)
+        self.cache = self.runner.cache
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len)
         # Generators live where the logits are: torch draws on a device only from its own.
@@ -165,206 +164,109 @@ class Engine:
         if not batch:
             return []
         self.num_steps += 1
-        drafts, draft_probs, trees = self._drafts(batch)
+        drafts = collect_drafts(self.proposer, batch, self.model.config)
         draft_wait_ms = (time.perf_counter() - t0) * 1e3
-        feeds = [self._feed(item, drafts.get(item.seq.seq_id, [])) for item in batch]
-        meta = self.cache.plan([(item.seq.seq_id, len(f)) for item, f in zip(batch, feeds, strict=True)])
-        starts = meta.query_start[:-1].tolist()
-        if trees:
-            # The root of a tree block is the last token, at position num_computed.
-            token_tree.plan_tree_attention(
-                meta, [trees.get(item.seq.seq_id) for item in batch],
-                [item.seq.num_computed for item in batch])
-
-        # Rows to sample: every position of a verify block; the last position
-        # of a prefill chunk that reaches the end of its sequence.
-        sampled: list[tuple[Scheduled, list[int]]] = []
-        logit_rows: list[int] = []
-        for item, feed, start in zip(batch, feeds, starts, strict=True):
-            if item.is_prefill:
-                if item.seq.num_computed + len(feed) == len(item.seq.tokens):
-                    sampled.append((item, []))
-                    logit_rows.append(start + len(feed) - 1)
-            else:
-                sampled.append((item, feed[1:]))
-                logit_rows.extend(range(start, start + len(feed)))
-
-        # Hidden states for drafters that read them (EAGLE): every fed row of
-        # their sequences; the rows kept are chosen after sampling.
-        hidden_layers = self._hidden_layers(batch)
-        hidden_rows: dict[int, int] = {}  # seq_id -> first row in the hidden output
-        hidden_indices: list[int] = []
-        for item, feed, start in zip(batch, feeds, starts, strict=True):
-            if hidden_layers and self.proposer.hidden_layers(item.seq.seq_id):
-                hidden_rows[item.seq.seq_id] = len(hidden_indices)
-                hidden_indices.extend(range(start, start + len(feed)))
-
-        ids = torch.tensor([t for f in feeds for t in f], device=self.model.device)
-        dev = ids.device
-        hidden_index = torch.tensor(hidden_indices, dtype=torch.int64, device=dev)
-        out = None
-        if self.graphs is not None and not trees and not any(item.is_prefill for item in batch):
-            # No prefill: every row is sampled, which is what a graph computes.
-            out = self.graphs.run(ids, meta, hidden_layers, hidden_index)
-        if out is None:
-            out = self.model(ids, meta, self.cache,
-                             logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
-                             hidden_layers=hidden_layers, hidden_indices=hidden_index)
-        hidden = _Hidden(out.hidden_states, hidden_layers, hidden_rows)
-        for item, feed in zip(batch, feeds, strict=True):
-            if item.is_prefill:
-                start_pos = item.seq.num_computed
-                item.seq.num_computed += len(feed)
-                if item.seq.in_prefill and item.seq.seq_id in hidden_rows:
-                    # A partial chunk emits no token but its hidden states are the
-                    # drafter's features for these positions.
-                    self.proposer.advance(item.seq.seq_id, Outcome(
-                        0, 0, [], hidden.take(item.seq.seq_id, self.proposer, len(feed)), start_pos))
-
+        out = self.runner.run(batch, drafts, self.proposer)
+        self._advance_prefill(batch, out.hidden)
         outputs: list[StepOutput] = []
-        if sampled:
-            outputs = self._sample_and_advance(sampled, out.logits, draft_probs, trees, hidden)
+        if out.sampled:
+            chains = chain_blocks(out.logits, out.drafts,
+                                  [drafts.trees.get(item.seq.seq_id) for item in out.sampled])
+            token_ids, num_accepted = self._sample(out.sampled, chains, drafts.probs)
+            outputs = self._postprocess(out, chains, token_ids, num_accepted)
         dt = (time.perf_counter() - t0) * 1e3
         self.step_time_ema_ms = dt if not self.step_time_ema_ms else 0.9 * self.step_time_ema_ms + 0.1 * dt
         for o in outputs:
             o.step, o.batch_size, o.step_time_ms, o.draft_wait_ms = self.num_steps, len(batch), dt, draft_wait_ms
         return outputs
 
-    def _hidden_layers(self, batch: list[Scheduled]) -> tuple[int, ...]:
-        if self.proposer is None:
-            return ()
-        layers: list[int] = []
+    def _advance_prefill(self, batch: list[Scheduled], hidden: Hidden) -> None:
+        """Every prefill chunk's KV is now computed. A chunk that leaves its sequence
+        in prefill emits no token, but its hidden states are the drafter's features
+        for these positions."""
         for item in batch:
-            for layer in self.proposer.hidden_layers(item.seq.seq_id):
-                if layer not in layers:
-                    layers.append(layer)
-        return tuple(layers)
+            if item.is_prefill:
+                start_pos = item.seq.num_computed
+                item.seq.num_computed += item.num_tokens
+                if item.seq.in_prefill and item.seq.seq_id in hidden.first_row:
+                    self.proposer.advance(item.seq.seq_id, Outcome(
+                        0, 0, [], hidden.take(item.seq.seq_id, self.proposer, item.num_tokens),
+                        start_pos))
 
-    def _drafts(self, batch: list[Scheduled]) -> tuple[
-            dict[int, list[int]], dict[int, torch.Tensor], dict[int, list[int]]]:
-        """Draft ids per sequence, the draft distributions [K_i, V] of the proposals
-        that carry them (the others are one-hot), and the parents of the drafts that
-        form a token tree rather than a chain."""
-        if self.proposer is None:
-            return {}, {}, {}
-        wanted = {item.seq.seq_id: item.k for item in batch if item.k > 0}
-        tokens = {item.seq.seq_id: item.seq.tokens for item in batch if item.k > 0}
-        # Called even when nobody speculates: the proposer forwards pending outcomes.
-        proposals = self.proposer.propose(wanted, tokens)
-        vocab = self.model.config.vocab_size
-        greedy = {item.seq.seq_id: item.seq.request.sampling.is_greedy for item in batch}
-        drafts, probs, trees = {}, {}, {}
-        for seq_id, k in wanted.items():
-            p = proposals.get(seq_id)
-            if p is not None:
-                # A drafter can only lower K; out-of-vocabulary ids end the draft (a
-                # tree's prefix is a tree: parents come first).
-                ids = list(itertools.takewhile(lambda t: 0 <= t < vocab, p.token_ids[:k]))
-                if p.parents is not None and not token_tree.is_chain(p.parents[: len(ids)]):
-                    if p.probs is not None:
-                        continue  # trees carry one-hot drafts only: run K = 0
-                    parents = p.parents[: len(ids)]
-                    # Trees are verified for greedy requests only; a sampled request, or
-                    # a sliding window (it would count a tree token's slot rather than
-                    # its position), keeps the chain of first children.
-                    if greedy[seq_id] and self.model.config.sliding_window is None:
-                        trees[seq_id] = parents
-                    else:
-                        ids = [ids[i] for i in token_tree.first_child_chain(parents)]
-                if p.probs is not None and ids:
-                    if p.probs.dim() != 2 or p.probs.shape[0] < len(ids) or p.probs.shape[1] != vocab:
-                        continue  # a malformed q can't be verified exactly: run K = 0
-                    probs[seq_id] = p.probs[: len(ids)]
-                drafts[seq_id] = ids
-        return drafts, probs, trees
-
-    @staticmethod
-    def _feed(item: Scheduled, draft: list[int]) -> list[int]:
-        seq = item.seq
-        if item.is_prefill:
-            return seq.tokens[seq.num_computed: seq.num_computed + item.num_tokens]
-        return [seq.tokens[-1], *draft]
-
-    def _sample_and_advance(self, sampled: list[tuple[Scheduled, list[int]]],
-                            logits: torch.Tensor, draft_probs: dict[int, torch.Tensor],
-                            trees: dict[int, list[int]], hidden: _Hidden) -> list[StepOutput]:
-        seqs = [item.seq for item, _ in sampled]
-        dev = logits.device
-        # Tree blocks: the accepted root path, then its tokens as a chain of drafts over
-        # the rows [root, path...]: the sampler accepts all of them and adds the argmax
-        # at the path's end, which is exactly the tree's greedy result.
-        paths: dict[int, list[int]] = {}  # seq_id -> accepted token indices of its tree
-        num_nodes = [len(d) for _, d in sampled]
-        if trees:
-            rows, first = [], 0
-            for i, (item, draft) in enumerate(sampled):
-                parents = trees.get(item.seq.seq_id)
-                if parents is None:
-                    rows.extend(range(first, first + len(draft) + 1))
-                else:
-                    argmax = logits[first: first + len(draft) + 1].argmax(dim=-1).tolist()
-                    path = paths[item.seq.seq_id] = token_tree.greedy_path(parents, draft, argmax)
-                    rows.append(first)
-                    rows.extend(first + 1 + j for j in path)
-                    sampled[i] = (item, [draft[j] for j in path])
-                first += len(draft) + 1
-            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))
-        num_drafts = torch.tensor([len(d) for _, d in sampled], dtype=torch.int64, device=dev)
-        draft_ids = torch.tensor([t for _, d in sampled for t in d], dtype=torch.int64, device=dev)
+    def _sample(self, sampled: list[Scheduled], chains: Chains,
+                draft_probs: dict[int, torch.Tensor]) -> tuple[list[list[int]], list[int]]:
+        """Rejection-sample every sequence's chain. Returns per sequence its row of
+        output ids (the first num_accepted + 1 are its new tokens) and num_accepted."""
+        seqs = [item.seq for item in sampled]
+        dev, i64 = chains.logits.device, torch.int64
+        num_drafts = torch.tensor([len(d) for d in chains.drafts], dtype=i64, device=dev)  # [B]
+        # [sum K_i]: the chains' drafts, concatenated
+        draft_ids = torch.tensor([t for d in chains.drafts for t in d], dtype=i64, device=dev)
         q = None
         if draft_probs:
-            # [sum K_i, V]: the drafter's q where it sent one, one-hot rows elsewhere.
-            q = torch.nn.functional.one_hot(draft_ids, logits.shape[-1]).float()
-            row = 0
-            for seq, (_, draft) in zip(seqs, sampled, strict=True):
-                if seq.seq_id in draft_probs:
-                    q[row: row + len(draft)] = draft_probs[seq.seq_id].to(dev, torch.float32)
-                row += len(draft)
+            blocks = [(draft_probs.get(s.seq_id), len(d))
+                      for s, d in zip(seqs, chains.drafts, strict=True)]
+            q = _draft_q(draft_ids, chains.logits.shape[-1], blocks)
         metadata = SamplingMetadata.from_params(
             [s.request.sampling for s in seqs], [s.generator for s in seqs], self.shared_generator,
             device=dev)
-        out_ids, num_accepted = rejection_sample(logits, draft_ids, q, num_drafts, metadata)
-        out_ids, num_accepted = out_ids.tolist(), num_accepted.tolist()
+        out_ids, num_accepted = rejection_sample(chains.logits, draft_ids, q, num_drafts, metadata)
+        return out_ids.tolist(), num_accepted.tolist()
+
+    def _postprocess(self, out: RunnerOutput, chains: Chains, token_ids: list[list[int]],
+                     num_accepted: list[int]) -> list[StepOutput]:
+        """Each sampled sequence in batch order: keep the KV of what was accepted, append
+        the new tokens up to a stop condition, report to the proposer, finish."""
         outputs = []
-        logit_row = 0  # first row of this sequence's block in `logits`
-        for (item, draft), nodes, row, accepted in zip(sampled, num_nodes, out_ids, num_accepted,
-                                                      strict=True):
-            seq = item.seq
-            new = row[: accepted + 1]
-            start_pos = seq.num_computed if not item.is_prefill else seq.num_computed - item.num_tokens
-            path = paths.get(seq.seq_id)
-            if not item.is_prefill:
-                # KV was written for the last token and every draft; keep the
-                # accepted ones (the sampled token has none yet).
-                if path is not None and path[:accepted] != list(range(accepted)):
-                    base = seq.num_computed + 1
-                    self.cache.move(seq.seq_id, [base + j for j in path[:accepted]],
-                                    list(range(base, base + accepted)))
-                self.cache.truncate(seq.seq_id, seq.num_computed + 1 + accepted)
-            appended, reason = self._append(seq, new)
-            seq.num_computed = len(seq.tokens) - 1
-            seq.num_drafted += nodes
-            seq.num_accepted += min(accepted, len(appended))
-            logprobs = None
-            if seq.request.num_logprobs:
-                logprobs = _logprobs(logits[logit_row: logit_row + len(appended)], appended,
-                                     seq.request.num_logprobs)
-            logit_row += len(draft) + 1
-            if self.proposer is not None and reason is None:
-                # Hidden rows kept: a whole prefill chunk, or the last token plus the accepted drafts.
-                kept = item.num_tokens if item.is_prefill else accepted + 1
-                tree_rows = None if path is None else [0, *(1 + j for j in path[:accepted])]
-                self.proposer.advance(seq.seq_id, Outcome(
-                    nodes, accepted, appended,
-                    hidden.take(seq.seq_id, self.proposer, kept, tree_rows), start_pos))
-            miss = None
-            if item.k and not nodes and self.proposer is not None:
-                miss = self.proposer.miss_reason(seq.seq_id)
-            if reason is not None:
-                self._finish(seq, reason)
-            outputs.append(StepOutput(seq.request.request_id, appended, nodes, accepted, reason,
-                                      item.k, miss, logprobs))
+        row = 0  # first row of the sequence's chain in chains.logits
+        for item, fed, chain, path, ids, accepted in zip(
+                out.sampled, out.drafts, chains.drafts, chains.paths, token_ids, num_accepted,
+                strict=True):
+            logits = chains.logits[row: row + len(chain) + 1]  # [len(chain) + 1, V]
+            row += len(chain) + 1
+            outputs.append(self._postprocess_seq(item, len(fed), path, ids[: accepted + 1],
+                                                 accepted, logits, out.hidden))
         return outputs
+
+    def _postprocess_seq(self, item: Scheduled, num_drafted: int, path: list[int] | None,
+                         new: list[int], accepted: int, logits: torch.Tensor,
+                         hidden: Hidden) -> StepOutput:
+        """new: the accepted drafts and the sampled token; path: the accepted tree
+        indices of a tree block; logits: [len(chain) + 1, V], the rows the sampler read."""
+        seq = item.seq
+        start_pos = seq.num_computed if not item.is_prefill else seq.num_computed - item.num_tokens
+        if not item.is_prefill:
+            self._keep_accepted_kv(seq, path, accepted)
+        appended, reason = self._append(seq, new)
+        seq.num_computed = len(seq.tokens) - 1
+        seq.num_drafted += num_drafted
+        seq.num_accepted += min(accepted, len(appended))
+        logprobs = None
+        if seq.request.num_logprobs:
+            logprobs = _logprobs(logits[: len(appended)], appended, seq.request.num_logprobs)
+        if self.proposer is not None and reason is None:
+            # Hidden rows kept: a whole prefill chunk, or the last token plus the accepted drafts.
+            kept = item.num_tokens if item.is_prefill else accepted + 1
+            tree_rows = None if path is None else [0, *(1 + j for j in path[:accepted])]
+            self.proposer.advance(seq.seq_id, Outcome(
+                num_drafted, accepted, appended,
+                hidden.take(seq.seq_id, self.proposer, kept, tree_rows), start_pos))
+        miss = None
+        if item.k and not num_drafted and self.proposer is not None:
+            miss = self.proposer.miss_reason(seq.seq_id)
+        if reason is not None:
+            self._finish(seq, reason)
+        return StepOutput(seq.request.request_id, appended, num_drafted, accepted, reason,
+                          item.k, miss, logprobs)
+
+    def _keep_accepted_kv(self, seq: Sequence, path: list[int] | None, accepted: int) -> None:
+        """KV was written for the last token and every draft; keep the accepted ones
+        (the sampled token has none yet), a tree's path moved to consecutive slots."""
+        if path is not None and path[:accepted] != list(range(accepted)):
+            base = seq.num_computed + 1
+            self.cache.move(seq.seq_id, [base + j for j in path[:accepted]],
+                            list(range(base, base + accepted)))
+        self.cache.truncate(seq.seq_id, seq.num_computed + 1 + accepted)
 
     def _append(self, seq: Sequence, new: list[int]) -> tuple[list[int], FinishReason | None]:
         """Append sampled tokens up to the first stop condition."""
@@ -390,28 +292,17 @@ class Engine:
             self.proposer.free(seq.seq_id)
 
 
-@dataclass(slots=True)
-class _Hidden:
-    """The step's hidden-state output and where each sequence's rows start in it."""
-
-    states: torch.Tensor | None  # [len(layers), M, hidden]
-    layers: tuple[int, ...]
-    first_row: dict[int, int]  # seq_id -> first of its rows (one per fed token)
-
-    def take(self, seq_id: int, proposer: Proposer, num_rows: int,
-             rows: list[int] | None = None) -> torch.Tensor | None:
-        """[num_rows, L_seq, hidden]: the sequence's first num_rows rows (or those of
-        its fed tokens listed in `rows`: a tree's root and accepted path), layers in
-        the order its drafter asked for."""
-        if self.states is None or seq_id not in self.first_row:
-            return None
-        index = [self.layers.index(layer) for layer in proposer.hidden_layers(seq_id)]
-        first = self.first_row[seq_id]
-        if rows is None:
-            out = self.states[index, first: first + num_rows]  # [L_seq, P, hidden]
-        else:
-            out = self.states[index][:, [first + r for r in rows]]
-        return out.transpose(0, 1).contiguous()
+def _draft_q(draft_ids: torch.Tensor, vocab: int,
+             blocks: list[tuple[torch.Tensor | None, int]]) -> torch.Tensor:
+    """[sum K_i, V]: the drafter's q where it sent one, one-hot rows elsewhere.
+    draft_ids: [sum K_i]; blocks: per sequence its [K_i, V] q (or None) and K_i."""
+    q = torch.nn.functional.one_hot(draft_ids, vocab).float()
+    row = 0
+    for probs, k in blocks:
+        if probs is not None:
+            q[row: row + k] = probs.to(q.device, torch.float32)
+        row += k
+    return q
 
 
 def _logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:

@@ -1,0 +1,67 @@
+"""A step's drafts: what the proposer sent, cut to what the target can verify.
+
+A drafter may only lower a sequence's K. Out-of-vocabulary ids end a draft,
+a malformed draft distribution drops it (K = 0 this step), and a token tree
+is verified as a tree only for greedy requests without a sliding window;
+anywhere else it keeps its chain of first children (specdec/tree.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec import tree as token_tree
+from specdec.models import ModelConfig
+from verifier.engine.proposer import Proposer
+from verifier.engine.scheduler import Scheduled
+
+
+@dataclass(slots=True)
+class Drafts:
+    token_ids: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> [K_i] draft ids
+    # seq_id -> [K_i, V] draft distribution, for the proposals that carry one (the
+    # others are one-hot).
+    probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # seq_id -> [K_i] parents, for the drafts that form a token tree rather than a chain.
+    trees: dict[int, list[int]] = field(default_factory=dict)
+
+
+def collect_drafts(proposer: Proposer | None, batch: list[Scheduled],
+                   model_config: ModelConfig) -> Drafts:
+    """Ask the proposer for the batch's drafts (K_i = item.k) and keep what can be verified."""
+    drafts = Drafts()
+    if proposer is None:
+        return drafts
+    wanted = {item.seq.seq_id: item.k for item in batch if item.k > 0}
+    tokens = {item.seq.seq_id: item.seq.tokens for item in batch if item.k > 0}
+    # Called even when nobody speculates: the proposer forwards pending outcomes.
+    proposals = proposer.propose(wanted, tokens)
+    vocab = model_config.vocab_size
+    greedy = {item.seq.seq_id: item.seq.request.sampling.is_greedy for item in batch}
+    for seq_id, k in wanted.items():
+        p = proposals.get(seq_id)
+        if p is None:
+            continue
+        # A drafter can only lower K; out-of-vocabulary ids end the draft (a
+        # tree's prefix is a tree: parents come first).
+        ids = list(itertools.takewhile(lambda t: 0 <= t < vocab, p.token_ids[:k]))
+        if p.parents is not None and not token_tree.is_chain(p.parents[: len(ids)]):
+            if p.probs is not None:
+                continue  # trees carry one-hot drafts only: run K = 0
+            parents = p.parents[: len(ids)]
+            # Trees are verified for greedy requests only; a sampled request, or
+            # a sliding window (it would count a tree token's slot rather than
+            # its position), keeps the chain of first children.
+            if greedy[seq_id] and model_config.sliding_window is None:
+                drafts.trees[seq_id] = parents
+            else:
+                ids = [ids[i] for i in token_tree.first_child_chain(parents)]
+        if p.probs is not None and ids:
+            if p.probs.dim() != 2 or p.probs.shape[0] < len(ids) or p.probs.shape[1] != vocab:
+                continue  # a malformed q can't be verified exactly: run K = 0
+            drafts.probs[seq_id] = p.probs[: len(ids)]
+        drafts.token_ids[seq_id] = ids
+    return drafts
