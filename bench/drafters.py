@@ -154,7 +154,7 @@ class Deployment:
             argv = ["-m", "verifier", "--model", str(target), "--port", str(port),
                     "--threads", str(args.verifier_threads), "--dtype", "float32",
                     "--max-num-seqs", "4", "--max-model-len", "4096",
-                    "--num-speculative-tokens-max", "8",
+                    "--max-num-speculative-tokens", "8",
                     "--draft-deadline-ms", str(deadline_ms or args.draft_deadline_ms)]
             for name, address in addresses.items():
                 argv += ["--drafter", f"{name}={address}"]

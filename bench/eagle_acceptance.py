@@ -63,7 +63,7 @@ def run(model, prompts: list[list[int]], tokens: int, k: int,
     outputs, accepted_hist, rounds, drafted, steps, seconds = [], [0] * (k + 1), 0, 0, 0, 0.0
     for i, prompt in enumerate(prompts):
         engine = Engine(model, EngineConfig(max_model_len=1024, num_kv_blocks=128,
-                                            num_speculative_tokens_max=max(k, 1)), proposer)
+                                            max_num_speculative_tokens=max(k, 1)), proposer)
         engine.add_request(Request(str(i), prompt, tokens, SamplingParams(temperature=0.0),
                                    ignore_eos=True, num_speculative_tokens=k if proposer else 0,
                                    drafter="d" if proposer else None))

@@ -216,25 +216,41 @@ def main() -> None:
     log_dir = cache_dir() / "logs" / "bench-gateway"
     log_dir.mkdir(parents=True, exist_ok=True)
     verifier = f"127.0.0.1:{ports['verifier']}"
-    max_k = max(args.ks)
+    max_num_speculative_tokens = max(args.ks)
     with Processes(log_dir, args.threads) as procs:
         drafter = ["-m", "drafter", "--method", args.method, "--target", str(model_dir),
                    "--port", str(ports["drafter"])]
         if args.method == "eagle3":
             drafter += ["--model", str(HEAD)]
         procs.spawn("drafter", drafter)
-        procs.spawn("verifier", [
-            "-m", "verifier", "--model", str(model_dir), "--port", str(ports["verifier"]),
-            "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "1024",
-            "--num-speculative-tokens-max", str(max_k), "--threads", str(args.threads),
-            "--drafter", f"{args.method}=127.0.0.1:{ports['drafter']}"])
+        procs.spawn(
+            "verifier",
+            [
+                "-m",
+                "verifier",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(ports["verifier"]),
+                "--max-num-seqs",
+                str(max(args.concurrency)),
+                "--max-model-len",
+                "1024",
+                "--max-num-speculative-tokens",
+                str(max_num_speculative_tokens),
+                "--threads",
+                str(args.threads),
+                "--drafter",
+                f"{args.method}=127.0.0.1:{ports['drafter']}",
+            ],
+        )
         wait_for_verifier(verifier, args.method)
         tokenizer = Tokenizer.from_dir(model_dir)
         chat = [tokenizer.apply_chat_template(list(p.messages)) for p in PROMPTS
                 if p.category != "long_context"]
         print("profiling the deployment ...", file=sys.stderr, flush=True)
         prof = asyncio.run(profile(verifier, chat, sorted({1, *args.concurrency}),
-                                   [0, *range(1, max_k + 1)], 24, args.method,
+                                   [0, *range(1, max_num_speculative_tokens + 1)], 24, args.method,
                                    log=lambda s: print("  " + s, file=sys.stderr, flush=True)))
         out = Path(args.out)
         profile_path = out.with_name(out.stem + "_profile.json")

@@ -262,7 +262,7 @@ def run_requests(model: LlamaForCausalLM, requests: list[Request], batch: int,
     engine = Engine(model, EngineConfig(
         max_num_seqs=batch, max_model_len=longest + K_MAX + 1, block_size=16,
         num_kv_blocks=batch * (-(-(longest + K_MAX + 1) // 16)) + 2,
-        max_num_batched_tokens=64, num_speculative_tokens_max=K_MAX, seed=seed,
+        max_num_batched_tokens=64, max_num_speculative_tokens=K_MAX, seed=seed,
         cuda_graphs=graphs), proposer)
     index = {r.request_id: i for i, r in enumerate(requests)}
     run = Run([[] for _ in requests])
@@ -648,16 +648,29 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     cells = run_matrix(settings, args.reduced, progress)
-    meta = {"mode": "reduced" if args.reduced else "full", "device": args.device,
-            "command": "python -m bench.matrix" + (" --reduced" if args.reduced else "")
-            + (" --device cuda" if args.device == "cuda" else ""),
-            "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "threads": args.threads, "date": datetime.now(UTC).strftime("%Y-%m-%d"),
-            "seconds": time.perf_counter() - t0, "summary": summary(cells),
-            "tolerance": TOLERANCE, "p_min": P_MIN, "k_static": K_STATIC, "k_max": K_MAX,
-            "random_requests": {"batch_8": settings.random_requests,
-                                "batch_1": settings.random_requests_batch1},
-            "greedy_prompts": settings.greedy_prompts, "greedy_tokens": GREEDY_TOKENS}
+    meta = {
+        "mode": "reduced" if args.reduced else "full",
+        "device": args.device,
+        "command": "python -m bench.matrix"
+        + (" --reduced" if args.reduced else "")
+        + (" --device cuda" if args.device == "cuda" else ""),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "seconds": time.perf_counter() - t0,
+        "summary": summary(cells),
+        "tolerance": TOLERANCE,
+        "p_min": P_MIN,
+        "k_static": K_STATIC,
+        "max_num_speculative_tokens": K_MAX,
+        "random_requests": {
+            "batch_8": settings.random_requests,
+            "batch_1": settings.random_requests_batch1,
+        },
+        "greedy_prompts": settings.greedy_prompts,
+        "greedy_tokens": GREEDY_TOKENS,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "cells": [c.to_json() for c in cells]}, indent=1)
                    + "\n")

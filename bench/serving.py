@@ -143,7 +143,7 @@ def start_ours(args, model_dir: Path, procs: Processes) -> tuple[str, str, Path]
     }
     verifier_argv = ["-m", "verifier", "--model", str(model_dir), "--port", str(ports["verifier"]),
                      "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "1024",
-                     "--num-speculative-tokens-max", str(max(args.ks)),
+                     "--max-num-speculative-tokens", str(max(args.ks)),
                      "--threads", str(args.threads)]
     for m in args.methods:
         procs.spawn(f"drafter-{m}", ["-m", "drafter", *drafter_argv[m],

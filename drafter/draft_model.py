@@ -44,7 +44,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 class _Seq:
     slot: int  # sequence id in the KV cache
     tokens: list[int]  # committed context: prompt + accepted tokens
-    max_k: int
+    max_num_speculative_tokens: int
     sampling: SamplingParams | None  # None: greedy drafts without probabilities
     generator: torch.Generator | None  # the request's own (seeded); None: the shared one
     num_cached: int = 0  # leading committed tokens whose KV is in the cache
@@ -59,7 +59,7 @@ class _Job:
 
     key: Hashable
     seq: _Seq
-    k: int
+    num_speculative_tokens: int
     token_ids: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)  # [V] float32 per sampled draft
 
@@ -196,11 +196,11 @@ class DraftModelMethod(DraftMethod):
         return self._info
 
     def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
-              sampling: SamplingParams, max_k: int) -> None:
+              sampling: SamplingParams, max_num_speculative_tokens: int) -> None:
         self.free(key)
         params = sampling if self.sample and not sampling.is_greedy else None
         seq = _Seq(slot=next(self._slots), tokens=list(prompt_ids) + list(output_ids),
-                   max_k=max_k, sampling=params,
+                   max_num_speculative_tokens=max_num_speculative_tokens, sampling=params,
                    generator=params.make_generator(self.device) if params else None)
         self.cache.add(seq.slot)
         self._seqs[key] = seq
@@ -234,7 +234,7 @@ class DraftModelMethod(DraftMethod):
         active = jobs
         while True:
             self._choose(active, logits)
-            active = [job for job in active if len(job.token_ids) < job.k]
+            active = [job for job in active if len(job.token_ids) < job.num_speculative_tokens]
             if not active:
                 break
             # Feed each still-drafting sequence its last draft: logits of the next position.
@@ -267,7 +267,7 @@ class DraftModelMethod(DraftMethod):
             if seq is None or not seq.tokens:
                 continue
             # The context after the drafts stays within max_model_len.
-            k = min(k, seq.max_k, self._info.max_num_speculative_tokens,
+            k = min(k, seq.max_num_speculative_tokens, self._info.max_num_speculative_tokens,
                     self.max_model_len - len(seq.tokens))
             if k < 1:
                 continue
@@ -283,7 +283,7 @@ class DraftModelMethod(DraftMethod):
         free = self.cache.num_free_blocks
         for job in candidates:
             # Catch-up tokens, then every draft but the last (never fed).
-            n_new = len(job.seq.tokens) - job.seq.num_cached + job.k - 1
+            n_new = len(job.seq.tokens) - job.seq.num_cached + job.num_speculative_tokens - 1
             need = self.cache.blocks_needed(job.seq.slot, n_new)
             if need <= free:  # otherwise no room: propose nothing for it this round
                 free -= need

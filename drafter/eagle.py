@@ -154,7 +154,7 @@ class _EagleMethod(DraftMethod):
         return self._info
 
     def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
-              sampling: SamplingParams, max_k: int) -> None:
+              sampling: SamplingParams, max_num_speculative_tokens: int) -> None:
         # Greedy whatever the sampling: one-hot drafts stay exact under rejection sampling.
         self.free(key)
         seq = _Seq(next(self._cache_ids), TokenBuffer(list(prompt_ids) + list(output_ids)),

@@ -90,7 +90,7 @@ class DraftMethod(ABC):
 
     @abstractmethod
     def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
-              sampling: SamplingParams, max_k: int) -> None:
+              sampling: SamplingParams, max_num_speculative_tokens: int) -> None:
         """Begin tracking a sequence whose context is prompt_ids + output_ids."""
 
     @abstractmethod

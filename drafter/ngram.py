@@ -106,7 +106,7 @@ class NgramMethod(DraftMethod):
         return self._info
 
     def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
-              sampling: SamplingParams, max_k: int) -> None:
+              sampling: SamplingParams, max_num_speculative_tokens: int) -> None:
         # Lookup is deterministic whatever the sampling, and reserves nothing per K.
         self._contexts[key] = TokenBuffer(list(prompt_ids) + list(output_ids))
 

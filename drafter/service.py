@@ -200,10 +200,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         # Recorded before the method runs, so the stream frees it even if start fails.
         stream.rounds[entry.seq_id] = entry.round
         cap = self._info.max_num_speculative_tokens
-        max_k = min(start.max_num_speculative_tokens or cap, cap)
+        max_num_speculative_tokens = min(start.max_num_speculative_tokens or cap, cap)
         try:
             self._method.start(key, list(start.prompt_token_ids), list(start.output_token_ids),
-                               sampling, max_k)
+                               sampling, max_num_speculative_tokens)
         except ValueError as e:
             raise InvalidRequest(f"{where}.start: {e}") from None
         return start.num_speculative_tokens

@@ -73,11 +73,16 @@ async def _serve(args: argparse.Namespace) -> int:
         log.info("dynamic K profile: %s", profile_path)
     config = GatewayConfig(
         model_name=args.served_model_name or model_dir.name,
-        default_method=args.speculative_method, default_k=args.num_speculative_tokens,
+        default_method=args.speculative_method,
+        default_num_speculative_tokens=args.num_speculative_tokens,
         disable_queue_size=args.speculative_disable_queue_size,
-        limits=Limits(max_prompt_tokens=args.max_prompt_tokens,
-                      max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes),
-        api_key=args.api_key or None)
+        limits=Limits(
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_tokens=args.max_tokens_limit,
+            max_body_bytes=args.max_body_bytes,
+        ),
+        api_key=args.api_key or None,
+    )
     replicas = ReplicaPool([host_port(v) for v in args.verifier or ["127.0.0.1:50051"]],
                            model_fingerprint(model_dir))
     gateway = Gateway(config, tokenizer, replicas, profile=profile)

@@ -54,7 +54,7 @@ class Limits:
 class GatewayConfig:
     model_name: str
     default_method: str = "none"
-    default_k: int = 4
+    default_num_speculative_tokens: int = 4
     disable_queue_size: int | None = None
     limits: Limits = field(default_factory=Limits)
     api_key: str | None = None
@@ -66,8 +66,8 @@ class GatewayConfig:
             raise ValueError("model_name: must not be empty")
         if self.default_method not in METHODS:
             raise ValueError(f"default_method: unknown method {self.default_method!r}")
-        if self.default_k < 0:
-            raise ValueError("default_k: must be >= 0")
+        if self.default_num_speculative_tokens < 0:
+            raise ValueError("default_num_speculative_tokens: must be >= 0")
         if self.disable_queue_size is not None and self.disable_queue_size < 0:
             raise ValueError("disable_queue_size: must be >= 0")
 
@@ -143,9 +143,12 @@ class Gateway:
         dep = Deployment(
             default_method=self.config.default_method,
             methods_available=self.replicas.drafter_methods() | replica.drafter_methods(),
-            default_k=min(self.config.default_k, report.max_num_speculative_tokens),
-            k_max=report.max_num_speculative_tokens,
-            disable_queue_size=self.config.disable_queue_size)
+            default_num_speculative_tokens=min(
+                self.config.default_num_speculative_tokens, report.max_num_speculative_tokens
+            ),
+            max_num_speculative_tokens=report.max_num_speculative_tokens,
+            disable_queue_size=self.config.disable_queue_size,
+        )
         spec = req.speculative
         if spec.drafter is not None:
             configured = {d.name: method_name(d.method) for d in report.drafters}
@@ -183,8 +186,8 @@ class Gateway:
         if decision.disabled_reason is not None:
             self.metrics.disabled.labels(decision.disabled_reason).inc()
         dynamic = None
-        if decision.auto_k and self.profile is not None and decision.k > 0:
-            dynamic = DynamicK(self.profile, decision.method, decision.k,
+        if decision.auto_k and self.profile is not None and decision.num_speculative_tokens > 0:
+            dynamic = DynamicK(self.profile, decision.method, decision.num_speculative_tokens,
                                warmup_steps=self.config.dynamic_k_warmup_steps)
         return Generation(req, request_id, decision, dynamic, max_tokens, t0, replica,
                           self.replicas, self.tokenizer, self.metrics)

@@ -71,9 +71,9 @@ class Generation:
         self.t_last: float | None = None
         # The current stream's cumulative SpecDecodeStats (streams restart counting).
         self.spec = common_pb2.SpecDecodeStats()
-        self.dynamic = dynamic  # None: K stays decision.k
-        self.k = decision.k
-        self.enabled = decision.disabled_reason is None and decision.k > 0
+        self.dynamic = dynamic  # None: K stays decision.num_speculative_tokens
+        self.num_speculative_tokens = decision.num_speculative_tokens
+        self.enabled = decision.disabled_reason is None and decision.num_speculative_tokens > 0
         self.summary = SpecDecodeSummary(method=decision.method,
                                          disabled_reason=decision.disabled_reason)
 
@@ -87,20 +87,20 @@ class Generation:
         reason = common_pb2.DISABLED_REASON_NONE
         if d.method != "none":
             if self.dynamic is not None:
-                self.k = self.dynamic.next_k(replica.load + 1)
-            speculation.num_speculative_tokens = self.k
+                self.num_speculative_tokens = self.dynamic.next_k(replica.load + 1)
+            speculation.num_speculative_tokens = self.num_speculative_tokens
             if d.disabled_reason is not None:
                 reason = reason_to_proto(d.disabled_reason)
-            elif self.k == 0:  # dynamic K chose plain decoding for the first step
+            elif self.num_speculative_tokens == 0:  # dynamic K chose plain decoding first
                 reason = common_pb2.DISABLED_REASON_DYNAMIC_K
-                speculation.num_speculative_tokens = d.k
+                speculation.num_speculative_tokens = d.num_speculative_tokens
             speculation.auto_k = self.dynamic is not None
         if d.method != "none" and d.method not in replica.drafter_methods():
             # Known method without a drafter on this replica: run plainly, say why.
             speculation.method = common_pb2.SPEC_METHOD_NONE
             speculation.drafter = ""
             self.summary.disabled_reason = "drafter_unavailable"
-        self.enabled = reason == common_pb2.DISABLED_REASON_NONE and self.k > 0
+        self.enabled = reason == common_pb2.DISABLED_REASON_NONE and self.num_speculative_tokens > 0
         return verifier_pb2.GenerateRequest(start=verifier_pb2.GenerateRequest.Start(
             request_id=self.request_id, prompt_token_ids=p.prompt + p.generated,
             sampling=sampling, speculation=speculation, disabled_reason=reason))
@@ -110,7 +110,8 @@ class Generation:
         with tracer.start_as_current_span("gateway.generate") as span:
             span.set_attribute("specdec.request_id", self.request_id)
             span.set_attribute("specdec.method", self.decision.method)
-            span.set_attribute("specdec.num_speculative_tokens", self.decision.k)
+            span.set_attribute("specdec.num_speculative_tokens",
+                               self.decision.num_speculative_tokens)
             metrics.running.inc()
             try:
                 async for delta in self._stream(self.replica):
@@ -261,7 +262,7 @@ class Generation:
         if step.num_drafted:
             self.dynamic.observe(step.num_drafted, step.num_accepted)
         k = self.dynamic.next_k(max(step.batch_size, 1))
-        if k == (self.k if self.enabled else 0):
+        if k == (self.num_speculative_tokens if self.enabled else 0):
             return None
         self.metrics.k_updates.inc()
         update = verifier_pb2.GenerateRequest.PolicyUpdate()
@@ -273,7 +274,7 @@ class Generation:
             update.num_speculative_tokens = k
             if not self.enabled:
                 update.enabled = True
-            self.k, self.enabled = k, True
+            self.num_speculative_tokens, self.enabled = k, True
         return verifier_pb2.GenerateRequest(policy_update=update)
 
     def _rebase(self, spec: common_pb2.SpecDecodeStats) -> None:

@@ -99,8 +99,8 @@ async def profile(address: str, prompts: Sequence[list[int]], batch_sizes: Seque
         if missing:
             raise SystemExit(f"--method {','.join(missing)}: the verifier has no such drafter "
                              f"(it has {', '.join(methods) or 'none'})")
-        k_max = report.max_num_speculative_tokens
-        ks = sorted({0, *(k for k in ks if k <= k_max)}) if wanted else [0]
+        max_num_speculative_tokens = report.max_num_speculative_tokens
+        ks = sorted({0, *(k for k in ks if k <= max_num_speculative_tokens)}) if wanted else [0]
         batch_sizes = sorted(b for b in set(batch_sizes) if b <= report.max_num_seqs)
 
         async def step_ms(b: int, k: int, name: str | None) -> float:

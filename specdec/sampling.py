@@ -60,6 +60,14 @@ class SamplingParams:
             seed=msg.seed if msg.HasField("seed") else None,
         )
 
+    def to_proto(self) -> common_pb2.SamplingParams:
+        """The filters and seed on the wire (the fields `from_proto` reads; top_k -1 as 0)."""
+        msg = common_pb2.SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0),
+                                        top_p=self.top_p, min_p=self.min_p)
+        if self.seed is not None:
+            msg.seed = self.seed
+        return msg
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS

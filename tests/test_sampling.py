@@ -74,3 +74,8 @@ def test_params_from_the_wire():
     assert SamplingParams.from_proto(msg).is_greedy
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams.from_proto(common_pb2.SamplingParams(top_p=1.5))
+    # What a verifier sends its drafters reads back as the same parameters.
+    for params in (SamplingParams(), SamplingParams(0.0, 5, 0.5, 0.25, 7),
+                   SamplingParams(temperature=0.75, seed=2**64 - 1)):
+        assert SamplingParams.from_proto(params.to_proto()) == params
+    assert SamplingParams.from_proto(SamplingParams(top_k=-1).to_proto()).top_k == 0

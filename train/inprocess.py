@@ -20,12 +20,18 @@ class InProcessProposer(Proposer):
 
     def __init__(self, method: DraftMethod, max_num_speculative_tokens: int):
         self.method = method
-        self.max_k = max_num_speculative_tokens
+        self.max_num_speculative_tokens = max_num_speculative_tokens
         info = method.info()
         self.layers = tuple(info.hidden_state_layers) if info.needs_hidden_states else ()
 
     def start(self, seq_id: int, request: Request) -> None:
-        self.method.start(seq_id, list(request.prompt_token_ids), [], request.sampling, self.max_k)
+        self.method.start(
+            seq_id,
+            list(request.prompt_token_ids),
+            [],
+            request.sampling,
+            self.max_num_speculative_tokens,
+        )
 
     def propose(self, wanted: dict[int, int], tokens: dict[int, list[int]]) -> dict[int, Proposal]:
         drafts = self.method.propose(wanted) if wanted else {}

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--num-speculative-tokens-max", type=int, default=8)
+    p.add_argument("--max-num-speculative-tokens", type=int, default=8)
     p.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="K for requests that do not choose one")
     p.add_argument("--draft-deadline-ms", type=float, default=100.0,
@@ -75,14 +75,14 @@ async def _serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         block_size=args.block_size, num_kv_blocks=math.ceil(kv_tokens / args.block_size),
         max_num_batched_tokens=args.max_num_batched_tokens,
-        num_speculative_tokens_max=args.num_speculative_tokens_max, seed=args.seed,
+        max_num_speculative_tokens=args.max_num_speculative_tokens, seed=args.seed,
         cuda_graphs=args.cuda_graphs)
     target = TargetInfo(cfg.vocab_size, digest, cfg.hidden_size, cfg.num_layers)
     pool = DrafterPool([DrafterClient(name, addr, target) for name, addr in args.drafter],
-                       args.num_speculative_tokens_max, args.draft_deadline_ms)
+                       args.max_num_speculative_tokens, args.draft_deadline_ms)
     engine = Engine(model, engine_cfg, pool, tokenizer.eos_token_ids)
     servicer = VerifierServicer(engine, pool, target, model_name=model_dir.name,
-                                default_k=args.num_speculative_tokens)
+                                default_num_speculative_tokens=args.num_speculative_tokens)
     service = await serve(servicer, f"{args.host}:{args.port}")
     log.info("verifier serving %s on %s (drafters: %s)", model_dir.name,
              host_port(f"{args.host}:{service.port}"),

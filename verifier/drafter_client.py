@@ -73,19 +73,11 @@ def check_info(info: drafter_pb2.InfoResponse, target: TargetInfo) -> str | None
     return None
 
 
-def _sampling_proto(p: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(temperature=p.temperature, top_k=max(p.top_k, 0),
-                                    top_p=p.top_p, min_p=p.min_p)
-    if p.seed is not None:
-        msg.seed = p.seed
-    return msg
-
-
 @dataclass(slots=True)
 class _Seq:
     prompt: list[int]
     sampling: SamplingParams
-    max_k: int
+    max_num_speculative_tokens: int
     output: list[int] = field(default_factory=list)
     round: int = 0
     generation: int = -1  # stream generation its Start went out on; -1 = not yet
@@ -136,7 +128,7 @@ class DrafterClient:
         return self.info.method if self.info is not None else common_pb2.SPEC_METHOD_UNSPECIFIED
 
     @property
-    def max_k(self) -> int:
+    def max_num_speculative_tokens(self) -> int:
         return self.info.max_num_speculative_tokens if self.info is not None else 0
 
     def hidden_layers(self) -> tuple[int, ...]:
@@ -153,9 +145,15 @@ class DrafterClient:
 
     # -- engine thread -----------------------------------------------------------
 
-    def track(self, seq_id: int, prompt: list[int], sampling: SamplingParams, max_k: int) -> None:
+    def track(
+        self,
+        seq_id: int,
+        prompt: list[int],
+        sampling: SamplingParams,
+        max_num_speculative_tokens: int,
+    ) -> None:
         with self._lock:
-            self._seqs[seq_id] = _Seq(list(prompt), sampling, max_k)
+            self._seqs[seq_id] = _Seq(list(prompt), sampling, max_num_speculative_tokens)
 
     def record(self, seq_id: int, outcome: Outcome) -> None:
         with self._lock:
@@ -205,13 +203,21 @@ class DrafterClient:
                        for s in self._freed]
             self._freed.clear()
             for seq_id, seq in self._seqs.items():
-                k = min(wanted.get(seq_id, 0), seq.max_k)
+                k = min(wanted.get(seq_id, 0), seq.max_num_speculative_tokens)
                 if seq.generation != self._generation:
-                    entries.append(drafter_pb2.DraftEntry(
-                        seq_id=seq_id, round=seq.round, start=drafter_pb2.DraftEntry.Start(
-                            prompt_token_ids=seq.prompt, sampling=_sampling_proto(seq.sampling),
-                            max_num_speculative_tokens=seq.max_k, output_token_ids=seq.output,
-                            num_speculative_tokens=k)))
+                    entries.append(
+                        drafter_pb2.DraftEntry(
+                            seq_id=seq_id,
+                            round=seq.round,
+                            start=drafter_pb2.DraftEntry.Start(
+                                prompt_token_ids=seq.prompt,
+                                sampling=seq.sampling.to_proto(),
+                                max_num_speculative_tokens=seq.max_num_speculative_tokens,
+                                output_token_ids=seq.output,
+                                num_speculative_tokens=k,
+                            ),
+                        )
+                    )
                     seq.generation = self._generation
                 elif seq.pending is not None or k:
                     entry = seq.pending or drafter_pb2.DraftEntry(

@@ -17,10 +17,10 @@ from verifier.engine.sequence import Request
 
 
 class DrafterPool(Proposer):
-    def __init__(self, clients: list[DrafterClient], num_speculative_tokens_max: int,
+    def __init__(self, clients: list[DrafterClient], max_num_speculative_tokens: int,
                  draft_deadline_ms: float):
         self.clients = {c.name: c for c in clients}
-        self.k_max = num_speculative_tokens_max
+        self.max_num_speculative_tokens = max_num_speculative_tokens
         self.deadline_s = draft_deadline_ms / 1e3
         self._owner: dict[int, DrafterClient] = {}
         self._misses: dict[int, str] = {}
@@ -65,7 +65,9 @@ class DrafterPool(Proposer):
         if client is None:
             return
         self._owner[seq_id] = client
-        client.track(seq_id, request.prompt_token_ids, request.sampling, self.k_max)
+        client.track(
+            seq_id, request.prompt_token_ids, request.sampling, self.max_num_speculative_tokens
+        )
 
     def propose(self, wanted: dict[int, int], tokens: dict[int, list[int]]) -> dict[int, Proposal]:
         self._step += 1

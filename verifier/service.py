@@ -47,7 +47,7 @@ class Policy:
 
     method: int  # SpecMethod; NONE = no drafter at all
     drafter: str | None
-    k: int  # kept while speculation is off, for when it is turned back on
+    num_speculative_tokens: int  # kept while speculation is off, for when it is turned back on
     auto_k: bool
     disabled_reason: int  # DisabledReason; DISABLED_REASON_NONE = speculation on
 
@@ -57,7 +57,7 @@ class Policy:
 
     @property
     def effective_k(self) -> int:
-        return self.k if self.enabled and self.drafter is not None else 0
+        return self.num_speculative_tokens if self.enabled and self.drafter is not None else 0
 
 
 @dataclass(slots=True)
@@ -75,12 +75,14 @@ def _field_error(prefix: str, e: ValueError) -> ValueError:
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: Engine, pool: DrafterPool, target: TargetInfo, *,
-                 model_name: str = "", default_k: int = 4):
+                 model_name: str = "", default_num_speculative_tokens: int = 4):
         self.engine = engine
         self.pool = pool
         self.target = target
         self.model_name = model_name
-        self.default_k = min(default_k, engine.config.num_speculative_tokens_max)
+        self.default_num_speculative_tokens = min(
+            default_num_speculative_tokens, engine.config.max_num_speculative_tokens
+        )
         self.worker = EngineWorker(engine)
         self._active: dict[str, asyncio.Task | None] = {}
         self._aborting: set[str] = set()
@@ -111,19 +113,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
         spec = start.speculation
         method = spec.method or self.pool.default_method()
-        if spec.num_speculative_tokens > cfg.num_speculative_tokens_max:
+        if spec.num_speculative_tokens > cfg.max_num_speculative_tokens:
             raise ValueError(f"start.speculation.num_speculative_tokens: "
                              f"{spec.num_speculative_tokens} exceeds the maximum "
-                             f"{cfg.num_speculative_tokens_max}")
+                             f"{cfg.max_num_speculative_tokens}")
         client = None
         if method != common_pb2.SPEC_METHOD_NONE or spec.drafter:
             try:
                 client = self.pool.resolve(method, spec.drafter)
             except ValueError as e:
                 raise _field_error("start", e) from None
-        k = spec.num_speculative_tokens or self.default_k
-        if client is not None and client.max_k:
-            k = min(k, client.max_k)
+        k = spec.num_speculative_tokens or self.default_num_speculative_tokens
+        if client is not None and client.max_num_speculative_tokens:
+            k = min(k, client.max_num_speculative_tokens)
         if client is not None and spec.drafter and method == common_pb2.SPEC_METHOD_UNSPECIFIED:
             method = client.method
         if method == common_pb2.SPEC_METHOD_NONE:
@@ -148,12 +150,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _apply_update(self, request_id: str, policy: Policy,
                       update: verifier_pb2.GenerateRequest.PolicyUpdate) -> None:
-        k_max = self.engine.config.num_speculative_tokens_max
+        max_num_speculative_tokens = self.engine.config.max_num_speculative_tokens
         if update.HasField("num_speculative_tokens"):
-            if update.num_speculative_tokens > k_max:
+            if update.num_speculative_tokens > max_num_speculative_tokens:
                 raise ValueError(f"policy_update.num_speculative_tokens: "
-                                 f"{update.num_speculative_tokens} exceeds the maximum {k_max}")
-            policy.k = update.num_speculative_tokens
+                                 f"{update.num_speculative_tokens} exceeds the maximum "
+                                 f"{max_num_speculative_tokens}")
+            policy.num_speculative_tokens = update.num_speculative_tokens
         if update.HasField("enabled"):
             if update.enabled and policy.method == common_pb2.SPEC_METHOD_NONE:
                 raise ValueError("policy_update.enabled: the request's method is NONE")
@@ -292,12 +295,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             num_total_kv_tokens=cfg.num_kv_blocks * cfg.block_size,
             step_time_ema_ms=load.step_time_ema_ms, max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len,
-            max_num_speculative_tokens=cfg.num_speculative_tokens_max, model_name=self.model_name,
+            max_num_speculative_tokens=cfg.max_num_speculative_tokens, model_name=self.model_name,
             tokenizer=common_pb2.TokenizerFingerprint(vocab_size=self.target.vocab_size,
                                                       hash=self.target.tokenizer_hash))
         for c in self.pool.clients.values():
-            report.drafters.add(name=c.name, method=c.method, available=c.available,
-                                max_num_speculative_tokens=min(c.max_k, cfg.num_speculative_tokens_max))
+            report.drafters.add(
+                name=c.name,
+                method=c.method,
+                available=c.available,
+                max_num_speculative_tokens=min(
+                    c.max_num_speculative_tokens, cfg.max_num_speculative_tokens
+                ),
+            )
         return report
 
     # -- lifecycle -----------------------------------------------------------------

@@ -19,8 +19,8 @@ class Deployment:
 
     default_method: str
     methods_available: frozenset[str]
-    default_k: int
-    k_max: int
+    default_num_speculative_tokens: int
+    max_num_speculative_tokens: int
     disable_queue_size: int | None  # None = never auto-disable
 
     def __post_init__(self) -> None:
@@ -31,11 +31,14 @@ class Deployment:
         unknown = sorted(self.methods_available - set(METHODS))
         if unknown:
             raise ValueError(f"deployment: methods_available has unknown method(s) {unknown}")
-        check_count("deployment: default_k", self.default_k)
-        check_count("deployment: k_max", self.k_max)
-        if self.default_k > self.k_max:
-            raise ValueError(f"deployment: default_k ({self.default_k}) must not exceed "
-                             f"k_max ({self.k_max})")
+        check_count(
+            "deployment: default_num_speculative_tokens", self.default_num_speculative_tokens
+        )
+        check_count("deployment: max_num_speculative_tokens", self.max_num_speculative_tokens)
+        if self.default_num_speculative_tokens > self.max_num_speculative_tokens:
+            raise ValueError(f"deployment: default_num_speculative_tokens "
+                             f"({self.default_num_speculative_tokens}) must not exceed "
+                             f"max_num_speculative_tokens ({self.max_num_speculative_tokens})")
         if self.disable_queue_size is not None:
             check_count("deployment: disable_queue_size", self.disable_queue_size)
 
@@ -45,19 +48,20 @@ class Decision:
     """How one request starts. With a disabled_reason it runs plainly (K=0 every step)."""
 
     method: str  # "none" or a drafter method
-    k: int  # fixed K, or K's upper bound when auto_k
+    num_speculative_tokens: int  # fixed K, or K's upper bound when auto_k
     auto_k: bool
     disabled_reason: str | None  # one of DECISION_REASONS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"decision: unknown method {self.method!r}")
-        check_count("decision: k", self.k)
+        check_count("decision: num_speculative_tokens", self.num_speculative_tokens)
         if self.disabled_reason not in DECISION_REASONS:
             raise ValueError(f"decision: disabled_reason must be one of {DECISION_REASONS}, "
                              f"got {self.disabled_reason!r}")
-        if self.method == "none" and self.k:
-            raise ValueError(f"decision: method 'none' needs k=0, got {self.k}")
+        if self.method == "none" and self.num_speculative_tokens:
+            raise ValueError(f"decision: method 'none' needs num_speculative_tokens=0, "
+                             f"got {self.num_speculative_tokens}")
 
 
 def decide(req: SpeculativeRequest, dep: Deployment, num_running: int) -> Decision:
@@ -66,9 +70,9 @@ def decide(req: SpeculativeRequest, dep: Deployment, num_running: int) -> Decisi
     method = req.method or dep.default_method
     requested_k = req.num_speculative_tokens
     # Checked first: a K no deployment setting allows is a mistake even when unused.
-    if requested_k is not None and requested_k > dep.k_max:
+    if requested_k is not None and requested_k > dep.max_num_speculative_tokens:
         raise ValueError(f"speculative.num_speculative_tokens: {requested_k} exceeds this "
-                         f"deployment's maximum of {dep.k_max}")
+                         f"deployment's maximum of {dep.max_num_speculative_tokens}")
     if method == "none" or requested_k == 0:
         return Decision("none", 0, False, "request")
     if method not in dep.methods_available:
@@ -77,7 +81,7 @@ def decide(req: SpeculativeRequest, dep: Deployment, num_running: int) -> Decisi
     if requested_k is not None:
         k = requested_k
     else:
-        k = dep.k_max if req.auto else dep.default_k
+        k = dep.max_num_speculative_tokens if req.auto else dep.default_num_speculative_tokens
     # Under load the method and K are kept, so the verifier can be told to turn
     # speculation on later without asking the user again.
     overloaded = dep.disable_queue_size is not None and num_running > dep.disable_queue_size

@@ -53,11 +53,14 @@ class OnlineAcceptance:
         for i in range(num_accepted):
             self._accepted[i] += 1
 
-    def rates(self, prior: Sequence[float], warmup_steps: int, k_max: int) -> tuple[float, ...]:
-        """Rates for positions 1..k_max: the prior until warm-up, then the observed ones."""
+    def rates(
+        self, prior: Sequence[float], warmup_steps: int, max_num_speculative_tokens: int
+    ) -> tuple[float, ...]:
+        """Rates for positions 1..max_num_speculative_tokens: the prior until warm-up,
+        then the observed ones."""
         check_count("warmup_steps", warmup_steps)
-        check_count("k_max", k_max)
-        prior_rates = tuple(rate_at(prior, i) for i in range(k_max))
+        check_count("max_num_speculative_tokens", max_num_speculative_tokens)
+        prior_rates = tuple(rate_at(prior, i) for i in range(max_num_speculative_tokens))
         if self._steps < warmup_steps:
             return prior_rates
         return tuple(
@@ -74,15 +77,21 @@ class DynamicK:
     caused by load alone rises again when the batch shrinks.
     """
 
-    def __init__(self, profile: ItlProfile, method: str, k_max: int, warmup_steps: int = 8):
+    def __init__(
+        self,
+        profile: ItlProfile,
+        method: str,
+        max_num_speculative_tokens: int,
+        warmup_steps: int = 8,
+    ):
         if method not in DRAFTER_METHODS:
             raise ValueError(f"dynamic K: method must be one of {', '.join(DRAFTER_METHODS)}, "
                              f"got {method!r}")
-        check_count("dynamic K: k_max", k_max)
+        check_count("dynamic K: max_num_speculative_tokens", max_num_speculative_tokens)
         check_count("dynamic K: warmup_steps", warmup_steps)
         self.profile = profile
         self.method = method
-        self.k_max = k_max
+        self.max_num_speculative_tokens = max_num_speculative_tokens
         self.warmup_steps = warmup_steps
         self.prior: tuple[float, ...] = profile.acceptance.get(method, (NEUTRAL_ACCEPTANCE,))
         self.acceptance = OnlineAcceptance()
@@ -91,5 +100,9 @@ class DynamicK:
         self.acceptance.update(num_drafted, num_accepted)
 
     def next_k(self, batch_size: float) -> int:
-        rates = self.acceptance.rates(self.prior, self.warmup_steps, self.k_max)
-        return choose_k(self.profile, batch_size, rates, self.k_max, self.method)
+        rates = self.acceptance.rates(
+            self.prior, self.warmup_steps, self.max_num_speculative_tokens
+        )
+        return choose_k(
+            self.profile, batch_size, rates, self.max_num_speculative_tokens, self.method
+        )

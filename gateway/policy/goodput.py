@@ -40,16 +40,22 @@ def goodput(profile: ItlProfile, batch_size: float, rates: Sequence[float], k: i
     return acceptance_length(rates, k) / profile.itl(batch_size, k, method)
 
 
-def choose_k(profile: ItlProfile, batch_size: float, rates: Sequence[float], k_max: int,
-             method: str | None = None) -> int:
-    """argmax over k in 0..k_max of goodput (with `method`'s ITL); ties go to the smaller k.
+def choose_k(
+    profile: ItlProfile,
+    batch_size: float,
+    rates: Sequence[float],
+    max_num_speculative_tokens: int,
+    method: str | None = None,
+) -> int:
+    """argmax over k in 0..max_num_speculative_tokens of goodput (with `method`'s ITL);
+    ties go to the smaller k.
 
     K above the profile's largest measured k is never chosen: its ITL would be
     clamped to that k's, which would make the extra draft positions look free.
     """
-    check_count("choose_k: k_max", k_max)
+    check_count("choose_k: max_num_speculative_tokens", max_num_speculative_tokens)
     best_k, best = 0, goodput(profile, batch_size, rates, 0, method)
-    for k in range(1, min(k_max, profile.ks[-1]) + 1):
+    for k in range(1, min(max_num_speculative_tokens, profile.ks[-1]) + 1):
         g = goodput(profile, batch_size, rates, k, method)
         if g > best:
             best_k, best = k, g

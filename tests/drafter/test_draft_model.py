@@ -75,7 +75,7 @@ def test_proposals_are_the_draft_models_greedy_continuation(draft, fed):
     ctx = {key: [rng.randrange(VOCAB) for _ in range(n)]
            for key, n in (("a", 3), ("b", 20), ("c", 41))}
     for key, tokens in ctx.items():
-        method.start(key, tokens[:-2], tokens[-2:], GREEDY, max_k=8)
+        method.start(key, tokens[:-2], tokens[-2:], GREEDY, max_num_speculative_tokens=8)
     for rnd in range(8):
         wanted = {key: 1 + (rnd + i) % 6 for i, key in enumerate(ctx) if (rnd + i) % 4 != 3}
         fed.clear()
@@ -114,7 +114,7 @@ def test_proposals_are_the_draft_models_greedy_continuation(draft, fed):
 def test_accepted_drafts_keep_their_kv(draft, fed):
     method = DraftModelMethod(model=draft, num_kv_blocks=64, block_size=4)
     context = prompts(1, seed=3)[0]
-    method.start("s", context, [], GREEDY, max_k=8)
+    method.start("s", context, [], GREEDY, max_num_speculative_tokens=8)
     d = method.propose({"s": 4})["s"].token_ids
     assert fed == [len(context), 1, 1, 1]
     # 2 of 4 accepted, then the target's own token: only that token lacks KV.
@@ -139,8 +139,8 @@ def test_sampled_proposals_carry_q_shaped_like_the_verifiers_p(draft):
     assert method.info().returns_probs
     context = prompts(1, seed=4)[0]
     sampling = SamplingParams(temperature=0.7, top_k=5, seed=123)
-    method.start("t", context, [], sampling, max_k=8)
-    method.start("g", context, [], GREEDY, max_k=8)  # greedy in the same batch
+    method.start("t", context, [], sampling, max_num_speculative_tokens=8)
+    method.start("g", context, [], GREEDY, max_num_speculative_tokens=8)  # greedy in the same batch
     drafts = method.propose({"t": 6, "g": 3})
     assert drafts["g"].probs is None
     assert drafts["g"].token_ids == greedy_generate(draft, [context], 3)[0]
@@ -161,7 +161,7 @@ def test_sampled_proposals_carry_q_shaped_like_the_verifiers_p(draft):
         torch.testing.assert_close(q[i], ref, atol=1e-6, rtol=1e-5)
     # The seed makes the proposal reproducible; another seed changes it.
     again = DraftModelMethod(model=draft, num_kv_blocks=64, sample=True)
-    again.start("t", context, [], sampling, max_k=8)
+    again.start("t", context, [], sampling, max_num_speculative_tokens=8)
     replay = again.propose({"t": 6})["t"]
     assert replay.token_ids == tokens
     torch.testing.assert_close(replay.probs, q)
@@ -172,14 +172,16 @@ def test_sampled_proposals_carry_q_shaped_like_the_verifiers_p(draft):
     assert len(others) > 1
     # Without sample=True, a sampled request gets greedy drafts and no q.
     plain = DraftModelMethod(model=draft, num_kv_blocks=64)
-    plain.start("t", context, [], sampling, max_k=8)
+    plain.start("t", context, [], sampling, max_num_speculative_tokens=8)
     assert plain.propose({"t": 3})["t"] == drafts["g"]
 
 
 def test_no_room_means_no_proposal_and_free_returns_blocks(draft):
     method = DraftModelMethod(model=draft, num_kv_blocks=6, block_size=4)  # 24 tokens
-    method.start("long", list(range(22)), [], GREEDY, max_k=8)  # 22 + 3 tokens: 7 blocks
-    method.start("short", [1, 2, 3], [], GREEDY, max_k=8)
+    method.start(
+        "long", list(range(22)), [], GREEDY, max_num_speculative_tokens=8
+    )  # 22 + 3 tokens: 7 blocks
+    method.start("short", [1, 2, 3], [], GREEDY, max_num_speculative_tokens=8)
     drafts = method.propose({"long": 4, "short": 4})
     assert set(drafts) == {"short"} and len(drafts["short"].token_ids) == 4
     method.free("short")
@@ -193,8 +195,8 @@ def test_no_room_means_no_proposal_and_free_returns_blocks(draft):
 def test_no_draft_past_max_model_len(draft):
     method = DraftModelMethod(model=draft, num_kv_blocks=32, block_size=4, max_model_len=30)
     assert method.info().max_model_len == 30
-    method.start("near", list(range(27)), [], GREEDY, max_k=8)
-    method.start("full", list(range(30)), [], GREEDY, max_k=8)
+    method.start("near", list(range(27)), [], GREEDY, max_num_speculative_tokens=8)
+    method.start("full", list(range(30)), [], GREEDY, max_num_speculative_tokens=8)
     drafts = method.propose({"near": 8, "full": 2})
     assert set(drafts) == {"near"} and len(drafts["near"].token_ids) == 3
 
@@ -266,7 +268,7 @@ def test_model_directory_with_the_targets_tokenizer(tmp_path, smollm2_dir):
     target = TargetInfo(fingerprint[0], fingerprint[1], 576, 30)
     assert check_info(_info_proto(info), target) is None
     context = [1, 504, 2000, 42, 9]
-    method.start("s", context, [], GREEDY, max_k=8)
+    method.start("s", context, [], GREEDY, max_num_speculative_tokens=8)
     reference = load_model(path, dtype="float64")
     assert method.propose({"s": 5})["s"].token_ids == greedy_generate(reference, [context], 5)[0]
     # The command line reaches the same method, --target included.

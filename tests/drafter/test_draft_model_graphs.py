@@ -35,7 +35,7 @@ def propose_in_step(methods: list[DraftModelMethod], rounds: int = 10) -> int:
            (("a", 2), ("b", 17), ("c", 40), ("d", 9), ("e", 60))}
     for method in methods:
         for key, tokens in ctx.items():
-            method.start(key, tokens, [], GREEDY, max_k=8)
+            method.start(key, tokens, [], GREEDY, max_num_speculative_tokens=8)
     compared = 0
     for rnd in range(rounds):
         wanted = {key: 1 + (rnd + i) % 5 for i, key in enumerate(ctx) if (rnd * 3 + i) % 5}

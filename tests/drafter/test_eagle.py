@@ -594,8 +594,8 @@ class RecordingMixin:
         self.ctx: dict = {}
         self.proposals: list = []
 
-    def start(self, key, prompt_ids, output_ids, sampling, max_k):
-        super().start(key, prompt_ids, output_ids, sampling, max_k)
+    def start(self, key, prompt_ids, output_ids, sampling, max_num_speculative_tokens):
+        super().start(key, prompt_ids, output_ids, sampling, max_num_speculative_tokens)
         self.ctx[key] = list(prompt_ids) + list(output_ids)
 
     def advance(self, key, num_drafted, num_accepted, new_token_ids, num_rollback_tokens,

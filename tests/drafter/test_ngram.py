@@ -81,7 +81,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def test_method_tracks_context_through_advance_and_rollback():
     m = NgramMethod()
-    m.start("a", [1, 2, 3, 4, 1, 2], [], GREEDY, max_k=8)
+    m.start("a", [1, 2, 3, 4, 1, 2], [], GREEDY, max_num_speculative_tokens=8)
     assert m.propose({"a": 8})["a"].token_ids == [3, 4, 1, 2]
 
     # Two accepted drafts + a bonus token: context [1 2 3 4 1 2 3 4 9].
@@ -100,15 +100,17 @@ def test_method_tracks_context_through_advance_and_rollback():
 
 def test_rollback_past_the_context_is_an_error():
     m = NgramMethod()
-    m.start("a", [1, 2], [3], GREEDY, max_k=4)
+    m.start("a", [1, 2], [3], GREEDY, max_num_speculative_tokens=4)
     with pytest.raises(ValueError, match="num_rollback_tokens 4"):
         m.advance("a", 0, 0, [], 4, None, 0)
 
 
 def test_method_caps_k_and_keeps_sequences_apart():
     m = NgramMethod(max_num_speculative_tokens=2)
-    m.start("a", [1, 2, 3, 4, 1], [], GREEDY, max_k=2)
-    m.start("b", [7, 8, 9], [7], GREEDY, max_k=2)  # output ids count as context too
+    m.start("a", [1, 2, 3, 4, 1], [], GREEDY, max_num_speculative_tokens=2)
+    m.start(
+        "b", [7, 8, 9], [7], GREEDY, max_num_speculative_tokens=2
+    )  # output ids count as context too
     drafts = m.propose({"a": 8, "b": 1})
     assert drafts["a"].token_ids == [2, 3]
     assert drafts["b"].token_ids == [8]

@@ -46,7 +46,7 @@ class RecordingMethod(DraftMethod):
             target_model_name="tiny-target", returns_probs=True, supports_pipelining=True,
             max_model_len=4096)
 
-    def start(self, key, prompt_ids, output_ids, sampling, max_k):
+    def start(self, key, prompt_ids, output_ids, sampling, max_num_speculative_tokens):
         self.contexts[key] = prompt_ids + output_ids
         self.sampling.append(sampling)
 

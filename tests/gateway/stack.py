@@ -66,9 +66,9 @@ class Replica:
         self.pool = DrafterPool(clients, K_MAX, 2000.0)
         engine = Engine(model, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=MAX_LEN,
                                             block_size=16, num_kv_blocks=600,
-                                            num_speculative_tokens_max=K_MAX), self.pool, eos)
+                                            max_num_speculative_tokens=K_MAX), self.pool, eos)
         self.servicer = VerifierServicer(engine, self.pool, target, model_name=MODEL_NAME,
-                                         default_k=4)
+                                         default_num_speculative_tokens=4)
         self.service = loop.run(serve_verifier(self.servicer, "127.0.0.1:0"))
         for c in clients:
             assert c.wait_available(10), c.error

@@ -45,10 +45,11 @@ def expected_tokens(rates, k) -> float:
     return total
 
 
-def brute_force_k(itl_at_k, rates, k_max) -> int:
-    """Smallest k in 0..k_max with the highest expected_tokens(k) / itl_at_k(k)."""
-    g = [expected_tokens(rates, k) / itl_at_k(k) for k in range(k_max + 1)]
-    return min(k for k in range(k_max + 1) if g[k] == max(g))
+def brute_force_k(itl_at_k, rates, max_num_speculative_tokens) -> int:
+    """Smallest k in 0..max_num_speculative_tokens with the highest
+    expected_tokens(k) / itl_at_k(k)."""
+    g = [expected_tokens(rates, k) / itl_at_k(k) for k in range(max_num_speculative_tokens + 1)]
+    return min(k for k in range(max_num_speculative_tokens + 1) if g[k] == max(g))
 
 
 # --- SpeculativeRequest.from_json ---------------------------------------------------------
@@ -115,8 +116,13 @@ def test_request_is_checked_on_construction():
 
 @pytest.fixture
 def dep() -> Deployment:
-    return Deployment(default_method="eagle", methods_available=frozenset({"ngram", "eagle"}),
-                      default_k=3, k_max=5, disable_queue_size=2)
+    return Deployment(
+        default_method="eagle",
+        methods_available=frozenset({"ngram", "eagle"}),
+        default_num_speculative_tokens=3,
+        max_num_speculative_tokens=5,
+        disable_queue_size=2,
+    )
 
 
 def test_decide_method_none_is_off_by_request(dep):
@@ -141,7 +147,7 @@ def test_decide_deployment_default_none_is_off(dep):
 
 
 def test_decide_k_over_max_is_an_error_naming_the_field(dep):
-    assert decide(SpeculativeRequest(num_speculative_tokens=5), dep, 0).k == 5
+    assert decide(SpeculativeRequest(num_speculative_tokens=5), dep, 0).num_speculative_tokens == 5
     with pytest.raises(ValueError, match=r"^speculative\.num_speculative_tokens: 6 .* 5"):
         decide(SpeculativeRequest(num_speculative_tokens=6), dep, 0)
     with pytest.raises(ValueError, match=r"^speculative\.num_speculative_tokens"):
@@ -197,14 +203,19 @@ def test_decide_rejects_negative_load(dep):
 @pytest.mark.parametrize("kwargs, name", [
     ({"default_method": "medusa"}, "default_method"),
     ({"methods_available": {"eagle", "medusa"}}, "methods_available"),
-    ({"default_k": -1}, "default_k"),
-    ({"k_max": True}, "k_max"),
-    ({"default_k": 6}, "default_k"),
+    ({"default_num_speculative_tokens": -1}, "default_num_speculative_tokens"),
+    ({"max_num_speculative_tokens": True}, "max_num_speculative_tokens"),
+    ({"default_num_speculative_tokens": 6}, "default_num_speculative_tokens"),
     ({"disable_queue_size": -1}, "disable_queue_size"),
 ])
 def test_deployment_is_checked_on_construction(kwargs, name):
-    args = {"default_method": "eagle", "methods_available": {"eagle"}, "default_k": 3,
-            "k_max": 5, "disable_queue_size": None} | kwargs
+    args = {
+        "default_method": "eagle",
+        "methods_available": {"eagle"},
+        "default_num_speculative_tokens": 3,
+        "max_num_speculative_tokens": 5,
+        "disable_queue_size": None,
+    } | kwargs
     with pytest.raises(ValueError, match=name):
         Deployment(**args)
 
@@ -216,9 +227,9 @@ def test_deployment_accepts_any_iterable_of_methods():
 
 @pytest.mark.parametrize("args, name", [
     (("medusa", 1, False, None), "method"),
-    (("ngram", -1, False, None), "k"),
+    (("ngram", -1, False, None), "num_speculative_tokens"),
     (("ngram", 1, False, "busy"), "disabled_reason"),
-    (("none", 2, False, "request"), "k=0"),
+    (("none", 2, False, "request"), "num_speculative_tokens=0"),
 ])
 def test_decision_is_checked_on_construction(args, name):
     with pytest.raises(ValueError, match=name):
@@ -380,9 +391,9 @@ def test_choose_k_equals_brute_force(seed):
     grid, rates = random_case(seed)
     p = table(RANDOM_BATCH_SIZES, range(9), lambda b, k: grid[b, k])
     for b in RANDOM_BATCH_SIZES:
-        for k_max in (0, 1, 4, 8):
-            assert choose_k(p, b, rates, k_max) == \
-                brute_force_k(lambda k, b=b: grid[b, k], rates, k_max)
+        for max_num_speculative_tokens in (0, 1, 4, 8):
+            assert choose_k(p, b, rates, max_num_speculative_tokens) == \
+                brute_force_k(lambda k, b=b: grid[b, k], rates, max_num_speculative_tokens)
 
 
 def test_choose_k_brute_force_cases_are_not_trivial():
@@ -460,7 +471,7 @@ def test_online_acceptance_counts_by_hand():
     # Position 1 judged in all 3 drafting steps, accepted twice; position 2 judged
     # after an accepted position 1 (steps 2 and 3), accepted once; position 3 judged
     # once (step 2) and accepted; position 4 never drafted -> prior.
-    assert acc.rates((0.1, 0.2, 0.3, 0.4), warmup_steps=3, k_max=5) == \
+    assert acc.rates((0.1, 0.2, 0.3, 0.4), warmup_steps=3, max_num_speculative_tokens=5) == \
         pytest.approx((2 / 3, 1 / 2, 1.0, 0.4, 0.4))
 
 
@@ -490,11 +501,16 @@ def test_prior_until_warm_up_then_observed():
     acc = OnlineAcceptance()
     prior = (0.9, 0.8)
     for step in range(4):
-        assert acc.rates(prior, warmup_steps=4, k_max=4) == (0.9, 0.8, 0.8, 0.8), step
+        assert acc.rates(prior, warmup_steps=4, max_num_speculative_tokens=4) == (
+            0.9,
+            0.8,
+            0.8,
+            0.8,
+        ), step
         acc.update(2, 1)
     assert acc.steps == 4
     # Positions 1, 2 observed (1.0 and 0.0); positions 3, 4 were never drafted.
-    assert acc.rates(prior, warmup_steps=4, k_max=4) == (1.0, 0.0, 0.8, 0.8)
+    assert acc.rates(prior, warmup_steps=4, max_num_speculative_tokens=4) == (1.0, 0.0, 0.8, 0.8)
 
 
 def k_profile(acceptance=None) -> ItlProfile:
@@ -504,7 +520,7 @@ def k_profile(acceptance=None) -> ItlProfile:
 
 def test_dynamic_k_drops_to_zero_when_the_drafter_fails():
     p = k_profile({"eagle": (0.9,)})
-    dk = DynamicK(p, "eagle", k_max=4, warmup_steps=5)
+    dk = DynamicK(p, "eagle", max_num_speculative_tokens=4, warmup_steps=5)
     before = brute_force_k(lambda k: p.itl(1, k), (0.9,), 4)
     assert before > 0
     for _ in range(4):
@@ -516,7 +532,7 @@ def test_dynamic_k_drops_to_zero_when_the_drafter_fails():
 
 def test_dynamic_k_rises_when_the_drafter_beats_its_prior():
     p = k_profile({"ngram": (0.3,)})
-    dk = DynamicK(p, "ngram", k_max=4, warmup_steps=3)
+    dk = DynamicK(p, "ngram", max_num_speculative_tokens=4, warmup_steps=3)
     before = dk.next_k(1)
     assert before == brute_force_k(lambda k: p.itl(1, k), (0.3,), 4)
     assert 0 < before < 4
@@ -555,7 +571,10 @@ def test_choose_k_is_smaller_for_a_costlier_method():
 
 def test_dynamic_k_uses_its_methods_table():
     p = method_cost_profile()
-    eagle3, ngram = DynamicK(p, "eagle3", k_max=4), DynamicK(p, "ngram", k_max=4)
+    eagle3, ngram = (
+        DynamicK(p, "eagle3", max_num_speculative_tokens=4),
+        DynamicK(p, "ngram", max_num_speculative_tokens=4),
+    )
     assert eagle3.method == "eagle3" and ngram.method == "ngram"
     assert eagle3.next_k(1) == 2
     assert ngram.next_k(1) == 4
@@ -563,23 +582,28 @@ def test_dynamic_k_uses_its_methods_table():
 
 def test_dynamic_k_neutral_prior_for_an_unprofiled_method():
     p = k_profile({"eagle": (0.95,)})
-    dk = DynamicK(p, "draft_model", k_max=4)
+    dk = DynamicK(p, "draft_model", max_num_speculative_tokens=4)
     assert dk.prior == (0.5,)
     for b in (1, 16, 64):
         assert dk.next_k(b) == brute_force_k(lambda k, b=b: p.itl(b, k), (0.5,), 4)
     # The method's own prior is used where the profile has one.
-    assert DynamicK(p, "eagle", k_max=4).next_k(64) == \
+    assert DynamicK(p, "eagle", max_num_speculative_tokens=4).next_k(64) == \
         brute_force_k(lambda k: p.itl(64, k), (0.95,), 4) != dk.next_k(64)
 
 
 @pytest.mark.parametrize("kwargs, name", [
     ({"method": "none"}, "method"),
-    ({"k_max": -1}, "k_max"),
+    ({"max_num_speculative_tokens": -1}, "max_num_speculative_tokens"),
     ({"warmup_steps": -1}, "warmup_steps"),
 ])
 def test_dynamic_k_is_checked(kwargs, name):
     with pytest.raises(ValueError, match=name):
-        DynamicK(**({"profile": k_profile(), "method": "eagle", "k_max": 4} | kwargs))
+        DynamicK(
+            **(
+                {"profile": k_profile(), "method": "eagle", "max_num_speculative_tokens": 4}
+                | kwargs
+            )
+        )
 
 
 # --- profile JSON -------------------------------------------------------------------------

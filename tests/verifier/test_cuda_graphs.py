@@ -170,7 +170,7 @@ def _engine_with_runner(model: LlamaForCausalLM, proposer, **cfg) -> Engine:
     engine = Engine(model, EngineConfig(**cfg), proposer)
     c = engine.config
     engine.runner.graphs = CudaGraphRunner(model, engine.cache, c.max_num_seqs,
-                                    c.num_speculative_tokens_max + 1, c.max_model_len,
+                                    c.max_num_speculative_tokens + 1, c.max_model_len,
                                     capture=False, min_context=16)
     return engine
 
@@ -185,7 +185,7 @@ def test_engine_with_padded_steps_keeps_greedy_exact(model, batch, k):
     refs = {i: p + g for i, (p, g) in enumerate(zip(prompts, plain, strict=True))}
     proposer = ScriptedProposer(refs, error_rate=0.3, seed=batch)
     engine = _engine_with_runner(model, proposer, max_num_seqs=8, max_model_len=64,
-                                 block_size=BLOCK, num_kv_blocks=256, num_speculative_tokens_max=4)
+                                 block_size=BLOCK, num_kv_blocks=256, max_num_speculative_tokens=4)
     free = engine.cache.num_free_blocks
     ks = [[0, 1, 2, 4][i % 4] if k == "mixed" else k for i in range(batch)]
     for i, p in enumerate(prompts):
@@ -244,7 +244,7 @@ def test_engine_on_cuda_with_graphs_keeps_greedy_exact(k):
     plain = greedy_generate(model, prompts, max_tokens)
     refs = {i: p + g for i, (p, g) in enumerate(zip(prompts, plain, strict=True))}
     engine = Engine(model, EngineConfig(max_num_seqs=8, max_model_len=64, block_size=BLOCK,
-                                        num_kv_blocks=256, num_speculative_tokens_max=4),
+                                        num_kv_blocks=256, max_num_speculative_tokens=4),
                     ScriptedProposer(refs, error_rate=0.3, seed=1))
     assert engine.runner.graphs is not None and engine.runner.graphs.capture
     for i, p in enumerate(prompts):

@@ -212,7 +212,7 @@ def test_hidden_states_of_kept_positions_reach_the_proposer(model):
     refs = {i: r.prompt_token_ids + g for i, (r, g) in enumerate(
         zip(reqs, greedy_generate(model, [r.prompt_token_ids for r in reqs], 20), strict=True))}
     proposer = HiddenRecorder(refs)
-    engine = Engine(model, EngineConfig(max_num_batched_tokens=16, num_speculative_tokens_max=8),
+    engine = Engine(model, EngineConfig(max_num_batched_tokens=16, max_num_speculative_tokens=8),
                     proposer)
     out = run(engine, reqs)
     for seq_id, r in enumerate(reqs):

@@ -131,7 +131,7 @@ def run_engine(model, prompts, params: SamplingParams, with_probs: bool):
     engine = Engine(
         model,
         EngineConfig(max_num_seqs=512, max_model_len=32, block_size=16, num_kv_blocks=1024,
-                     max_num_batched_tokens=8192, num_speculative_tokens_max=K, seed=2024),
+                     max_num_batched_tokens=8192, max_num_speculative_tokens=K, seed=2024),
         MarkovDrafter(draft_table(), with_probs, seed=7),
     )
     for i in range(NUM_REQUESTS):

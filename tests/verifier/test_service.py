@@ -71,7 +71,7 @@ class ContextMethod(DraftMethod):
         return DrafterInfo(method=common_pb2.SPEC_METHOD_NGRAM, vocab_size=VOCAB,
                            max_num_speculative_tokens=K_MAX)
 
-    def start(self, key, prompt_ids, output_ids, sampling, max_k):
+    def start(self, key, prompt_ids, output_ids, sampling, max_num_speculative_tokens):
         self.ctx[key] = list(prompt_ids) + list(output_ids)
         self.starts.append((key, len(output_ids)))
 
@@ -134,9 +134,11 @@ class Stack:
                    for name, port in ports.items()]
         self.pool = DrafterPool(clients, K_MAX, deadline_ms)
         engine = Engine(model, EngineConfig(max_num_seqs=16, max_model_len=MAX_LEN, block_size=16,
-                                            num_kv_blocks=600, num_speculative_tokens_max=K_MAX),
+                                            num_kv_blocks=600, max_num_speculative_tokens=K_MAX),
                         self.pool)
-        self.servicer = VerifierServicer(engine, self.pool, self.target, model_name="tiny", default_k=4)
+        self.servicer = VerifierServicer(
+            engine, self.pool, self.target, model_name="tiny", default_num_speculative_tokens=4
+        )
         self.service = loop.run(serve(self.servicer, "127.0.0.1:0"))
         for name in drafters:
             assert self.pool.clients[name].wait_available(10), self.pool.clients[name].error

@@ -31,12 +31,14 @@ class Drafts:
 
 def collect_drafts(proposer: Proposer | None, batch: list[Scheduled],
                    model_config: ModelConfig) -> Drafts:
-    """Ask the proposer for the batch's drafts (K_i = item.k) and keep what can be verified."""
+    """Ask the proposer for the batch's drafts (K_i = item.num_speculative_tokens) and keep
+    what can be verified."""
     drafts = Drafts()
     if proposer is None:
         return drafts
-    wanted = {item.seq.seq_id: item.k for item in batch if item.k > 0}
-    tokens = {item.seq.seq_id: item.seq.tokens for item in batch if item.k > 0}
+    wanted = {item.seq.seq_id: item.num_speculative_tokens for item in batch
+              if item.num_speculative_tokens > 0}
+    tokens = {item.seq.seq_id: item.seq.tokens for item in batch if item.num_speculative_tokens > 0}
     # Called even when nobody speculates: the proposer forwards pending outcomes.
     proposals = proposer.propose(wanted, tokens)
     vocab = model_config.vocab_size

@@ -38,7 +38,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int = 1024
     max_num_batched_tokens: int = 512  # per step: prefill chunks + verify blocks
-    num_speculative_tokens_max: int = 8
+    max_num_speculative_tokens: int = 8
     seed: int = 0  # the shared generator of unseeded requests
     cuda_graphs: bool = True  # replay pure decode/verify steps from CUDA graphs (GPU only)
 
@@ -47,8 +47,8 @@ class EngineConfig:
                      "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_speculative_tokens_max < 0:
-            raise ValueError("num_speculative_tokens_max must be >= 0")
+        if self.max_num_speculative_tokens < 0:
+            raise ValueError("max_num_speculative_tokens must be >= 0")
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"KV cache ({self.num_kv_blocks} blocks x {self.block_size}) cannot hold one "
@@ -91,7 +91,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.runner = ModelRunner(
             model, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs, max_query_len=config.num_speculative_tokens_max + 1,
+            max_num_seqs=config.max_num_seqs, max_query_len=config.max_num_speculative_tokens + 1,
             max_model_len=config.max_model_len, cuda_graphs=config.cuda_graphs)
         self.cache = self.runner.cache
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
@@ -115,10 +115,10 @@ class Engine:
             raise ValueError(
                 f"max_tokens: prompt ({len(request.prompt_token_ids)}) + max_tokens "
                 f"({request.max_tokens}) exceeds max_model_len {self.config.max_model_len}")
-        if request.num_speculative_tokens > self.config.num_speculative_tokens_max:
+        if request.num_speculative_tokens > self.config.max_num_speculative_tokens:
             raise ValueError(
                 f"num_speculative_tokens: {request.num_speculative_tokens} exceeds the maximum "
-                f"{self.config.num_speculative_tokens_max}")
+                f"{self.config.max_num_speculative_tokens}")
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self._by_request:
@@ -140,9 +140,9 @@ class Engine:
         return StepOutput(request_id, [], 0, 0, FinishReason.CANCELLED)
 
     def set_num_speculative_tokens(self, request_id: str, k: int) -> None:
-        if not 0 <= k <= self.config.num_speculative_tokens_max:
+        if not 0 <= k <= self.config.max_num_speculative_tokens:
             raise ValueError(f"num_speculative_tokens must be in [0, "
-                             f"{self.config.num_speculative_tokens_max}], got {k}")
+                             f"{self.config.max_num_speculative_tokens}], got {k}")
         self._by_request[request_id].request.num_speculative_tokens = k
 
     @property
@@ -160,7 +160,7 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule(self.config.num_speculative_tokens_max)
+        batch = self.scheduler.schedule(self.config.max_num_speculative_tokens)
         if not batch:
             return []
         self.num_steps += 1
@@ -252,12 +252,12 @@ class Engine:
                 num_drafted, accepted, appended,
                 hidden.take(seq.seq_id, self.proposer, kept, tree_rows), start_pos))
         miss = None
-        if item.k and not num_drafted and self.proposer is not None:
+        if item.num_speculative_tokens and not num_drafted and self.proposer is not None:
             miss = self.proposer.miss_reason(seq.seq_id)
         if reason is not None:
             self._finish(seq, reason)
         return StepOutput(seq.request.request_id, appended, num_drafted, accepted, reason,
-                          item.k, miss, logprobs)
+                          item.num_speculative_tokens, miss, logprobs)
 
     def _keep_accepted_kv(self, seq: Sequence, path: list[int] | None, accepted: int) -> None:
         """KV was written for the last token and every draft; keep the accepted ones

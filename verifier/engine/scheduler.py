@@ -24,7 +24,7 @@ class Scheduled:
     is_prefill: bool
 
     @property
-    def k(self) -> int:
+    def num_speculative_tokens(self) -> int:
         return 0 if self.is_prefill else self.num_tokens - 1
 
 
@@ -48,12 +48,12 @@ class Scheduler:
             self.waiting.remove(seq)
         self.cache.free(seq.seq_id)
 
-    def wanted_k(self, seq: Sequence, k_max: int) -> int:
+    def wanted_num_speculative_tokens(self, seq: Sequence, max_num_speculative_tokens: int) -> int:
         """K for a decoding sequence: never draft past max_tokens or the model length."""
         room = min(seq.request.max_tokens - seq.num_output, self.max_model_len - len(seq.tokens))
-        return max(0, min(seq.request.num_speculative_tokens, k_max, room - 1))
+        return max(0, min(seq.request.num_speculative_tokens, max_num_speculative_tokens, room - 1))
 
-    def schedule(self, k_max: int) -> list[Scheduled]:
+    def schedule(self, max_num_speculative_tokens: int) -> list[Scheduled]:
         budget = self.max_num_batched_tokens
         batch: list[Scheduled] = []
         reserved = 0  # KV blocks promised to this batch; the cache allocates them at plan time
@@ -64,7 +64,8 @@ class Scheduler:
                 n = min(len(seq.tokens) - seq.num_computed, budget)
                 item = Scheduled(seq, n, True)
             else:
-                item = Scheduled(seq, 1 + min(self.wanted_k(seq, k_max), budget - 1), False)
+                k = self.wanted_num_speculative_tokens(seq, max_num_speculative_tokens)
+                item = Scheduled(seq, 1 + min(k, budget - 1), False)
             if not self._fit(item, batch, reserved):
                 continue
             batch.append(item)
