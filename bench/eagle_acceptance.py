@@ -58,14 +58,19 @@ PROMPTS = [
 
 
 def run(model, prompts: list[list[int]], tokens: int, k: int,
-        proposer: Proposer | None) -> dict:
-    """Greedy decode of each prompt alone; outputs and acceptance counts."""
+        proposer: Proposer | None, eos_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int = 1024) -> dict:
+    """Greedy decode of each prompt alone, `tokens` of them (fewer at an EOS when
+    eos_token_ids are given); outputs and acceptance counts."""
     outputs, accepted_hist, rounds, drafted, steps, seconds = [], [0] * (k + 1), 0, 0, 0, 0.0
     for i, prompt in enumerate(prompts):
-        engine = Engine(model, EngineConfig(max_model_len=1024, num_kv_blocks=128,
-                                            max_num_speculative_tokens=max(k, 1)), proposer)
+        engine = Engine(model, EngineConfig(max_model_len=max_model_len,
+                                            num_kv_blocks=2 * -(-max_model_len // 16),
+                                            max_num_speculative_tokens=max(k, 1)), proposer,
+                        eos_token_ids)
         engine.add_request(Request(str(i), prompt, tokens, SamplingParams(temperature=0.0),
-                                   ignore_eos=True, num_speculative_tokens=k if proposer else 0,
+                                   ignore_eos=not eos_token_ids,
+                                   num_speculative_tokens=k if proposer else 0,
                                    drafter="d" if proposer else None))
         out: list[int] = []
         t0 = time.perf_counter()

@@ -68,7 +68,7 @@ from verifier.engine.proposer import Proposer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-DRAFTERS = ("none", "ngram", "draft_model", "eagle", "eagle3")
+DRAFTERS = ("none", "ngram", "suffix", "draft_model", "eagle", "eagle3")
 SAMPLINGS = ("greedy", "random")
 K_MODES = ("static", "dynamic")
 BATCHES = (1, 8)
@@ -207,6 +207,7 @@ class World:
                      num_kv_blocks=256)
         options = {
             "ngram": {},
+            "suffix": {},
             # sample=True: requests that sample get drafts sampled from q, with q sent along.
             "draft_model": files | dict(model_dir=str(self.root / "draft"), sample=True),
             "eagle": files | dict(model_dir=str(self.root / "eagle")),

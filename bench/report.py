@@ -42,6 +42,7 @@ SECTIONS = [
     ("drafters_eagle3.md", "The current EAGLE-3 head, single stream",
      "python -m bench.drafters --methods eagle3,eagle3_tree,eagle3_lookup --ks 2,4 "
      "--no-pipelining --out bench/results/drafters_eagle3.json"),
+    ("suffix.md", "Suffix decoding against n-gram lookup", "python -m bench.suffix"),
     ("gateway.md", "Static against dynamic K under concurrency", "python -m bench.gateway"),
     ("peers.md", "Against peers", "make bench-peers"),
 ]

@@ -33,6 +33,11 @@ _METHOD_OPTIONS = {
     "min_confidence": "min_confidence",
     "tree_width": "tree_width",
     "cuda_graphs": "cuda_graphs",
+    "suffix_max_depth": "max_depth",
+    "suffix_max_cached_requests": "max_cached_requests",
+    "suffix_max_spec_factor": "max_spec_factor",
+    "suffix_max_spec_offset": "max_spec_offset",
+    "suffix_min_token_prob": "min_token_prob",
 }
 # Options whose flag is not "--" + the option's name.
 _FLAGS = {"cuda_graphs": "--no-cuda-graphs"}
@@ -67,6 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="eagle/eagle3: propose token trees to greedy requests: the head's "
                              "chain plus up to W - 1 alternatives at each depth, the K most "
                              "probable tokens of them (default 1: chains)")
+    parser.add_argument("--suffix-max-depth", type=int, metavar="D",
+                        help="suffix: longest token run the trees count, i.e. longest match "
+                             "plus draft before a re-match (default 24)")
+    parser.add_argument("--suffix-max-cached-requests", type=int, metavar="N",
+                        help="suffix: past replies kept in the global tree (default 100; 0 = "
+                             "the request's own context only)")
+    parser.add_argument("--suffix-max-spec-factor", type=float, metavar="F",
+                        help="suffix: at most F x match length draft tokens (default 1.0)")
+    parser.add_argument("--suffix-max-spec-offset", type=float, metavar="N",
+                        help="suffix: ... plus N (default 2)")
+    parser.add_argument("--suffix-min-token-prob", type=float, metavar="P",
+                        help="suffix: end a draft where its estimated probability falls below "
+                             "P (default 0.3)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "float64"),
                         help="dtype of the draft model's weights (method default: float32)")
     parser.add_argument("--device", help="torch device of the draft model, e.g. cuda:1 "

@@ -18,7 +18,7 @@ from drafter.method import DraftMethod
 M = TypeVar("M", bound=type[DraftMethod])
 
 # Modules whose import registers the built-in methods.
-_BUILTIN_MODULES = ("drafter.ngram", "drafter.draft_model", "drafter.eagle")
+_BUILTIN_MODULES = ("drafter.ngram", "drafter.draft_model", "drafter.eagle", "drafter.suffix")
 
 _METHODS: dict[str, type[DraftMethod]] = {}
 

@@ -17,6 +17,7 @@ METHODS: dict[str, int] = {
     "draft_model": common_pb2.SPEC_METHOD_DRAFT_MODEL,
     "eagle": common_pb2.SPEC_METHOD_EAGLE,
     "eagle3": common_pb2.SPEC_METHOD_EAGLE3,
+    "suffix": common_pb2.SPEC_METHOD_SUFFIX,
 }
 DRAFTER_METHODS: tuple[str, ...] = tuple(name for name in METHODS if name != "none")
 

@@ -23,6 +23,7 @@ class SpecMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPEC_METHOD_DRAFT_MODEL: _ClassVar[SpecMethod]
     SPEC_METHOD_EAGLE: _ClassVar[SpecMethod]
     SPEC_METHOD_EAGLE3: _ClassVar[SpecMethod]
+    SPEC_METHOD_SUFFIX: _ClassVar[SpecMethod]
 
 class DisabledReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -55,6 +56,7 @@ SPEC_METHOD_NGRAM: SpecMethod
 SPEC_METHOD_DRAFT_MODEL: SpecMethod
 SPEC_METHOD_EAGLE: SpecMethod
 SPEC_METHOD_EAGLE3: SpecMethod
+SPEC_METHOD_SUFFIX: SpecMethod
 DISABLED_REASON_NONE: DisabledReason
 DISABLED_REASON_REQUEST: DisabledReason
 DISABLED_REASON_QUEUE_SIZE: DisabledReason

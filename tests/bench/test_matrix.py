@@ -111,5 +111,16 @@ def test_cells_that_cannot_run_here_are_not_applicable():
     fp8 = matrix.Dims("ngram", "greedy", "static", 8, "fp8-kv", "sdpa", False)
     assert matrix.not_applicable(fp8, "cpu").startswith("n/a (not supported")
     dims = list(matrix.grid(reduced=False))
-    assert len(dims) == len(set(dims)) == 9 * 2 * len(matrix.DTYPES) * 2 * 2 * len(
+    rows = 1 + 2 * (len(matrix.DRAFTERS) - 1)  # none at K=0; each drafter static and dynamic
+    assert len(dims) == len(set(dims)) == rows * 2 * len(matrix.DTYPES) * 2 * 2 * len(
         matrix.ATTENTION_BACKENDS)
+
+
+def test_suffix_drafts_for_sampled_requests_follow_the_target(built):
+    # Suffix decoding's drafts come from the request's own context and from past replies
+    # (the global tree fills up across the cell's requests): its first tokens must still
+    # follow the target's law.
+    cell = matrix.run_cell(built, matrix.Dims("suffix", "random", "static", 8, "float32", "sdpa",
+                                              False))
+    assert cell.status == "pass", cell.note
+    assert cell.metrics["drafted"] > 0 and cell.metrics["p_value"] > matrix.P_MIN

@@ -1,0 +1,245 @@
+"""Suffix decoding: drafts from counted suffix trees of the request and of past replies.
+
+As in SuffixDecoding (Oliaro et al. 2024) and Arctic Inference's suffix drafter, which
+vLLM and SGLang offer. Two trees of token counts: one per request over its prompt and
+output so far, and one shared by every request over the replies of the last
+`max_cached_requests` finished ones (agents and repeated tasks produce the same text
+again). Each tree holds every run of at most `max_depth` tokens with how often it
+occurred (a suffix trie with its depth capped, so a tree of N tokens has at most
+N * max_depth nodes).
+
+To draft, each tree gives the longest suffix of the context (shorter than max_depth)
+that occurred before with something after it. From there the draft follows the most
+frequent continuation while the path's estimated probability (the product of
+count(child) / count(children) along it) stays at least `min_token_prob`, for at most
+min(K, max_spec_factor * match length + max_spec_offset) tokens: a long match earns a
+long draft, a one-token match a short one. At the tree's depth the walk re-matches
+the context plus the draft so far. The tree whose draft expects more accepted tokens
+(the sum of its path probabilities) wins. The defaults (factor 1, offset 2, minimum
+probability 0.3, where Arctic's are 1, 0 and 0.1) were chosen on the bench prompts:
+the offset adds tokens a step, the higher minimum cuts draft rounds that are mostly
+rejected (bench/results/suffix.md has the sweep).
+
+Drafts depend on the context alone, so they carry no probabilities (one-hot q, exact
+under rejection sampling for any sampling parameters).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from drafter.method import Draft, DrafterInfo, DraftMethod
+from drafter.registry import register
+from specdec.pb import common_pb2
+from specdec.sampling import SamplingParams
+
+
+class _Node:
+    __slots__ = ("children", "count")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, _Node] = {}
+
+
+class SuffixTree:
+    """Counts of every token run of at most max_depth tokens in the sequences added.
+
+    `extend` appends to one running sequence (a request's context) in O(max_depth)
+    per token; `add` and `remove` count a whole sequence in or out (a past reply).
+    """
+
+    def __init__(self, max_depth: int):
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        self.max_depth = max_depth
+        self.root = _Node()
+        self.num_nodes = 0
+        # Nodes of the runs ending at the last token extended, by depth (1, 2, ...).
+        self._open: list[_Node] = []
+
+    def _child(self, node: _Node, token: int) -> _Node:
+        child = node.children.get(token)
+        if child is None:
+            child = node.children[token] = _Node()
+            self.num_nodes += 1
+        child.count += 1
+        return child
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            deeper = self._open[: self.max_depth - 1]
+            self._open = [self._child(self.root, t), *(self._child(n, t) for n in deeper)]
+
+    def add(self, tokens: Sequence[int]) -> None:
+        for i in range(len(tokens)):
+            node = self.root
+            for t in tokens[i: i + self.max_depth]:
+                node = self._child(node, t)
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Undo `add(tokens)`: runs counted to zero leave the tree."""
+        for i in range(len(tokens)):
+            node = self.root
+            for t in tokens[i: i + self.max_depth]:
+                child = node.children[t]
+                child.count -= 1
+                if child.count == 0:
+                    self.num_nodes -= _size(child)
+                    del node.children[t]
+                    break
+                node = child
+
+    def match(self, context: Sequence[int]) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of context (shorter than max_depth) that has a
+        continuation in the tree, and its length; (None, 0) when none has."""
+        for length in range(min(len(context), self.max_depth - 1), 0, -1):
+            node: _Node | None = self.root
+            for t in context[len(context) - length:]:
+                node = node.children.get(t)
+                if node is None:
+                    break
+            if node is not None and node.children:
+                return node, length
+        return None, 0
+
+    def draft(self, context: Sequence[int], max_tokens: int, spec_factor: float,
+              spec_offset: float, min_prob: float) -> tuple[list[int], float]:
+        """The draft continuing context and its expected number of accepted tokens."""
+        node, length = self.match(context)
+        if node is None:
+            return [], 0.0
+        budget = min(max_tokens, math.floor(spec_factor * length + spec_offset))
+        tokens: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(tokens) < budget:
+            if not node.children:
+                # At the tree's depth: the run continues from the context's shorter suffix.
+                node, length = self.match([*context, *tokens])
+                if node is None:
+                    break
+            total = sum(c.count for c in node.children.values())
+            token, child = max(node.children.items(), key=lambda item: item[1].count)
+            prob *= child.count / total
+            if prob < min_prob:
+                break
+            tokens.append(token)
+            score += prob
+            node = child
+        return tokens, score
+
+
+def _size(node: _Node) -> int:
+    return 1 + sum(_size(c) for c in node.children.values())
+
+
+@dataclass(slots=True)
+class _Request:
+    tokens: list[int]  # prompt + output
+    num_prompt: int
+    tree: SuffixTree
+
+
+@register
+class SuffixMethod(DraftMethod):
+    name = "suffix"
+
+    def __init__(self, max_num_speculative_tokens: int = 8, max_depth: int = 24,
+                 max_cached_requests: int = 100, max_spec_factor: float = 1.0,
+                 max_spec_offset: float = 2.0, min_token_prob: float = 0.3,
+                 vocab_size: int = 0, tokenizer_hash: str = ""):
+        if max_cached_requests < 0:
+            raise ValueError(f"max_cached_requests must be >= 0, got {max_cached_requests}")
+        if max_spec_factor < 0:
+            raise ValueError(f"max_spec_factor must be >= 0, got {max_spec_factor}")
+        if not 0.0 <= min_token_prob <= 1.0:
+            raise ValueError(f"min_token_prob must be in [0, 1], got {min_token_prob}")
+        self.max_depth = max_depth
+        self.max_cached_requests = max_cached_requests
+        self.max_spec_factor = max_spec_factor
+        self.max_spec_offset = max_spec_offset
+        self.min_token_prob = min_token_prob
+        # Works on ids alone; vocab_size 0 and hash "" say it fits any tokenizer.
+        self._info = DrafterInfo(
+            method=common_pb2.SPEC_METHOD_SUFFIX,
+            vocab_size=vocab_size,
+            tokenizer_hash=tokenizer_hash,
+            max_num_speculative_tokens=max_num_speculative_tokens,
+        )
+        self.global_tree = SuffixTree(max_depth)
+        self._replies: deque[list[int]] = deque()  # in the global tree, oldest first
+        self._requests: dict[Hashable, _Request] = {}
+
+    def info(self) -> DrafterInfo:
+        return self._info
+
+    @property
+    def cached_replies(self) -> tuple[list[int], ...]:
+        """The replies the global tree counts now, oldest first."""
+        return tuple(self._replies)
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of every tree held now: the memory this method uses, about 270 bytes a
+        node (bench/results/suffix.md measures it)."""
+        return self.global_tree.num_nodes + sum(r.tree.num_nodes
+                                                for r in self._requests.values())
+
+    def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
+              sampling: SamplingParams, max_num_speculative_tokens: int) -> None:
+        tokens = list(prompt_ids) + list(output_ids)
+        tree = SuffixTree(self.max_depth)
+        tree.extend(tokens)
+        self._requests[key] = _Request(tokens, len(prompt_ids), tree)
+
+    def advance(self, key: Hashable, num_drafted: int, num_accepted: int, new_token_ids: list[int],
+                num_rollback_tokens: int, hidden_states: torch.Tensor | None,
+                hidden_start_position: int) -> None:
+        request = self._requests[key]
+        if num_rollback_tokens:
+            if num_rollback_tokens > len(request.tokens):
+                raise ValueError(f"num_rollback_tokens {num_rollback_tokens} exceeds the "
+                                 f"context's {len(request.tokens)} tokens")
+            # Counts cannot be taken back one run at a time: count the rest again.
+            del request.tokens[len(request.tokens) - num_rollback_tokens:]
+            request.num_prompt = min(request.num_prompt, len(request.tokens))
+            request.tree = SuffixTree(self.max_depth)
+            request.tree.extend(request.tokens)
+        request.tokens.extend(new_token_ids)
+        request.tree.extend(new_token_ids)
+
+    def propose(self, wanted: dict[Hashable, int]) -> dict[Hashable, Draft]:
+        drafts: dict[Hashable, Draft] = {}
+        cap = self._info.max_num_speculative_tokens
+        for key, k in wanted.items():
+            context = self._requests[key].tokens
+            best: list[int] = []
+            best_score = 0.0
+            for tree in (self._requests[key].tree, self.global_tree):
+                tokens, score = tree.draft(context, min(k, cap), self.max_spec_factor,
+                                           self.max_spec_offset, self.min_token_prob)
+                if score > best_score:
+                    best, best_score = tokens, score
+            if best:
+                drafts[key] = Draft(token_ids=best)
+        return drafts
+
+    def free(self, key: Hashable) -> None:
+        request = self._requests.pop(key, None)
+        if request is None or self.max_cached_requests == 0:
+            return
+        reply = request.tokens[request.num_prompt:]
+        if not reply:
+            return
+        self.global_tree.add(reply)
+        self._replies.append(reply)
+        while len(self._replies) > self.max_cached_requests:
+            self.global_tree.remove(self._replies.popleft())
+
+    def has(self, key: Hashable) -> bool:
+        return key in self._requests

@@ -1,0 +1,169 @@
+"""Suffix decoding: the counted trees, drafts from the request and from past replies,
+bounded memory, and the verifier's output with it equal to plain greedy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from drafter import registry
+from drafter.suffix import SuffixMethod, SuffixTree
+from specdec.pb import common_pb2
+from specdec.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def counts(tree: SuffixTree) -> dict[tuple[int, ...], int]:
+    """Every run in the tree with its count."""
+    out = {}
+    stack = [((), tree.root)]
+    while stack:
+        path, node = stack.pop()
+        for t, child in node.children.items():
+            out[path + (t,)] = child.count
+            stack.append((path + (t,), child))
+    return out
+
+
+def brute_counts(sequences: list[list[int]], max_depth: int) -> dict[tuple[int, ...], int]:
+    out: dict[tuple[int, ...], int] = {}
+    for s in sequences:
+        for i in range(len(s)):
+            for j in range(i + 1, min(i + max_depth, len(s)) + 1):
+                out[tuple(s[i:j])] = out.get(tuple(s[i:j]), 0) + 1
+    return out
+
+
+def test_trees_count_every_run_up_to_their_depth():
+    rng = random.Random(0)
+    seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
+    grown, added = SuffixTree(5), SuffixTree(5)
+    for piece in (seqs[0][:7], seqs[0][7:]):  # extend in two pieces: same as all at once
+        grown.extend(piece)
+    assert counts(grown) == brute_counts(seqs[:1], 5)
+    for s in seqs:
+        added.add(s)
+    assert counts(added) == brute_counts(seqs, 5)
+    assert added.num_nodes == len(counts(added))
+    for s in seqs[:3]:
+        added.remove(s)
+    assert counts(added) == brute_counts(seqs[3:], 5)
+    assert added.num_nodes == len(counts(added))
+    for s in seqs[3:]:
+        added.remove(s)
+    assert counts(added) == {} and added.num_nodes == 0
+
+
+def test_request_context_drafts_what_followed_its_longest_match():
+    tree = SuffixTree(24)
+    context = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    tree.extend(context)
+    node, length = tree.match(context)
+    assert length == 3 and set(node.children) == {4}
+    # A match of 3 tokens earns at most 3 drafts (max_spec_factor 1): 4 5 9.
+    assert tree.draft(context, 8, 1.0, 0.0, 0.1) == ([4, 5, 9], 3.0)
+    assert tree.draft(context, 2, 1.0, 0.0, 0.1)[0] == [4, 5]  # K caps it
+    assert tree.draft(context, 8, 0.5, 0.0, 0.1)[0] == [4]  # floor(0.5 * 3)
+    assert tree.draft(context, 8, 1.0, 2.0, 0.1)[0] == [4, 5, 9, 1, 2]
+    assert tree.draft([7, 8], 8, 1.0, 0.0, 0.1) == ([], 0.0)  # no earlier occurrence
+
+
+def test_drafts_follow_the_most_frequent_continuation_while_likely_enough():
+    tree = SuffixTree(8)
+    context = [7, 1, 7, 1, 7, 2, 0, 7]
+    tree.extend(context)
+    # After 7: 1 twice, 2 once; 1 was then followed by 7 both times.
+    tokens, score = tree.draft(context, 1, 1.0, 0.0, 0.1)
+    assert tokens == [1] and score == pytest.approx(2 / 3)
+    assert tree.draft(context, 1, 1.0, 0.0, 0.7) == ([], 0.0)  # 2/3 < 0.7
+
+
+def test_a_draft_past_the_trees_depth_rematches():
+    tree = SuffixTree(3)
+    context = [1, 2, 3, 4, 5, 6, 1, 2]
+    tree.extend(context)
+    # Depth 3 holds runs of 3: the walk re-matches [.., 2, 3] -> 4, then [3, 4] -> 5, ...
+    assert tree.draft(context, 4, 1.0, 2.0, 0.1)[0] == [3, 4, 5, 6]
+
+
+def test_past_replies_draft_for_new_requests_and_memory_is_bounded():
+    method = SuffixMethod(max_cached_requests=1)
+    reply = [50, 51, 52, 53, 54, 55]
+    method.start("a", [1, 2, 3], [], GREEDY, 8)
+    method.advance("a", 0, 0, reply, 0, None, 0)
+    assert method.propose({"a": 4}) == {}  # nothing repeats within the request
+    method.free("a")
+    assert not method.has("a")
+    # A new request whose context ends the way that reply began: the reply continues it.
+    method.start("b", [9, 9, 50, 51, 52], [], GREEDY, 8)
+    assert method.propose({"b": 8})["b"].token_ids == [53, 54, 55]
+    method.free("b")  # prompt only, no reply: nothing is cached
+    method.start("c", [8], [60, 61, 62, 63], GREEDY, 8)
+    method.free("c")  # evicts the first reply (max_cached_requests=1)
+    assert method.cached_replies == ([60, 61, 62, 63],)
+    method.start("d", [50, 51, 52], [], GREEDY, 8)
+    assert "d" not in method.propose({"d": 8})
+    only_c = SuffixTree(method.max_depth)
+    only_c.add([60, 61, 62, 63])
+    assert method.global_tree.num_nodes == only_c.num_nodes
+    assert method.num_nodes == only_c.num_nodes + method._requests["d"].tree.num_nodes
+
+
+def test_rollback_counts_the_rest_again():
+    method = SuffixMethod()
+    method.start("a", [1, 2, 3, 1, 2], [], GREEDY, 8)
+    method.advance("a", 0, 0, [3, 4], 0, None, 0)
+    method.advance("a", 0, 0, [9], 2, None, 0)  # context: 1 2 3 1 2 9
+    fresh = SuffixTree(method.max_depth)
+    fresh.extend([1, 2, 3, 1, 2, 9])
+    assert counts(method._requests["a"].tree) == counts(fresh)
+    with pytest.raises(ValueError, match="num_rollback_tokens"):
+        method.advance("a", 0, 0, [], 99, None, 0)
+
+
+def test_registered_with_its_info_and_checks():
+    method = registry.create("suffix", max_num_speculative_tokens=5, vocab_size=100)
+    info = method.info()
+    assert (info.method, info.vocab_size, info.max_num_speculative_tokens) == (
+        common_pb2.SPEC_METHOD_SUFFIX, 100, 5)
+    assert not info.needs_hidden_states and not info.returns_probs
+    method.start("a", [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6], [], GREEDY, 8)
+    assert len(method.propose({"a": 8})["a"].token_ids) == 5  # the method's cap
+    for kwargs, field in (({"max_depth": 1}, "max_depth"),
+                          ({"max_cached_requests": -1}, "max_cached_requests"),
+                          ({"max_spec_factor": -1.0}, "max_spec_factor"),
+                          ({"min_token_prob": 1.5}, "min_token_prob")):
+        with pytest.raises(ValueError, match=field):
+            SuffixMethod(**kwargs)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_with_the_verifier_output_equals_plain_greedy(batch):
+    from specdec.generate import greedy_generate
+    from tests.loop_thread import LoopThread
+    from tests.verifier.test_service import (
+        VOCAB,
+        Stack,
+        generate,
+        prompts,
+        run_concurrently,
+        start_msg,
+        tiny_target,
+    )
+
+    model = tiny_target()
+    loop = LoopThread()
+    stack = Stack(loop, model, {"suffix": SuffixMethod(vocab_size=VOCAB)})
+    try:
+        # Repeating prompts give the request's own tree something to find.
+        ps = [p * 3 for p in prompts(batch, seed=40 + batch)]
+        expected = greedy_generate(model, ps, 48)
+        results = run_concurrently(lambda m: generate(stack.stub, m),
+                                   [(start_msg(p, 48, k=4, drafter="suffix"),) for p in ps])
+        assert [tokens for tokens, _ in results] == expected
+        assert sum(r[-1].spec_decode.num_accepted_tokens for _, r in results) > 0
+    finally:
+        stack.close()
+        loop.close()
