@@ -10,6 +10,7 @@ import pytest
 from drafter.ngram import NgramMethod, find_continuation
 from specdec.pb import common_pb2
 from specdec.sampling import SamplingParams
+from tests.drafter.through_verifier import decode_with_drafter
 
 
 def _find(tokens: list[int], min_n: int = 1, max_n: int = 4, k: int = 8) -> list[int]:
@@ -136,29 +137,7 @@ def test_info_and_constructor_checks():
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_with_the_verifier_output_equals_plain_greedy(batch):
-    from specdec.generate import greedy_generate
-    from tests.loop_thread import LoopThread
-    from tests.verifier.test_service import (
-        VOCAB,
-        Stack,
-        generate,
-        prompts,
-        run_concurrently,
-        start_msg,
-        tiny_target,
-    )
-
-    model = tiny_target()
-    loop = LoopThread()
-    stack = Stack(loop, model, {"ngram": NgramMethod(vocab_size=VOCAB)})
-    try:
-        # Repeating prompts give prompt lookup something to find.
-        ps = [p * 3 for p in prompts(batch, seed=20 + batch)]
-        expected = greedy_generate(model, ps, 48)
-        results = run_concurrently(lambda m: generate(stack.stub, m),
-                                   [(start_msg(p, 48, k=4, drafter="ngram"),) for p in ps])
-        assert [tokens for tokens, _ in results] == expected
-        assert sum(r[-1].spec_decode.num_draft_tokens for _, r in results) > 0
-    finally:
-        stack.close()
-        loop.close()
+    outputs, expected, last = decode_with_drafter(
+        "ngram", lambda vocab: NgramMethod(vocab_size=vocab), batch, seed=20 + batch)
+    assert outputs == expected
+    assert sum(r.spec_decode.num_draft_tokens for r in last) > 0

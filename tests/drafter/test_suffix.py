@@ -11,6 +11,7 @@ from drafter import registry
 from drafter.suffix import SuffixMethod, SuffixTree
 from specdec.pb import common_pb2
 from specdec.sampling import SamplingParams
+from tests.drafter.through_verifier import decode_with_drafter
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -141,29 +142,7 @@ def test_registered_with_its_info_and_checks():
 
 @pytest.mark.parametrize("batch", [1, 8])
 def test_with_the_verifier_output_equals_plain_greedy(batch):
-    from specdec.generate import greedy_generate
-    from tests.loop_thread import LoopThread
-    from tests.verifier.test_service import (
-        VOCAB,
-        Stack,
-        generate,
-        prompts,
-        run_concurrently,
-        start_msg,
-        tiny_target,
-    )
-
-    model = tiny_target()
-    loop = LoopThread()
-    stack = Stack(loop, model, {"suffix": SuffixMethod(vocab_size=VOCAB)})
-    try:
-        # Repeating prompts give the request's own tree something to find.
-        ps = [p * 3 for p in prompts(batch, seed=40 + batch)]
-        expected = greedy_generate(model, ps, 48)
-        results = run_concurrently(lambda m: generate(stack.stub, m),
-                                   [(start_msg(p, 48, k=4, drafter="suffix"),) for p in ps])
-        assert [tokens for tokens, _ in results] == expected
-        assert sum(r[-1].spec_decode.num_accepted_tokens for _, r in results) > 0
-    finally:
-        stack.close()
-        loop.close()
+    outputs, expected, last = decode_with_drafter(
+        "suffix", lambda vocab: SuffixMethod(vocab_size=vocab), batch, seed=40 + batch)
+    assert outputs == expected
+    assert sum(r.spec_decode.num_accepted_tokens for r in last) > 0
