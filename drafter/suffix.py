@@ -119,8 +119,9 @@ class SuffixTree:
         prob, score = 1.0, 0.0
         while len(tokens) < budget:
             if not node.children:
-                # At the tree's depth: the run continues from the context's shorter suffix.
-                node, length = self.match([*context, *tokens])
+                # At the tree's depth: the run continues from the context's shorter
+                # suffix (match reads no more than its last max_depth - 1 tokens).
+                node, _ = self.match([*context[1 - self.max_depth:], *tokens])
                 if node is None:
                     break
             total = sum(c.count for c in node.children.values())
