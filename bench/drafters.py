@@ -38,7 +38,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,7 +53,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.prompts import CATEGORIES, PROMPTS, Prompt
-from specdec.launch import service_flag
+from specdec.launch import free_port, service_flag
 from specdec.models.prepare import cache_dir, prepare_default_model
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.tokenizer import Tokenizer
@@ -84,12 +83,6 @@ TARGETS = "ngram >= 1.5x plain on copy-heavy prompts; eagle3 acceptance length >
 
 
 # -- services ----------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Process:

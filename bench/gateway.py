@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import torch
 
 from bench.prompts import PROMPTS
 from gateway.profile import profile
+from specdec.launch import free_port
 from specdec.models.prepare import cache_dir, prepare_default_model
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
 from specdec.tokenizer import Tokenizer
@@ -45,12 +45,6 @@ HEAD = ROOT / "drafter/weights/smollm2-135m-eagle3"
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Processes:
@@ -211,7 +205,7 @@ def main() -> None:
     args = p.parse_args()
 
     model_dir = prepare_default_model()
-    ports = {n: _free_port() for n in ("drafter", "verifier", "http")}
+    ports = {n: free_port() for n in ("drafter", "verifier", "http")}
     RESULTS.mkdir(parents=True, exist_ok=True)
     log_dir = cache_dir() / "logs" / "bench-gateway"
     log_dir.mkdir(parents=True, exist_ok=True)

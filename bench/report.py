@@ -27,7 +27,9 @@ END = "<!-- bench:end -->"
 
 # (results file, heading, what produced it). Files that do not exist yet are skipped.
 SECTIONS = [
-    ("serving.md", "Serving grid: drafters x K x concurrency, beside peers", "python -m bench.serving"),
+    ("serving.md", "`make run` against `vllm serve`", "python -m bench.serving"),
+    ("grid.md", "Serving grid: drafters x K x concurrency, beside in-process peers",
+     "python -m bench.grid"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),
     ("verifier.md", "Verify step against decode step", "python -m bench.verifier"),
     ("verifier_avx2.md", "Verify step against decode step on a CPU without AVX-512 (AVX2 kernel)",
@@ -48,17 +50,15 @@ SECTIONS = [
 ]
 MATRIX = "matrix.md"
 
-# The README's headline: these rows of the serving grid, tok/s at every concurrency.
+# The README's headline: `make run` against `vllm serve` (bench/serving.py), tok/s at
+# every concurrency.
 HEADLINE_SOURCE = "serving.json"
 HEADLINE_ROWS = [
-    ("plain", "ours, no speculation"),
-    ("ngram K=4", "ours, ngram, K=4"),
-    ("eagle3 K=4", "ours, eagle3, K=4"),
-    ("eagle3 auto", "ours, eagle3, dynamic K"),
-    ("transformers plain", "transformers `generate`"),
-    ("transformers prompt lookup", "transformers prompt lookup, K={peer_k}"),
-    ("vllm plain", "vLLM, no speculation"),
-    ("vllm ngram", "vLLM ngram, K={peer_k}"),
+    ("ours plain", "ours (`make run`), no speculation"),
+    ("ours ngram K=4", "ours, ngram K=4"),
+    ("ours default", "ours, default (eagle3, dynamic K)"),
+    ("vllm plain", "`vllm serve`, no speculation"),
+    ("vllm ngram K=4", "`vllm serve`, ngram K=4"),
 ]
 
 HEADER = """\
@@ -110,7 +110,7 @@ def render(results: Path = RESULTS) -> str:
 
 
 def render_headline(results: Path = RESULTS) -> str:
-    """The README's section, markers included: a few rows of the serving grid."""
+    """The README's section, markers included: ours against vLLM, both over HTTP."""
     parts = [BEGIN, ""]
     path = results / HEADLINE_SOURCE
     if not path.is_file():
@@ -120,30 +120,31 @@ def render_headline(results: Path = RESULTS) -> str:
         run = json.loads(path.read_text())
         cfg = run["config"]
         cs = [str(c) for c in cfg["concurrency"]]
+        s = run["summary"]
         versions = ", ".join(f"{k} {v}" for k, v in run["versions"].items())
         parts += [
-            f"Output tokens/s through each system at C concurrent requests: {run['model']}, "
-            f"float32, greedy, up to {cfg['max_tokens']} tokens per request, "
-            f"{run['device_name']} x{run['cpus']} ({versions}), {cfg['threads']} torch "
-            f"thread(s) per process, {run['timestamp'][:10]}; x = over ours without "
-            f"speculation at the same C. Ours runs as services (HTTP, gRPC hops, a drafter "
-            f"process); the peers run in-process. The conditions of each system are in the "
-            f"notes of [bench/results/serving.md](bench/results/serving.md); every table is "
-            f"in [docs/benchmarks.md](docs/benchmarks.md).", "",
-            "| system | " + " | ".join(f"C={c} tok/s | x" for c in cs) + " |",
-            "|---" * (1 + 2 * len(cs)) + "|",
+            f"Output tokens/s over HTTP at C requests in flight, the same `openai` client "
+            f"and requests for both servers: {run['model']}, float32, greedy, "
+            f"{len(cfg['prompts'])} chat prompts, up to {cfg['max_tokens']} tokens, "
+            f"{run['device_name']} x{run['cpus']} ({versions}), {run['timestamp'][:10]}. "
+            f"Latencies, exactness and where the time goes are in "
+            f"[bench/results/serving.md](bench/results/serving.md); every table is in "
+            f"[docs/benchmarks.md](docs/benchmarks.md).", "",
+            "| system | " + " | ".join(f"C={c}" for c in cs) + " |",
+            "|---" * (1 + len(cs)) + "|",
         ]
         for key, label in HEADLINE_ROWS:
-            cells = run["summary"].get(key)
+            cells = s.get(key)
             if cells is None:
                 continue
-            row = [label.format(peer_k=cfg["peer_k"])]
-            for c in cs:
-                cell = cells.get(c)
-                row += ([f"{cell['tok_s']:.1f}", f"{cell['vs_plain']:.2f}x"] if cell
-                        else ["-", "-"])
-            parts.append("| " + " | ".join(row) + " |")
-        parts.append("")
+            parts.append(f"| {label} | " + " | ".join(
+                f"{cells[c]['tok_s']:.1f}" if c in cells else "-" for c in cs) + " |")
+        ratios = []
+        for c in cs:
+            ours = [x[c]["tok_s"] for k, x in s.items() if k.startswith("ours ") and c in x]
+            peer = [x[c]["tok_s"] for k, x in s.items() if k.startswith("vllm ") and c in x]
+            ratios.append(f"{max(ours) / max(peer):.2f}x" if ours and peer else "-")
+        parts += ["| **ours best / vLLM best** | " + " | ".join(ratios) + " |", ""]
     parts.append(END)
     return "\n".join(parts)
 

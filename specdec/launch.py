@@ -13,10 +13,12 @@ them all, in reverse order, each with SIGTERM and its own grace period.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -123,6 +125,49 @@ def service_flag(service: str, flag: str, compose_path: Path = COMPOSE_FILE) -> 
     if svc is None or flag not in svc.argv[:-1]:
         raise ValueError(f"{compose_path}: local service {service!r} has no {flag} value")
     return svc.argv[svc.argv.index(flag) + 1]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds now. Fixed ports in Linux's ephemeral
+    range (32768-60999) can be held for a moment by any client socket; ask the kernel."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_PORT_FLAGS = ("--port", "--grpc-port")
+_LOOPBACK = re.compile(r"127\.0\.0\.1:(\d+)")
+
+
+def on_free_ports(services: list[LocalService]) -> tuple[list[LocalService], dict[int, int]]:
+    """`services` with every port they bind or dial (`--port`, `--grpc-port`,
+    127.0.0.1:PORT in arguments and health addresses) moved to a free one; and the map
+    from compose.yaml's port to the one used here."""
+    fixed: set[int] = set()
+    for svc in services:
+        for i, arg in enumerate(svc.argv):
+            if i and svc.argv[i - 1] in _PORT_FLAGS:
+                fixed.add(int(arg))
+            fixed.update(int(p) for p in _LOOPBACK.findall(arg))
+        if svc.health:
+            fixed.update(int(p) for p in _LOOPBACK.findall(svc.health))
+    ports: dict[int, int] = {}
+    for port in sorted(fixed):
+        new = free_port()
+        while new in ports.values() or new in fixed:
+            new = free_port()
+        ports[port] = new
+
+    def moved(text: str) -> str:
+        return _LOOPBACK.sub(lambda m: f"127.0.0.1:{ports[int(m.group(1))]}", text)
+
+    out = []
+    for svc in services:
+        argv = [str(ports[int(a)]) if i and svc.argv[i - 1] in _PORT_FLAGS else moved(a)
+                for i, a in enumerate(svc.argv)]
+        out.append(dataclasses.replace(svc, argv=tuple(argv),
+                                       health=moved(svc.health) if svc.health else None))
+    return out, ports
 
 
 def _executable(name: str) -> str:

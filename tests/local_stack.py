@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -15,43 +14,8 @@ from pathlib import Path
 
 import grpc
 
-from specdec.launch import EAGLE3_HEAD, LocalService, LocalStack, local_services
+from specdec.launch import EAGLE3_HEAD, LocalStack, local_services, on_free_ports
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
-from tests.ports import free_port
-
-_PORT_FLAGS = ("--port", "--grpc-port")
-_LOOPBACK = re.compile(r"127\.0\.0\.1:(\d+)")
-
-
-def on_free_ports(services: list[LocalService]) -> tuple[list[LocalService], dict[int, int]]:
-    """`services` with every port they bind or dial (`--port`, `--grpc-port`,
-    127.0.0.1:PORT in arguments and health addresses) moved to a free one; and the map
-    from compose.yaml's port to the one used here."""
-    fixed: set[int] = set()
-    for svc in services:
-        for i, arg in enumerate(svc.argv):
-            if i and svc.argv[i - 1] in _PORT_FLAGS:
-                fixed.add(int(arg))
-            fixed.update(int(p) for p in _LOOPBACK.findall(arg))
-        if svc.health:
-            fixed.update(int(p) for p in _LOOPBACK.findall(svc.health))
-    ports: dict[int, int] = {}
-    for port in sorted(fixed):
-        new = free_port()
-        while new in ports.values() or new in fixed:
-            new = free_port()
-        ports[port] = new
-
-    def moved(text: str) -> str:
-        return _LOOPBACK.sub(lambda m: f"127.0.0.1:{ports[int(m.group(1))]}", text)
-
-    out = []
-    for svc in services:
-        argv = [str(ports[int(a)]) if i and svc.argv[i - 1] in _PORT_FLAGS else moved(a)
-                for i, a in enumerate(svc.argv)]
-        out.append(dataclasses.replace(svc, argv=tuple(argv),
-                                       health=moved(svc.health) if svc.health else None))
-    return out, ports
 
 
 @dataclasses.dataclass

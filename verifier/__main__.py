@@ -61,11 +61,18 @@ async def _serve(args: argparse.Namespace) -> int:
     from verifier.drafting import DrafterPool
     from verifier.engine import Engine, EngineConfig
     from verifier.service import VerifierServicer, serve
+    from verifier.worker import EngineThread
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model_dir = Path(args.model) if args.model else prepare_default_model()
-    model = load_model(model_dir, dtype=args.dtype, device=args.device, attention=args.attention)
+    engine_thread = EngineThread()  # the model is loaded, and later stepped, there
+
+    def load():
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return load_model(model_dir, dtype=args.dtype, device=args.device,
+                          attention=args.attention)
+
+    model = engine_thread.call(load)
     tokenizer = Tokenizer.from_dir(model_dir)
     _, digest = model_fingerprint(model_dir)
     cfg = model.config
@@ -80,9 +87,10 @@ async def _serve(args: argparse.Namespace) -> int:
     target = TargetInfo(cfg.vocab_size, digest, cfg.hidden_size, cfg.num_layers)
     pool = DrafterPool([DrafterClient(name, addr, target) for name, addr in args.drafter],
                        args.max_num_speculative_tokens, args.draft_deadline_ms)
-    engine = Engine(model, engine_cfg, pool, tokenizer.eos_token_ids)
+    engine = engine_thread.call(lambda: Engine(model, engine_cfg, pool, tokenizer.eos_token_ids))
     servicer = VerifierServicer(engine, pool, target, model_name=model_dir.name,
-                                default_num_speculative_tokens=args.num_speculative_tokens)
+                                default_num_speculative_tokens=args.num_speculative_tokens,
+                                engine_thread=engine_thread)
     service = await serve(servicer, f"{args.host}:{args.port}")
     log.info("verifier serving %s on %s (drafters: %s)", model_dir.name,
              host_port(f"{args.host}:{service.port}"),

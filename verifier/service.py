@@ -26,7 +26,7 @@ from specdec.telemetry import incoming_context
 from verifier.drafter_client import TargetInfo
 from verifier.drafting import DrafterPool
 from verifier.engine import Engine, FinishReason, Request, StepOutput
-from verifier.worker import EngineWorker
+from verifier.worker import EngineThread, EngineWorker
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.verifier")
@@ -75,7 +75,9 @@ def _field_error(prefix: str, e: ValueError) -> ValueError:
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: Engine, pool: DrafterPool, target: TargetInfo, *,
-                 model_name: str = "", default_num_speculative_tokens: int = 4):
+                 model_name: str = "", default_num_speculative_tokens: int = 4,
+                 engine_thread: EngineThread | None = None):
+        """engine_thread: the thread `engine` was built on, to step it there too."""
         self.engine = engine
         self.pool = pool
         self.target = target
@@ -83,7 +85,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.default_num_speculative_tokens = min(
             default_num_speculative_tokens, engine.config.max_num_speculative_tokens
         )
-        self.worker = EngineWorker(engine)
+        self.worker = EngineWorker(engine, engine_thread)
         self._active: dict[str, asyncio.Task | None] = {}
         self._aborting: set[str] = set()
         self._accepting = True
@@ -297,7 +299,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             max_model_len=cfg.max_model_len,
             max_num_speculative_tokens=cfg.max_num_speculative_tokens, model_name=self.model_name,
             tokenizer=common_pb2.TokenizerFingerprint(vocab_size=self.target.vocab_size,
-                                                      hash=self.target.tokenizer_hash))
+                                                      hash=self.target.tokenizer_hash),
+            engine_times=verifier_pb2.EngineTimes(
+                steps=load.times.steps, tokens=load.times.tokens,
+                schedule_ms=load.times.schedule_ms, draft_wait_ms=load.times.draft_wait_ms,
+                forward_ms=load.times.forward_ms, sample_ms=load.times.sample_ms,
+                postprocess_ms=load.times.postprocess_ms, deliver_ms=load.deliver_ms))
         for c in self.pool.clients.values():
             report.drafters.add(
                 name=c.name,

@@ -8,17 +8,47 @@ flight (their sinks get the exception) instead of killing the service.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
-from verifier.engine import Engine, Request, StepOutput
+from verifier.engine import Engine, Request, StepOutput, StepTimes
 
 log = logging.getLogger(__name__)
 
 Sink = Callable[[StepOutput | BaseException], None]
+T = TypeVar("T")
+
+
+class EngineThread:
+    """The one OS thread that loads the model and then runs every step.
+
+    On CPU, a model loaded on one thread and stepped on another ran its forward 1.4x
+    slower (SmolLM2-135M float32, 2 torch threads, batch 1: 55 against 39 ms a step;
+    bench/serving.py's breakdown showed it as the verifier's whole loss against the
+    engine in process): each thread that enters a parallel region gets OpenMP teams
+    of its own, and the loading thread's stay behind to compete with the stepping
+    thread's. So the verifier builds its engine here and the worker loop runs here
+    too."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine")
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine thread and return its result (blocks the caller)."""
+        return self._pool.submit(fn).result()
+
+    def submit(self, fn: Callable[[], None]) -> Future:
+        return self._pool.submit(fn)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,25 +57,40 @@ class LoadSnapshot:
     num_waiting: int
     num_free_kv_blocks: int
     step_time_ema_ms: float
+    times: StepTimes  # the engine's, as of this snapshot
+    deliver_ms: float  # cumulative: handing step outputs to the requests' sinks
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, thread: EngineThread | None = None):
+        """thread: the EngineThread the engine was built on (its loop runs there);
+        None: a thread of its own."""
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._engine_thread = thread
+        self._thread = (threading.Thread(target=self._run, name="engine", daemon=True)
+                        if thread is None else None)
+        self._loop: Future | None = None
+        self._deliver_ms = 0.0
         self.load = self._snapshot()
 
     def start(self) -> EngineWorker:
-        self._thread.start()
+        if self._thread is not None:
+            self._thread.start()
+        else:
+            self._loop = self._engine_thread.submit(self._run)
         return self
 
     def stop(self) -> None:
         self._stopped.set()
         self._commands.put(None)
-        self._thread.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        elif self._loop is not None:
+            self._loop.exception(timeout=30)
+            self._engine_thread.shutdown()
 
     # -- commands (any thread) ---------------------------------------------------
 
@@ -107,6 +152,7 @@ class EngineWorker:
                     sink(e)
                 self._sinks.clear()
                 outputs = []
+            t0 = time.perf_counter()
             self.load = self._snapshot()  # before the outputs: a finished client sees itself gone
             for out in outputs:
                 sink = self._sinks.get(out.request_id)
@@ -114,7 +160,9 @@ class EngineWorker:
                     self._sinks.pop(out.request_id, None)
                 if sink is not None:
                     sink(out)
+            self._deliver_ms += (time.perf_counter() - t0) * 1e3
 
     def _snapshot(self) -> LoadSnapshot:
         return LoadSnapshot(self.engine.num_running, self.engine.num_waiting,
-                            self.engine.cache.num_free_blocks, self.engine.step_time_ema_ms)
+                            self.engine.cache.num_free_blocks, self.engine.step_time_ema_ms,
+                            dataclasses.replace(self.engine.times), self._deliver_ms)

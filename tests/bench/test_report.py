@@ -29,21 +29,23 @@ def test_render_and_splice(tmp_path):
         report.splice("no markers", page)
 
 
-def test_headline_rows_come_from_the_serving_grid(tmp_path):
+def test_headline_rows_come_from_the_serving_comparison(tmp_path):
     assert "No serving results yet" in report.render_headline(tmp_path)
 
-    def cell(tok_s, x):
-        return {"tok_s": tok_s, "vs_plain": x}
+    def cell(tok_s):
+        return {"tok_s": tok_s}
 
     (tmp_path / "serving.json").write_text(json.dumps({
         "model": "M", "device_name": "CPU", "cpus": 2, "versions": {"torch": "2"},
-        "timestamp": "2026-01-02T03:04:05", "config": {"concurrency": [1, 4], "max_tokens": 8,
-                                                       "threads": 1, "peer_k": 4},
-        "summary": {"plain": {"1": cell(10.0, 1.0), "4": cell(20.0, 1.0)},
-                    "vllm ngram": {"1": cell(30.04, 3.004)},
-                    "ngram K=6": {"1": cell(99.0, 9.9)}}}))
+        "timestamp": "2026-01-02T03:04:05",
+        "config": {"concurrency": [1, 4], "max_tokens": 8, "prompts": ["a", "b"]},
+        "summary": {"ours plain": {"1": cell(10.0), "4": cell(20.0)},
+                    "ours ngram K=4": {"1": cell(15.0), "4": cell(18.0)},
+                    "vllm plain": {"1": cell(12.0), "4": cell(40.0)},
+                    "engine plain": {"1": cell(99.0)}}}))
     section = report.render_headline(tmp_path)
     assert section.startswith(report.BEGIN) and section.endswith(report.END)
-    assert "| ours, no speculation | 10.0 | 1.00x | 20.0 | 1.00x |" in section
-    assert "| vLLM ngram, K=4 | 30.0 | 3.00x | - | - |" in section
+    assert "| ours (`make run`), no speculation | 10.0 | 20.0 |" in section
+    assert "| `vllm serve`, no speculation | 12.0 | 40.0 |" in section
+    assert "| **ours best / vLLM best** | 1.25x | 0.50x |" in section
     assert "99.0" not in section  # only the headline rows

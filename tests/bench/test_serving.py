@@ -1,5 +1,7 @@
-"""bench/serving.py: the workload definition, the summary and the table; and one
-reduced run over the real stack and transformers."""
+"""bench/serving.py (`make run` against `vllm serve`): the workload, the statistics, the
+breakdown, the table; and one reduced run of our stack and our engine in process."""
+
+from __future__ import annotations
 
 import json
 
@@ -7,99 +9,113 @@ import pytest
 import torch
 
 from bench import serving
-from bench.prompts import PROMPTS
 
 
-def test_workload_is_at_least_one_full_wave_of_cycled_prompts():
-    prompts = list(PROMPTS[:5])
-    assert serving.workload(prompts, 1, 8) == [prompts[i % 5] for i in range(8)]
-    sixteen = serving.workload(prompts, 16, 8)
-    assert len(sixteen) == 16 and sixteen[5] is prompts[0]
-    assert serving.waves(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert serving.waves(list(range(3)), 16) == [[0, 1, 2]]
+def test_workload_and_percentiles():
+    prompts = serving.prompts_by_name()
+    assert [p.name for p in prompts] == list(serving.PROMPT_NAMES)
+    assert serving.workload(prompts, 1, 8) == [prompts[i % 6] for i in range(8)]
+    assert len(serving.workload(prompts, 16, 8)) == 16
+    xs = [float(i) for i in range(1, 101)]
+    assert serving.percentile(xs, 50) == 50.0 and serving.percentile(xs, 99) == 99.0
+    assert serving.percentile([3.0], 99) == 3.0 and serving.percentile([], 50) is None
 
 
-def test_configs_cover_every_drafter_at_every_k_and_auto():
-    cfgs = serving.configs(["ngram", "eagle3"], [2, 4])
-    assert cfgs["plain"] == {"method": "none"}
-    assert cfgs["eagle3 K=4"] == {"method": "eagle3", "num_speculative_tokens": 4}
-    assert cfgs["ngram auto"] == {"method": "ngram", "num_speculative_tokens": "auto"}
-    assert len(cfgs) == 1 + 2 * 3
+def test_cell_stats_count_tokens_latencies_and_acceptance():
+    replies = [serving.Reply("ab", 10, 0.2, [0.01, 0.03], 2.0),
+               serving.Reply("cd", 30, 0.4, [0.02], None)]
+    s = serving.cell_stats(replies, wall_s=2.0)
+    assert s["tok_s"] == 20.0 and s["tokens"] == 40
+    assert s["ttft_ms_p50"] == pytest.approx(200.0) and s["ttft_ms_p99"] == pytest.approx(400.0)
+    assert s["itl_ms_p50"] == pytest.approx(20.0) and s["itl_ms_p99"] == pytest.approx(30.0)
+    assert s["acceptance_length"] == 2.0 and s["texts"] == ["ab", "cd"]
 
 
-def _cell(tokens, wall, texts=None, token_ids=None, al=None):
-    return {"tokens": tokens, "wall_s": wall, "ttft_ms": 10.0, "acceptance_length": al,
-            "texts": texts, "token_ids": token_ids}
+def test_summary_takes_the_median_repeat_and_counts_identical_replies():
+    def cell(tok_s, texts):
+        return {"tok_s": tok_s, "texts": texts}
+
+    cells = {"ours plain": {"1": [cell(10.0, ["a", "b"])]},
+             "vllm plain": {"1": [cell(30.0, ["a", "x"]), cell(12.0, ["a", "b"]),
+                                  cell(20.0, ["a", "b"])]}}
+    s = serving.summarise(cells, {"1": ["a", "b"]})
+    assert s["vllm plain"]["1"]["tok_s"] == 20.0
+    assert s["vllm plain"]["1"]["tok_s_runs"] == [30.0, 12.0, 20.0]
+    assert (s["vllm plain"]["1"]["identical"], s["vllm plain"]["1"]["requests"]) == (2, 2)
+    assert "texts" not in s["ours plain"]["1"]
+    assert serving.best(s, "vllm ", "1") == ("vllm plain", 20.0)
 
 
-def test_summary_compares_with_plain_at_the_same_concurrency():
-    cells = {
-        "plain": {"1": [_cell(100, 10.0, ["a", "b"])], "4": [_cell(100, 5.0, ["a", "b"])]},
-        "ngram K=2": {"1": [_cell(100, 5.0, ["a", "b"], al=2.0),
-                            _cell(100, 2.5, ["a", "b"], al=3.0)],
-                      "4": [_cell(100, 10.0, ["a", "x"], al=1.5)]},
-        # peers come back as token ids; `decode` turns them into text
-        "vllm plain": {"4": [_cell(90, 3.0, token_ids=[[1], [2]])]},
+def test_vllm_iteration_lines_give_its_step_time(tmp_path):
+    log = tmp_path / "vllm.log"
+    lines = [f"(EngineCore pid=1) INFO 11-25 [loggers.py:200] Iteration({i}): {c} context "
+             f"requests, {c * 50} context tokens, {g} generation requests, {g} generation "
+             f"tokens, iteration elapsed time: {ms:.2f} ms, CPU KV cache usage: 1.0%"
+             for i, (c, g, ms) in enumerate([(1, 0, 80.0), (0, 4, 20.0), (0, 4, 30.0)])]
+    log.write_text("noise\n" + "\n".join(lines) + "\n")
+    got = serving._vllm_iterations(log, 0, log.stat().st_size, wall_s=0.5)
+    assert got["steps"] == 3
+    assert got["step_ms"]["iteration"] == pytest.approx(130.0 / 3)
+    assert got["engine_busy"] == pytest.approx(0.26)
+    assert got["batch_mean"] == pytest.approx(3.0)
+
+
+def test_breakdown_divides_engine_time_by_steps_and_cpu_by_wall():
+    probe = serving.Probe({})
+    engine = {"steps": 10, "tokens": 20, "schedule_ms": 1.0, "draft_wait_ms": 2.0,
+              "forward_ms": 30.0, "sample_ms": 4.0, "postprocess_ms": 3.0, "deliver_ms": 1.0}
+    a = {"cpu_s": {"verifier": 1.0, "gateway": 0.5},
+         "engine": {k: 0 for k in engine}}
+    b = {"cpu_s": {"verifier": 2.0, "gateway": 0.6}, "engine": engine}
+    got = probe.breakdown(a, b, wall_s=0.5)
+    assert got["cpu_share"] == {"verifier": 2.0, "gateway": 0.2}
+    assert got["steps"] == 10 and got["tokens_per_step"] == 2.0
+    assert got["step_ms"]["forward"] == 3.0 and got["step_ms"]["deliver"] == 0.1
+    assert got["engine_busy"] == pytest.approx(40.0 / 1e3 / 0.5)
+
+
+def test_render_names_a_missing_vllm_and_the_ratios():
+    def cell(tok_s, **extra):
+        return {"tok_s": tok_s, "ttft_ms_p50": 100.0, "ttft_ms_p99": 150.0,
+                "itl_ms_p50": 20.0, "itl_ms_p99": 40.0, "acceptance_length": None,
+                "identical": 2, "requests": 2, **extra}
+
+    result = {
+        "model": "M", "device_name": "CPU", "cpus": 2, "versions": {"torch": "2"},
+        "config": {"concurrency": [1], "requests": 2, "max_tokens": 8, "repeats": 1,
+                   "prompts": ["a", "b"]},
+        "load_average_1min": [0.1, 0.2], "wall_s": 60.0,
+        "summary": {"ours plain": {"1": cell(10.0)}, "ours ngram K=4": {"1": cell(15.0)},
+                    "engine plain": {"1": cell(12.5, step_ms_p50=50.0)}},
+        "unavailable": {"vllm plain": "no peers venv", "vllm ngram K=4": "no peers venv"},
+        "notes": ["a note"],
     }
-    reference = {c: runs[-1]["texts"] for c, runs in cells["plain"].items()}
-    s = serving.summarise(cells, reference, decode=lambda ids: "ab"[ids[0] - 1])
-    assert s["plain"]["1"]["vs_plain"] == 1.0
-    assert s["ngram K=2"]["1"]["tok_s"] == pytest.approx((20 + 40) / 2)
-    assert s["ngram K=2"]["1"]["vs_plain"] == pytest.approx(3.0)
-    assert s["ngram K=2"]["1"]["acceptance_length"] == pytest.approx(2.5)
-    assert s["ngram K=2"]["4"]["vs_plain"] == pytest.approx(0.5)
-    assert s["ngram K=2"]["4"]["identical"] == 1 and s["ngram K=2"]["4"]["requests"] == 2
-    assert s["vllm plain"]["4"]["identical"] == 2
-    assert s["vllm plain"]["4"]["vs_plain"] == pytest.approx(30 / 20)
-
-
-def _result(summary, unavailable=None):
-    return {"model": "m", "device_name": "cpu", "cpus": 2, "versions": {"torch": "t"},
-            "load_average_1min": [1.0, 1.0], "wall_s": 60.0, "plot": None, "notes": ["n"],
-            "unavailable": unavailable or {},
-            "config": {"concurrency": [1, 4], "methods": ["ngram"], "max_tokens": 8,
-                       "requests": 2, "repeats": 1, "threads": 1},
-            "summary": summary}
-
-
-def test_table_names_unavailable_peers_and_rates_dynamic_k_against_best_static():
-    def cell(tok_s, plain):
-        return {"tok_s": tok_s, "vs_plain": tok_s / plain, "acceptance_length": None,
-                "identical": 2, "requests": 2}
-
-    summary = {"plain": {"1": cell(10, 10), "4": cell(20, 20)},
-               "ngram K=2": {"1": cell(15, 10), "4": cell(30, 20)},
-               "ngram K=4": {"1": cell(18, 10), "4": cell(24, 20)},
-               "ngram auto": {"1": cell(18, 10), "4": cell(27, 20)},
-               "transformers plain": {"1": cell(9, 10), "4": cell(16, 20)}}
-    text = serving.render(_result(summary, {"vllm": "no peers venv"}))
-    assert "| vllm plain | unavailable: no peers venv |" in text
-    assert "| ours ngram K=4 | 18.0 | 1.80x | - | 2/2 | 24.0 | 1.20x | - | 2/2 |" in text
-    assert "| transformers plain | 9.0 | 0.90x" in text
-    assert "| ngram | 1.00 (best K=4) | 0.90 (best K=2) |" in text
+    text = serving.render(result)
+    assert "| vllm plain | unavailable: no peers venv" in text
+    assert "| ours ngram K=4 | 15.0 | 100 | 150 | 20.0 | 40.0 | - | 2/2 |" in text
+    assert "| `make run` plain / engine | 0.80 |" in text
+    assert "| ours best / vLLM best | - |" in text
 
 
 @pytest.mark.slow
 @pytest.mark.model
-def test_a_reduced_grid_runs_the_real_stack_and_transformers(tmp_path):
+def test_a_reduced_run_of_our_stack_and_engine(tmp_path):
     out = tmp_path / "serving.json"
     threads = torch.get_num_threads()
     try:
-        serving.main(["--quick", "--systems", "ours,transformers", "--out", str(out)])
+        serving.main(["--quick", "--systems", "ours,engine", "--out", str(out)])
     finally:
-        # main() sets this process's torch threads (transformers runs here); tests that
-        # follow compare float32 logits with tolerances measured at the default count.
         torch.set_num_threads(threads)
     result = json.loads(out.read_text())
     s = result["summary"]
-    assert set(s) == {"plain", "ngram K=2", "ngram auto", "transformers plain",
-                      "transformers prompt lookup"}
-    for name in ("plain", "ngram K=2", "ngram auto", "transformers plain"):
+    assert set(s) == {"ours plain", "ours ngram K=4", "ours default", "engine plain"}
+    for name in s:
         for c, requests in (("1", 2), ("4", 4)):
             assert s[name][c]["tok_s"] > 0
-            # greedy: every system gives plain decoding's text
+            # greedy: every configuration, and the engine in process, give plain's text
             assert s[name][c]["identical"] == s[name][c]["requests"] == requests
-    assert set(s["transformers prompt lookup"]) == {"1"}
-    assert s["ngram K=2"]["1"]["acceptance_length"] >= 1.0
-    assert result["profile"]["acceptance"]["ngram"]
-    assert "| ours ngram auto |" in out.with_suffix(".md").read_text()
+    b = s["ours plain"]["1"]["breakdown"]
+    assert b["tokens_per_step"] == pytest.approx(1.0, abs=0.3)  # plain: one token a step
+    assert b["step_ms"]["forward"] > 0 and b["cpu_share"]["verifier"] > 0
+    assert s["ours ngram K=4"]["1"]["acceptance_length"] >= 1.0
+    assert "| ours default |" in out.with_suffix(".md").read_text()

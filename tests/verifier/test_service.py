@@ -448,6 +448,10 @@ def test_cli_serves_health_and_generate_then_stops_on_sigterm(smollm2_dir):
         report = stub.Load(verifier_pb2.LoadRequest(), timeout=5)
         assert report.tokenizer.vocab_size == tok.vocab_size and report.tokenizer.hash
         assert [d.name for d in report.drafters] == ["ngram"]
+        # Its engine's accounting: the prefill step and one step per further token.
+        times = report.engine_times
+        assert (times.steps, times.tokens) == (len(tokens), len(tokens))
+        assert times.forward_ms > 0 and times.deliver_ms > 0
         channel.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

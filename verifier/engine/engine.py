@@ -56,6 +56,29 @@ class EngineConfig:
 
 
 @dataclass(slots=True)
+class StepTimes:
+    """Where the engine's time went, cumulative since it started (milliseconds).
+
+    A step is schedule -> drafts (waiting for the proposer) -> forward (the model
+    runner: batch building and the target forward) -> sample (tree chains and
+    rejection sampling) -> postprocess (KV rollback, appends, stop checks, drafter
+    outcomes). `steps` counts steps that ran a batch, `tokens` the tokens they emitted."""
+
+    steps: int = 0
+    tokens: int = 0
+    schedule_ms: float = 0.0
+    draft_wait_ms: float = 0.0
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+    postprocess_ms: float = 0.0
+
+    @property
+    def busy_ms(self) -> float:
+        return (self.schedule_ms + self.draft_wait_ms + self.forward_ms + self.sample_ms
+                + self.postprocess_ms)
+
+
+@dataclass(slots=True)
 class TokenLogprob:
     """Raw log_softmax of the target logits (before temperature and filters)."""
 
@@ -102,6 +125,7 @@ class Engine:
         self._ids = itertools.count()
         self.step_time_ema_ms = 0.0
         self.num_steps = 0
+        self.times = StepTimes()
 
     # -- requests ----------------------------------------------------------
 
@@ -164,21 +188,38 @@ class Engine:
         if not batch:
             return []
         self.num_steps += 1
+        t1 = time.perf_counter()
         drafts = collect_drafts(self.proposer, batch, self.model.config)
-        draft_wait_ms = (time.perf_counter() - t0) * 1e3
+        t2 = time.perf_counter()
         out = self.runner.run(batch, drafts, self.proposer)
         self._advance_prefill(batch, out.hidden)
+        t3 = t4 = time.perf_counter()
         outputs: list[StepOutput] = []
         if out.sampled:
             chains = chain_blocks(out.logits, out.drafts,
                                   [drafts.trees.get(item.seq.seq_id) for item in out.sampled])
             token_ids, num_accepted = self._sample(out.sampled, chains, drafts.probs)
+            t4 = time.perf_counter()
             outputs = self._postprocess(out, chains, token_ids, num_accepted)
-        dt = (time.perf_counter() - t0) * 1e3
+        t5 = time.perf_counter()
+        self._account(t0, t1, t2, t3, t4, t5, outputs)
+        dt = (t5 - t0) * 1e3
         self.step_time_ema_ms = dt if not self.step_time_ema_ms else 0.9 * self.step_time_ema_ms + 0.1 * dt
+        draft_wait_ms = (t2 - t0) * 1e3  # scheduling included, as the step stats always had it
         for o in outputs:
             o.step, o.batch_size, o.step_time_ms, o.draft_wait_ms = self.num_steps, len(batch), dt, draft_wait_ms
         return outputs
+
+    def _account(self, t0: float, t1: float, t2: float, t3: float, t4: float, t5: float,
+                 outputs: list[StepOutput]) -> None:
+        tm = self.times
+        tm.steps += 1
+        tm.tokens += sum(len(o.new_token_ids) for o in outputs)
+        tm.schedule_ms += (t1 - t0) * 1e3
+        tm.draft_wait_ms += (t2 - t1) * 1e3
+        tm.forward_ms += (t3 - t2) * 1e3
+        tm.sample_ms += (t4 - t3) * 1e3
+        tm.postprocess_ms += (t5 - t4) * 1e3
 
     def _advance_prefill(self, batch: list[Scheduled], hidden: Hidden) -> None:
         """Every prefill chunk's KV is now computed. A chunk that leaves its sequence
