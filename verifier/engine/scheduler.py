@@ -43,6 +43,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefix_cache_stats = PrefixCacheStats()
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -115,6 +116,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
         seq.num_computed = 0
