@@ -297,7 +297,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             max_model_len=cfg.max_model_len,
             max_num_speculative_tokens=cfg.max_num_speculative_tokens, model_name=self.model_name,
             tokenizer=common_pb2.TokenizerFingerprint(vocab_size=self.target.vocab_size,
-                                                      hash=self.target.tokenizer_hash))
+                                                      hash=self.target.tokenizer_hash),
+            prefix_caching_enabled=cfg.enable_prefix_caching,
+            prefix_cache_queries=load.prefix_cache.queries,
+            prefix_cache_hits=load.prefix_cache.hits,
+            prefix_cache_hit_rate=load.prefix_cache.hit_rate)
         for c in self.pool.clients.values():
             report.drafters.add(
                 name=c.name,

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from specdec.models.prefix_cache import PrefixCacheStats
 from verifier.engine import Engine, Request, StepOutput
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ class LoadSnapshot:
     num_waiting: int
     num_free_kv_blocks: int
     step_time_ema_ms: float
+    prefix_cache: PrefixCacheStats  # a copy of the scheduler's cumulative counts
 
 
 class EngineWorker:
@@ -116,5 +118,7 @@ class EngineWorker:
                     sink(out)
 
     def _snapshot(self) -> LoadSnapshot:
+        prefix = self.engine.scheduler.prefix_cache_stats
         return LoadSnapshot(self.engine.num_running, self.engine.num_waiting,
-                            self.engine.cache.num_free_blocks, self.engine.step_time_ema_ms)
+                            self.engine.cache.num_free_blocks, self.engine.step_time_ema_ms,
+                            PrefixCacheStats(prefix.queries, prefix.hits))

@@ -17,6 +17,7 @@ from specdec.models import LlamaForCausalLM
 from specdec.sampling import SamplingParams
 from tests.tiny import tiny_llama
 from tests.verifier.test_engine import HiddenRecorder, ScriptedProposer
+from verifier.__main__ import build_parser
 from verifier.engine import Engine, EngineConfig, Proposal, Request
 
 VOCAB = 97
@@ -261,3 +262,9 @@ def test_drafter_reading_hidden_states_gets_no_hits_but_feeds_others(model):
     out = run_waves(engine, [[Request("plain", prompts[0], 12, GREEDY)]])
     assert out["plain"] == plain[0]
     assert engine.scheduler.prefix_cache_stats.hits == 16
+
+
+def test_the_flag_turns_it_off():
+    assert build_parser().parse_args([]).enable_prefix_caching is True
+    assert build_parser().parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert EngineConfig().enable_prefix_caching is True
