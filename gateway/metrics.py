@@ -7,12 +7,45 @@ Each gateway owns its registry: tests run several in one process.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from specdec.pb import verifier_pb2
 
 # Latency buckets (seconds) wide enough for a CPU deployment and a GPU one.
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
             5.0, 10.0, 20.0, 40.0, 80.0)
 _AL = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 10.0)
+
+
+class VerifierPrefixCache(Collector):
+    """Each verifier's prefix-cache counts as its last Load report gave them (the
+    verifier counts, the gateway exports): vLLM's prefix_cache_queries / _hits, in
+    tokens, as counters, and the hit rate since the verifier started."""
+
+    def __init__(self) -> None:
+        self.reports: dict[str, verifier_pb2.LoadReport] = {}  # address -> last report
+
+    def collect(self) -> Iterator[Metric]:
+        queries = CounterMetricFamily(
+            "specdec_verifier_prefix_cache_queries",
+            "Context tokens of admitted sequences looked up in the verifier's prefix cache",
+            labels=["verifier"])
+        hits = CounterMetricFamily(
+            "specdec_verifier_prefix_cache_hits",
+            "Of those, tokens whose KV was found cached", labels=["verifier"])
+        rate = GaugeMetricFamily("specdec_verifier_prefix_cache_hit_rate",
+                                 "Prefix cache hits / queries since the verifier started",
+                                 labels=["verifier"])
+        for address, report in self.reports.items():
+            if report.prefix_caching_enabled:
+                queries.add_metric([address], report.prefix_cache_queries)
+                hits.add_metric([address], report.prefix_cache_hits)
+                rate.add_metric([address], report.prefix_cache_hit_rate)
+        yield from (queries, hits, rate)
 
 
 class GatewayMetrics:
@@ -65,6 +98,14 @@ class GatewayMetrics:
         self.resumed = Counter("specdec_requests_resumed",
                                "Requests moved to another verifier replica mid-generation",
                                registry=r)
+        self.verifier_prefix_cache = VerifierPrefixCache()
+        r.register(self.verifier_prefix_cache)
+
+    def observe_verifier(self, address: str, report: verifier_pb2.LoadReport) -> None:
+        """The series a verifier's Load report carries."""
+        self.verifier_running.labels(address).set(report.num_running)
+        self.verifier_waiting.labels(address).set(report.num_waiting)
+        self.verifier_prefix_cache.reports[address] = report
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -387,8 +387,7 @@ class OpenAIFrontend:
         m = self.gw.metrics
         for r in self.gw.replicas.replicas:
             if r.report is not None:
-                m.verifier_running.labels(r.address).set(r.report.num_running)
-                m.verifier_waiting.labels(r.address).set(r.report.num_waiting)
+                m.observe_verifier(r.address, r.report)
         return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

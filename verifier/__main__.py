@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", default="sdpa")
     p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs", action="store_false",
                    help="on a GPU, run every step eagerly instead of replaying CUDA graphs")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="reuse the KV cache of full blocks shared with earlier requests "
+                        "(automatic prefix caching)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grace-s", type=float, default=10.0, help="shutdown grace period")
@@ -83,7 +87,7 @@ async def _serve(args: argparse.Namespace) -> int:
         block_size=args.block_size, num_kv_blocks=math.ceil(kv_tokens / args.block_size),
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_speculative_tokens=args.max_num_speculative_tokens, seed=args.seed,
-        cuda_graphs=args.cuda_graphs)
+        cuda_graphs=args.cuda_graphs, enable_prefix_caching=args.enable_prefix_caching)
     target = TargetInfo(cfg.vocab_size, digest, cfg.hidden_size, cfg.num_layers)
     pool = DrafterPool([DrafterClient(name, addr, target) for name, addr in args.drafter],
                        args.max_num_speculative_tokens, args.draft_deadline_ms)

@@ -300,6 +300,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             max_num_speculative_tokens=cfg.max_num_speculative_tokens, model_name=self.model_name,
             tokenizer=common_pb2.TokenizerFingerprint(vocab_size=self.target.vocab_size,
                                                       hash=self.target.tokenizer_hash),
+            prefix_caching_enabled=cfg.enable_prefix_caching,
+            prefix_cache_queries=load.prefix_cache.queries,
+            prefix_cache_hits=load.prefix_cache.hits,
+            prefix_cache_hit_rate=load.prefix_cache.hit_rate,
             engine_times=verifier_pb2.EngineTimes(
                 steps=load.times.steps, tokens=load.times.tokens,
                 schedule_ms=load.times.schedule_ms, draft_wait_ms=load.times.draft_wait_ms,

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from specdec.models.prefix_cache import PrefixCacheStats
 from verifier.engine import Engine, Request, StepOutput, StepTimes
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class LoadSnapshot:
     num_waiting: int
     num_free_kv_blocks: int
     step_time_ema_ms: float
+    prefix_cache: PrefixCacheStats  # a copy of the scheduler's cumulative counts
     times: StepTimes  # the engine's, as of this snapshot
     deliver_ms: float  # cumulative: handing step outputs to the requests' sinks
 
@@ -163,6 +165,8 @@ class EngineWorker:
             self._deliver_ms += (time.perf_counter() - t0) * 1e3
 
     def _snapshot(self) -> LoadSnapshot:
+        prefix = self.engine.scheduler.prefix_cache_stats
         return LoadSnapshot(self.engine.num_running, self.engine.num_waiting,
                             self.engine.cache.num_free_blocks, self.engine.step_time_ema_ms,
+                            PrefixCacheStats(prefix.queries, prefix.hits),
                             dataclasses.replace(self.engine.times), self._deliver_ms)

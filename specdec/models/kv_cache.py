@@ -7,14 +7,22 @@ fresh blocks only when the last one is full; rolling back rejected drafts
 only shortens the length and returns whole blocks past it to the pool. No
 KV data is copied for either; only a token-tree verify copies the few slots of
 its accepted path (`move`).
+
+With prefix caching (specdec/models/prefix_cache.py) a sequence may start with
+blocks another sequence computed: `add` reuses the cached full blocks of its
+prompt, `commit` registers its own full blocks once their tokens are committed,
+and released blocks stay findable until evicted. Shared blocks are read-only:
+appends, rollbacks and tree moves only ever write the sequence's own blocks.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from specdec.models.prefix_cache import ROOT_HASH, BlockPool, chain_hash
 
 
 class KVCacheFull(RuntimeError):
@@ -25,6 +33,10 @@ class KVCacheFull(RuntimeError):
 class _Sequence:
     blocks: list[int] = field(default_factory=list)
     length: int = 0
+    # Chain hashes of the leading full blocks whose tokens are committed (registered
+    # in the pool, or computed twice and kept private): blocks[:len(hashes)] are never
+    # written again.
+    hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -74,6 +86,7 @@ class PagedKVCache:
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        enable_prefix_caching: bool = False,
     ):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -85,24 +98,29 @@ class PagedKVCache:
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._free: deque[int] = deque(range(num_blocks))
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._seqs: dict[int, _Sequence] = {}
 
     @classmethod
     def for_model(cls, cfg, num_blocks: int, block_size: int = 16, dtype=torch.float32,
-                  device="cpu") -> PagedKVCache:
+                  device="cpu", enable_prefix_caching: bool = False) -> PagedKVCache:
         return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size,
-                   dtype, device)
+                   dtype, device, enable_prefix_caching)
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.pool.enable_caching
 
     # -- bookkeeping ---------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an append can take, evictable cached ones included."""
+        return self.pool.num_free
 
     @property
     def num_free_tokens(self) -> int:
-        return len(self._free) * self.block_size
+        return self.pool.num_free * self.block_size
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
@@ -119,22 +137,82 @@ class PagedKVCache:
         length, owned = (seq.length, len(seq.blocks)) if seq else (0, 0)
         return max(0, -(-(length + num_new) // self.block_size) - owned)
 
-    def can_append(self, seq_id: int, num_new: int) -> bool:
-        return self.blocks_needed(seq_id, num_new) <= len(self._free)
+    def blocks(self, seq_id: int) -> list[int]:
+        """The sequence's block table (a copy)."""
+        return list(self._seqs[seq_id].blocks)
 
-    def add(self, seq_id: int) -> None:
+    def can_append(self, seq_id: int, num_new: int) -> bool:
+        return self.blocks_needed(seq_id, num_new) <= self.pool.num_free
+
+    def add(self, seq_id: int, tokens: Sequence[int] = ()) -> int:
+        """Start a sequence whose first tokens are `tokens`; with prefix caching, it
+        takes over the KV of their longest cached chain of full blocks, but never of
+        the last token: one must run through the model to give logits to sample from.
+        Returns the number of leading tokens whose KV is there (a multiple of the
+        block size; 0 without prefix caching)."""
         if seq_id in self._seqs:
             raise KeyError(f"sequence {seq_id} already in the KV cache")
-        self._seqs[seq_id] = _Sequence()
+        seq = self._seqs[seq_id] = _Sequence()
+        if not self.pool.enable_caching:
+            return 0
+        bs = self.block_size
+        parent = ROOT_HASH
+        for i in range((len(tokens) - 1) // bs):
+            h = chain_hash(parent, tokens[i * bs: (i + 1) * bs])
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            self.pool.share(block)
+            seq.blocks.append(block)
+            seq.hashes.append(h)
+            parent = h
+        seq.length = len(seq.blocks) * bs
+        return seq.length
+
+    def commit(self, seq_id: int, tokens: Sequence[int], num_committed: int) -> None:
+        """tokens[:num_committed] are final (prompt or accepted output) and their KV is
+        in the cache: register every full block among them for reuse. Call only with
+        committed tokens, never drafts a verify may still reject."""
+        seq = self._seqs[seq_id]
+        if not self.pool.enable_caching:
+            return
+        if num_committed > seq.length:
+            raise ValueError(f"commit of {num_committed} tokens in a sequence of length "
+                             f"{seq.length}")
+        bs = self.block_size
+        for i in range(len(seq.hashes), num_committed // bs):
+            h = chain_hash(seq.hashes[-1] if seq.hashes else ROOT_HASH,
+                           tokens[i * bs: (i + 1) * bs])
+            seq.hashes.append(h)
+            self.pool.register(seq.blocks[i], h)
 
     def truncate(self, seq_id: int, new_length: int) -> None:
-        """Roll a sequence back to its first new_length tokens."""
+        """Roll a sequence back to its first new_length tokens. Blocks past it return to
+        the pool (a shared or cached one only loses this sequence's reference). A cut
+        inside a committed block, which others may share or find, first moves the kept
+        part to a private copy, so that the appends that follow never write into it."""
         seq = self._seqs[seq_id]
         if not 0 <= new_length <= seq.length:
             raise ValueError(f"cannot truncate sequence of length {seq.length} to {new_length}")
+        bs = self.block_size
+        keep = -(-new_length // bs)
+        cut = new_length // bs  # index of the block the cut lands in, if not on a boundary
+        if (cut < len(seq.hashes) and new_length % bs
+                and (self.pool.refcount[seq.blocks[cut]] > 1
+                     or self.pool.is_registered(seq.blocks[cut]))):
+            if not self.pool.num_free:
+                raise KVCacheFull("no free KV block for a copy of a committed block")
+            private = self.pool.allocate()
+            src = torch.arange(seq.blocks[cut] * bs, seq.blocks[cut] * bs + new_length % bs,
+                               device=self.device)
+            for cache in (self.k, self.v):  # [layers, slots, Hkv, D]
+                cache[:, private * bs: private * bs + src.numel()] = cache[:, src]
+            self.pool.release(seq.blocks[cut])
+            seq.blocks[cut] = private
+        del seq.hashes[cut:]
         seq.length = new_length
-        keep = -(-new_length // self.block_size)
-        self._free.extend(seq.blocks[keep:])
+        for block in reversed(seq.blocks[keep:]):
+            self.pool.release(block)
         del seq.blocks[keep:]
 
     def move(self, seq_id: int, src: list[int], dst: list[int]) -> None:
@@ -146,6 +224,8 @@ class PagedKVCache:
             raise ValueError(f"move of positions {src} -> {dst} in a sequence of length "
                              f"{seq.length}")
         bs = self.block_size
+        if any(p // bs < len(seq.hashes) for p in dst):
+            raise ValueError(f"move into committed positions {dst}: its blocks may be shared")
         slots = [[seq.blocks[p // bs] * bs + p % bs for p in ps] for ps in (src, dst)]
         src_slots, dst_slots = (torch.tensor(s, dtype=torch.int64, device=self.device)
                                 for s in slots)
@@ -153,9 +233,13 @@ class PagedKVCache:
             cache.index_copy_(1, dst_slots, cache.index_select(1, src_slots))
 
     def free(self, seq_id: int) -> None:
+        """Drop a sequence. Its blocks are released last first, so that of its cached
+        blocks the tail of the prefix is evicted before the head (a chain is only
+        found from its head)."""
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
-            self._free.extend(seq.blocks)
+            for block in reversed(seq.blocks):
+                self.pool.release(block)
 
     # -- one forward pass ----------------------------------------------------
 
@@ -164,8 +248,8 @@ class PagedKVCache:
         describe the pass. Lengths grow now; the forward writes the slots.
         All-or-nothing: raises KVCacheFull without changing anything."""
         need = sum(self.blocks_needed(s, n) for s, n in appends)
-        if need > len(self._free):
-            raise KVCacheFull(f"need {need} KV blocks, {len(self._free)} free")
+        if need > self.pool.num_free:
+            raise KVCacheFull(f"need {need} KV blocks, {self.pool.num_free} free")
         positions, slots, seq_lens, query_lens, tables = [], [], [], [], []
         bs = self.block_size
         for seq_id, n in appends:
@@ -174,7 +258,7 @@ class PagedKVCache:
             seq = self._seqs[seq_id]
             start, end = seq.length, seq.length + n
             while len(seq.blocks) * bs < end:
-                seq.blocks.append(self._free.popleft())
+                seq.blocks.append(self.pool.allocate())
             seq.length = end
             pos = torch.arange(start, end)
             blocks = torch.tensor(seq.blocks, dtype=torch.int64)

@@ -157,9 +157,10 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight.device
 
     def make_kv_cache(self, num_blocks: int, block_size: int = 16,
-                      dtype: torch.dtype | None = None) -> PagedKVCache:
+                      dtype: torch.dtype | None = None, *,
+                      enable_prefix_caching: bool = False) -> PagedKVCache:
         return PagedKVCache.for_model(self.config, num_blocks, block_size,
-                                      dtype or self.dtype, self.device)
+                                      dtype or self.dtype, self.device, enable_prefix_caching)
 
     @torch.inference_mode()
     def forward(

@@ -67,7 +67,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_kv_blocks", "kv_block_size", "num_free_kv_tokens", "num_total_kv_tokens", "step_time_ema_ms", "max_num_seqs", "max_model_len", "drafters", "max_num_speculative_tokens", "model_name", "tokenizer", "engine_times")
+    __slots__ = ("num_running", "num_waiting", "num_free_kv_blocks", "kv_block_size", "num_free_kv_tokens", "num_total_kv_tokens", "step_time_ema_ms", "max_num_seqs", "max_model_len", "drafters", "max_num_speculative_tokens", "model_name", "tokenizer", "prefix_caching_enabled", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "engine_times")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,10 @@ class LoadReport(_message.Message):
     MAX_NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_TIMES_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
@@ -95,8 +99,12 @@ class LoadReport(_message.Message):
     max_num_speculative_tokens: int
     model_name: str
     tokenizer: _common_pb2.TokenizerFingerprint
+    prefix_caching_enabled: bool
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
     engine_times: EngineTimes
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_free_kv_tokens: _Optional[int] = ..., num_total_kv_tokens: _Optional[int] = ..., step_time_ema_ms: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[ConfiguredDrafter, _Mapping]]] = ..., max_num_speculative_tokens: _Optional[int] = ..., model_name: _Optional[str] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerFingerprint, _Mapping]] = ..., engine_times: _Optional[_Union[EngineTimes, _Mapping]] = ...) -> None: ...
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_free_kv_tokens: _Optional[int] = ..., num_total_kv_tokens: _Optional[int] = ..., step_time_ema_ms: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[ConfiguredDrafter, _Mapping]]] = ..., max_num_speculative_tokens: _Optional[int] = ..., model_name: _Optional[str] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerFingerprint, _Mapping]] = ..., prefix_caching_enabled: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., engine_times: _Optional[_Union[EngineTimes, _Mapping]] = ...) -> None: ...
 
 class EngineTimes(_message.Message):
     __slots__ = ("steps", "tokens", "schedule_ms", "draft_wait_ms", "forward_ms", "sample_ms", "postprocess_ms", "deliver_ms")

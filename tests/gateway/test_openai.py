@@ -332,3 +332,20 @@ def test_metrics(stack, client):
     assert values["specdec_e2e_request_latency_seconds_count"] >= 1
     assert values['specdec_requests_total{finish_reason="length",method="draft_model"}'] >= 1
     assert "specdec_verifier_requests_running" in text
+    # The same prompt again: its full blocks come from the verifier's prefix cache.
+    client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "a"}],
+                                   temperature=0, max_tokens=12)
+    address = stack.replicas[0].address
+    deadline = time.time() + 5
+    while True:  # the gateway shows the verifier's counts as of its last Load poll
+        text = httpx2.get(stack.base_url.removesuffix("/v1") + "/metrics").text
+        values = dict(line.rpartition(" ")[::2] for line in text.splitlines()
+                      if line and not line.startswith("#"))
+        hits = float(values.get(f'specdec_verifier_prefix_cache_hits_total{{verifier="{address}"}}', 0))
+        if hits > 0 or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert hits >= 16  # at least the chat template's first block (block size 16)
+    queries = float(values[f'specdec_verifier_prefix_cache_queries_total{{verifier="{address}"}}'])
+    rate = float(values[f'specdec_verifier_prefix_cache_hit_rate{{verifier="{address}"}}'])
+    assert queries >= hits and rate == pytest.approx(hits / queries, rel=1e-5)

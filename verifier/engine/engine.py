@@ -9,7 +9,9 @@ and verify blocks (runner.py); a tree block's accepted path becomes a chain
 (verifier/sampling/tree_acceptance.py) and every chain is rejection-sampled;
 each sampled sequence then keeps the KV of what was accepted (rejected drafts
 are rolled back by truncating it in the cache), appends its new tokens up to a
-stop condition and reports the outcome to its drafter.
+stop condition and reports the outcome to its drafter. Every full block of
+committed tokens is then registered in the prefix cache
+(specdec/models/prefix_cache.py), for later sequences to reuse.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class EngineConfig:
     max_num_speculative_tokens: int = 8
     seed: int = 0  # the shared generator of unseeded requests
     cuda_graphs: bool = True  # replay pure decode/verify steps from CUDA graphs (GPU only)
+    enable_prefix_caching: bool = True  # reuse the KV of cached full blocks (prefix_cache.py)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
@@ -115,7 +118,8 @@ class Engine:
         self.runner = ModelRunner(
             model, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
             max_num_seqs=config.max_num_seqs, max_query_len=config.max_num_speculative_tokens + 1,
-            max_model_len=config.max_model_len, cuda_graphs=config.cuda_graphs)
+            max_model_len=config.max_model_len, cuda_graphs=config.cuda_graphs,
+            enable_prefix_caching=config.enable_prefix_caching)
         self.cache = self.runner.cache
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len)
@@ -145,6 +149,21 @@ class Engine:
                 f"{self.config.max_num_speculative_tokens}")
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; the scheduler admits it when there is room.
+
+        Prefix-cache hits and drafters that read hidden states (EAGLE, EAGLE-3): the
+        drafter receives the target's hidden states of every prompt position (prefill
+        outcomes) and builds its own context from them. A hit skips the forward over
+        the cached positions, so those states would not exist. Such sequences are
+        therefore admitted without hits (they compute, and their drafter receives,
+        exactly what it would without the cache), but still register their blocks for
+        every other sequence. The alternative, hidden-state rows of the drafters'
+        layers kept beside each cached block and replayed to the drafter on a hit,
+        would give them hits too, at the price of a per-layer pool and of tracking
+        which layers each block's rows hold. The choice is made here, from what the
+        drafter wants now: a sequence whose drafter is unreachable takes hits, and the
+        drafter, once back, re-starts it from the tokens (as after any reconnect).
+        """
         if request.request_id in self._by_request:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self.validate(request)
@@ -154,6 +173,7 @@ class Engine:
         self.scheduler.add(seq)
         if self.proposer is not None:
             self.proposer.start(seq.seq_id, request)
+            seq.use_prefix_cache = not self.proposer.hidden_layers(seq.seq_id)
 
     def cancel(self, request_id: str) -> StepOutput | None:
         """Stop a request now; its KV is freed at once."""
@@ -229,6 +249,7 @@ class Engine:
             if item.is_prefill:
                 start_pos = item.seq.num_computed
                 item.seq.num_computed += item.num_tokens
+                self.cache.commit(item.seq.seq_id, item.seq.tokens, item.seq.num_computed)
                 if item.seq.in_prefill and item.seq.seq_id in hidden.first_row:
                     self.proposer.advance(item.seq.seq_id, Outcome(
                         0, 0, [], hidden.take(item.seq.seq_id, self.proposer, item.num_tokens),
@@ -280,6 +301,9 @@ class Engine:
             self._keep_accepted_kv(seq, path, accepted)
         appended, reason = self._append(seq, new)
         seq.num_computed = len(seq.tokens) - 1
+        # Only now is it known which drafts were accepted: register the full blocks of
+        # committed tokens (before a finish frees them into the evictable LRU).
+        self.cache.commit(seq.seq_id, seq.tokens, seq.num_computed)
         seq.num_drafted += num_drafted
         seq.num_accepted += min(accepted, len(appended))
         logprobs = None

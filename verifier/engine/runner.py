@@ -61,12 +61,14 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_kv_blocks: int, block_size: int,
-                 max_num_seqs: int, max_query_len: int, max_model_len: int, cuda_graphs: bool):
+                 max_num_seqs: int, max_query_len: int, max_model_len: int, cuda_graphs: bool,
+                 enable_prefix_caching: bool = False):
         """The KV cache is made here: with CUDA graphs it holds one more block, the
         scratch block their padding writes to."""
         self.model = model
         use_graphs = cuda_graphs and model.device.type == "cuda"
-        self.cache = model.make_kv_cache(num_kv_blocks + use_graphs, block_size)
+        self.cache = model.make_kv_cache(num_kv_blocks + use_graphs, block_size,
+                                         enable_prefix_caching=enable_prefix_caching)
         self.graphs = CudaGraphRunner(model, self.cache, max_num_seqs, max_query_len,
                                       max_model_len) if use_graphs else None
 

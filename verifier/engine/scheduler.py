@@ -6,6 +6,10 @@ asks for 1 + K tokens; when the cache is short it drops to K = 0, and if
 even one token does not fit, the most recently admitted sequence is
 preempted (its KV freed, to be recomputed later). Requests wait, never
 fail, when the cache is full.
+
+With prefix caching, an admitted sequence starts after the KV the cache already
+holds for its leading full blocks (a shared system prompt, an earlier turn of its
+conversation, its own KV from before a preemption) and prefills only the rest.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from specdec.models import PagedKVCache
+from specdec.models.prefix_cache import PrefixCacheStats
 from verifier.engine.sequence import Sequence, Status
 
 
@@ -37,6 +42,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -73,12 +80,18 @@ class Scheduler:
             reserved += self.cache.blocks_needed(seq.seq_id, item.num_tokens)
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            n = min(len(seq.tokens) - seq.num_computed, budget)
+            # Cached blocks are taken now (an evictable one stops being free); given
+            # back below if the rest does not fit.
+            cached = self.cache.add(seq.seq_id, seq.tokens if seq.use_prefix_cache else ())
+            n = min(len(seq.tokens) - cached, budget)
             need = self.cache.blocks_needed(seq.seq_id, n)
             if need > self.cache.num_free_blocks - reserved:
+                self.cache.free(seq.seq_id)
                 break  # wait for room; never fail
             self.waiting.popleft()
-            self.cache.add(seq.seq_id)
+            if self.cache.enable_prefix_caching:
+                self.prefix_cache_stats.record(len(seq.tokens), cached)
+            seq.num_computed = cached
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.append(Scheduled(seq, n, True))
@@ -103,6 +116,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.cache.free(seq.seq_id)
         seq.num_computed = 0

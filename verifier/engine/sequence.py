@@ -58,6 +58,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_drafted: int = 0  # totals for statistics
     num_accepted: int = 0
+    # Whether admission may start from KV the prefix cache holds. Off for sequences whose
+    # drafter reads the target's hidden states: a cache hit computes no hidden states for
+    # the cached positions (see Engine.add_request).
+    use_prefix_cache: bool = True
 
     @property
     def prompt_len(self) -> int:
