@@ -21,7 +21,7 @@ ends). Reported per cell: output tokens/s over the cell's wall time, TTFT and
 inter-chunk latency (ITL) p50/p99, acceptance length where the server reports it,
 and how many replies equal ours without speculation. A secondary table gives our
 engine in this process (no HTTP, no gRPC, no other processes) on the same requests,
-for the cost of the serving path.
+run right after ours at each concurrency, for the cost of the serving path.
 
     .venv/bin/python -m bench.serving [--quick] [--repeats N]
 
@@ -171,7 +171,7 @@ def _body(speculative: dict | None) -> dict | None:
 
 
 async def drive(base: str, configs: dict[str, dict | None], prompts: list[Prompt], args,
-                label: str, probe: Probe) -> dict[str, dict[str, list[dict]]]:
+                label: str, probe: Probe, after=None) -> dict[str, dict[str, list[dict]]]:
     """Every configuration at every concurrency against one server; the order of the
     configurations rotates per repeat, so drift of a shared machine hits them alike."""
     cells: dict[str, dict[str, list[dict]]] = {name: {} for name in configs}
@@ -193,6 +193,8 @@ async def drive(base: str, configs: dict[str, dict | None], prompts: list[Prompt
                     print(f"  {label} {name:10s} C={c:3d} {cell['tok_s']:7.1f} tok/s  TTFT p50 "
                           f"{cell['ttft_ms_p50']:6.0f} ms  ITL p50 {cell['itl_ms_p50'] or 0:5.1f} ms"
                           + (f"  AL {al:.2f}" if al else ""), flush=True)
+                if after is not None:
+                    after(c)
     return cells
 
 
@@ -263,6 +265,7 @@ class Probe:
             steps = max(d["steps"], 1)
             out["steps"] = d["steps"]
             out["tokens_per_step"] = d["tokens"] / steps
+            out["batch_mean"] = d["sequences"] / steps
             out["step_ms"] = {k[:-3]: d[k] / steps for k in d if k.endswith("_ms")}
             out["engine_busy"] = sum(d[k] for k in d if k.endswith("_ms")
                                      and k != "deliver_ms") / 1e3 / wall_s
@@ -329,8 +332,10 @@ def _wait_drafters(verifier: str, names: set[str], timeout_s: float = 300) -> No
     raise TimeoutError(f"drafters {sorted(names)} not available at {verifier}")
 
 
-def run_ours(args, model_dir: Path, prompts: list[Prompt], log_dir: Path) -> tuple[dict, float]:
-    """`make run`'s stack on free ports; (cells, seconds to healthy)."""
+def run_ours(args, model_dir: Path, prompts: list[Prompt], log_dir: Path,
+             after=None) -> tuple[dict, float]:
+    """`make run`'s stack on free ports; (cells, seconds to healthy). after(c) runs after
+    each concurrency's cells."""
     env = {"SPECDEC_MODEL_ROOT": str(model_dir.parent), "SPECDEC_MODEL": model_dir.name,
            "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ}
     services, ports = on_free_ports(local_services(environ=env))
@@ -345,7 +350,7 @@ def run_ours(args, model_dir: Path, prompts: list[Prompt], log_dir: Path) -> tup
         startup = time.perf_counter() - t0
         base = f"http://127.0.0.1:{ports[8000]}/v1"
         probe = Probe({n: p.pid for n, p in stack.procs.items()}, f"127.0.0.1:{ports[50051]}")
-        return asyncio.run(drive(base, OURS, prompts, args, "ours", probe)), startup
+        return asyncio.run(drive(base, OURS, prompts, args, "ours", probe, after)), startup
     finally:
         stop.set()
         stack.stop()
@@ -418,35 +423,50 @@ def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
 # -- our engine in this process (the secondary table) ------------------------------
 
 
-def run_engine(args, model_dir: Path, prompts: list[Prompt]) -> dict[str, list[dict]]:
+class InProcessEngine:
     """Our engine without the serving path: the same requests, plain, `concurrency`
     sequences in the engine at all times, at the verifier's thread count under
-    `make run` (torch's default)."""
-    from specdec.models import load_model
-    from specdec.sampling import SamplingParams
-    from verifier.engine import Engine, EngineConfig, Request
+    `make run` (torch's default). Its cells run right after ours at the same
+    concurrency, so the comparison sees the same state of a shared machine."""
 
-    tokenizer = Tokenizer.from_dir(model_dir)
-    model = load_model(model_dir, dtype="float32", device="cpu")
-    engine = Engine(model, EngineConfig(max_num_seqs=16, max_model_len=2048,
-                                        num_kv_blocks=1024, max_num_speculative_tokens=0),
-                    None, tokenizer.eos_token_ids)
-    ids = {p.name: tokenizer.apply_chat_template(list(p.messages)) for p in prompts}
-    counter = iter(range(10**9))
+    def __init__(self, args, model_dir: Path, prompts: list[Prompt]):
+        from specdec.models import load_model
+        from verifier.engine import Engine, EngineConfig
 
-    def request(p: Prompt) -> Request:
-        return Request(f"r{next(counter)}", ids[p.name], args.max_tokens,
-                       SamplingParams(temperature=0.0))
+        self.args = args
+        self.prompts = prompts
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        model = load_model(model_dir, dtype="float32", device="cpu")
+        self.engine = Engine(model, EngineConfig(max_num_seqs=16, max_model_len=2048,
+                                                 num_kv_blocks=1024,
+                                                 max_num_speculative_tokens=0),
+                             None, self.tokenizer.eos_token_ids)
+        self.ids = {p.name: self.tokenizer.apply_chat_template(list(p.messages))
+                    for p in prompts}
+        self._counter = iter(range(10**9))
+        self.cells: dict[str, list[dict]] = {}
+        self._cell(prompts[:1], 1)  # warm-up
 
-    def cell(requests: list[Prompt], c: int) -> dict:
-        pending = list(requests)
+    def measure(self, c: int) -> None:
+        got = self._cell(workload(self.prompts, c, self.args.requests), c)
+        self.cells.setdefault(str(c), []).append(got)
+        print(f"  engine plain     C={c:3d} {got['tok_s']:7.1f} tok/s  step p50 "
+              f"{got['step_ms_p50']:.1f} ms", flush=True)
+
+    def _cell(self, requests: list[Prompt], c: int) -> dict:
+        from specdec.sampling import SamplingParams
+        from verifier.engine import Request
+
+        engine, pending = self.engine, list(requests)
         texts: dict[str, list[int]] = {}
         order: list[str] = []
         step_ms: list[float] = []
         t0 = time.perf_counter()
         while pending or engine.has_work():
             while pending and engine.num_running + engine.num_waiting < c:
-                r = request(pending.pop(0))
+                p = pending.pop(0)
+                r = Request(f"r{next(self._counter)}", self.ids[p.name], self.args.max_tokens,
+                            SamplingParams(temperature=0.0))
                 order.append(r.request_id)
                 texts[r.request_id] = []
                 engine.add_request(r)
@@ -456,21 +476,11 @@ def run_engine(args, model_dir: Path, prompts: list[Prompt]) -> dict[str, list[d
             for o in outs:
                 texts[o.request_id] += o.new_token_ids
         wall = time.perf_counter() - t0
-        tokens = sum(len(t) for t in texts.values())
+        tokens = sum(len(x) for x in texts.values())
+        eos = self.tokenizer.eos_token_ids
         return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
                 "step_ms_p50": percentile(step_ms, 50),
-                "texts": [tokenizer.decode(_until_eos(texts[r], tokenizer.eos_token_ids))
-                          for r in order]}
-
-    cell(prompts[:1], 1)  # warm-up
-    out: dict[str, list[dict]] = {}
-    for _ in range(args.repeats):
-        for c in args.concurrency:
-            got = cell(workload(prompts, c, args.requests), c)
-            out.setdefault(str(c), []).append(got)
-            print(f"  engine plain C={c:3d} {got['tok_s']:7.1f} tok/s  step p50 "
-                  f"{got['step_ms_p50']:.1f} ms", flush=True)
-    return out
+                "texts": [self.tokenizer.decode(_until_eos(texts[r], eos)) for r in order]}
 
 
 def _until_eos(tokens: list[int], eos) -> list[int]:
@@ -562,11 +572,13 @@ def render(result: dict) -> str:
         lines.append(f"| {label} | " + " | ".join(row) + " |")
     lines += ["", "Where the time goes: per engine step, the mean milliseconds of each phase "
               "(ours: schedule / draft wait / forward / sample / postprocess / deliver to the "
-              "streams; vLLM: its iteration time), tokens emitted per step, the share of the "
+              "streams; vLLM: its iteration time), the mean batch (sequences per step; vLLM's "
+              "counts context and generation requests), tokens emitted per step, the share of the "
               "wall time the engine was busy, and each process's CPU use in cores (CPU seconds "
               "over wall seconds; the machine has " + str(result["cpus"]) + "):", "",
-              "| system | C | steps | tokens/step | step ms | engine busy | CPU cores by process |",
-              "|---|---|---|---|---|---|---|"]
+              "| system | C | steps | batch | tokens/step | step ms | engine busy | "
+              "CPU cores by process |",
+              "|---|---|---|---|---|---|---|---|"]
     for c in cs:
         for name in [f"ours {n}" for n in OURS] + [f"vllm {m}" for m in VLLM]:
             x = s.get(name, {}).get(c)
@@ -580,7 +592,8 @@ def render(result: dict) -> str:
             tps = b.get("tokens_per_step")
             cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(b["cpu_share"].items(),
                                                               key=lambda kv: -kv[1]) if v >= 0.01)
-            lines.append(f"| {name} | {c} | {b.get('steps', '-')} | {_fmt(tps, '.2f')} | "
+            lines.append(f"| {name} | {c} | {b.get('steps', '-')} | "
+                         f"{_fmt(b.get('batch_mean'), '.1f')} | {_fmt(tps, '.2f')} | "
                          f"{phases} | {_fmt(b.get('engine_busy'), '.0%')} | {cpu} |")
     eng = s.get("engine plain")
     if eng:
@@ -653,21 +666,26 @@ def main(argv: list[str] | None = None) -> None:
     startup: dict[str, float] = {}
     unavailable: dict[str, str] = {}
     versions = {"torch": torch.__version__}
+    threads = torch.get_num_threads()
+    engine = InProcessEngine(args, model_dir, prompts) if "engine" in systems else None
     if "ours" in systems:
-        got, startup["ours"] = run_ours(args, model_dir, prompts, log_dir)
+        got, startup["ours"] = run_ours(args, model_dir, prompts, log_dir,
+                                        engine.measure if engine is not None else None)
         cells.update({f"ours {n}": v for n, v in got.items()})
+    elif engine is not None:
+        for _ in range(args.repeats):
+            for c in args.concurrency:
+                engine.measure(c)
     if "vllm" in systems:
         got, st, unavailable = run_vllm(args, model_dir, prompts, log_dir)
         cells.update(got)
         startup.update(st)
         if got:
             versions["vllm"] = _peer_version(Path(args.peers_python))
-    if "engine" in systems:
-        threads = torch.get_num_threads()
-        try:
-            cells["engine plain"] = run_engine(args, model_dir, prompts)
-        finally:
-            torch.set_num_threads(threads)
+    if engine is not None:
+        cells["engine plain"] = engine.cells
+        del engine
+    torch.set_num_threads(threads)
 
     reference = {c: runs[-1]["texts"] for c, runs in cells.get("ours plain", {}).items()}
     result = {

@@ -41,5 +41,5 @@ def test_steps_run_on_the_thread_that_built_the_engine():
     assert stepped_on == {built_on} and built_on != threading.get_ident()
     # 12 tokens: one from the prefill step, then one per decode step
     times = worker.load.times
-    assert (times.steps, times.tokens) == (12, 12)
+    assert (times.steps, times.tokens, times.sequences) == (12, 12, 12)
     assert times.forward_ms > 0 and times.busy_ms >= times.forward_ms + times.sample_ms
