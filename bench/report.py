@@ -56,7 +56,7 @@ HEADLINE_SOURCE = "serving.json"
 HEADLINE_ROWS = [
     ("ours plain", "ours (`make run`), no speculation"),
     ("ours ngram K=4", "ours, ngram K=4"),
-    ("ours default", "ours, default (eagle3, dynamic K)"),
+    ("ours default", "ours, the deployment's default (eagle3)"),
     ("vllm plain", "`vllm serve`, no speculation"),
     ("vllm ngram K=4", "`vllm serve`, ngram K=4"),
 ]
