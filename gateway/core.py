@@ -150,6 +150,13 @@ class Gateway:
             disable_queue_size=self.config.disable_queue_size,
         )
         spec = req.speculative
+        deployed = {method_name(d.method) for d in report.drafters}
+        if spec.method not in (None, "none") and spec.method not in deployed:
+            # A drafter configured but down still degrades to K = 0 (decide() reports why);
+            # one this deployment does not run at all is a mistake in the request.
+            raise InvalidRequest(f"speculative.method: this deployment runs no {spec.method} "
+                                 f"drafter (it runs: {', '.join(sorted(deployed)) or 'none'})",
+                                 param="speculative")
         if spec.drafter is not None:
             configured = {d.name: method_name(d.method) for d in report.drafters}
             if spec.drafter not in configured:

@@ -1,5 +1,6 @@
 """OpenAI-compatible REST front end (FastAPI): chat completions, completions,
-models, health and Prometheus metrics.
+models, health and Prometheus metrics, and vLLM's utility endpoints (/tokenize,
+/detokenize, /version, /ping).
 
 Request bodies are parsed here rather than by FastAPI's automatic
 validation, because clients of the OpenAI API expect status 400 with an
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import time
 import uuid
@@ -31,6 +33,28 @@ from gateway.policy.request import SpeculativeRequest
 from specdec.pb import common_pb2
 
 MAX_TOP_LOGPROBS = 20
+# Largest integer the wire carries for counts (uint32 fields, signed-safe).
+_MAX_COUNT = 2**31 - 1
+
+# Fields of vLLM's and OpenAI's APIs that would change the output and that this server
+# does not implement yet, with the value that means "off". A request that sets one to
+# anything else is refused with 400 naming it, never served as if it had not asked.
+_NOT_IMPLEMENTED: dict[str, object] = {
+    "response_format": None, "structured_outputs": None, "guided_json": None,
+    "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+    "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+    "logit_bias": None, "min_tokens": 0, "repetition_penalty": 1.0, "bad_words": None,
+    "best_of": None, "logits_processors": None, "allowed_token_ids": None,
+    "prompt_logprobs": None, "use_beam_search": False, "length_penalty": 1.0,
+    "include_stop_str_in_output": False, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+    "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
+    "chat_template_kwargs": None, "documents": None, "prediction": None,
+    "min_completion_tokens": None,
+}
+# Values that mean "off" besides the one above (an empty list or object, best_of 1, ...).
+_OFF_TOO = ([], {}, {"type": "text"}, "none", 1)
 # How often a non-streamed request checks that its client is still there.
 _DISCONNECT_POLL_S = 0.25
 
@@ -43,9 +67,9 @@ class _Body(BaseModel):
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=_MAX_COUNT)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=_MAX_COUNT)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
@@ -67,15 +91,32 @@ class _Message(BaseModel):
 
 class ChatBody(_Body):
     messages: list[_Message]
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=_MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[_Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class CompletionBody(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
     # OpenAI's completions default; chat has none (the model's max length applies).
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=_MAX_COUNT)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -177,6 +218,12 @@ class OpenAIFrontend:
 
     def _common(self, body: _Body) -> tuple[tuple[str, ...], SpeculativeRequest]:
         self.gw.check_model(body.model)
+        for name, value in (body.model_extra or {}).items():
+            if name in _NOT_IMPLEMENTED and value != _NOT_IMPLEMENTED[name] \
+                    and not any(value == off and type(value) is type(off) for off in _OFF_TOO):
+                raise InvalidRequest(f"{name}: not supported by this server yet (it would "
+                                     f"change the output, so it is refused rather than "
+                                     f"ignored)", param=name)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         try:
             spec = SpeculativeRequest.from_json(body.speculative)
@@ -369,10 +416,67 @@ class OpenAIFrontend:
                        "model": self.model, "choices": [], "usage": self.usage(delta),
                        "spec_decode": delta.spec_decode.to_json()}
 
+    def _model_card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": self.created,
+                "owned_by": "specdec",
+                "max_model_len": (r.max_model_len if (r := self.gw.replicas.reference()) else None)}
+
     async def models(self) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": self.created, "owned_by": "specdec",
-             "max_model_len": (r.max_model_len if (r := self.gw.replicas.reference()) else None)}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model_by_id(self, request: Request) -> Response:
+        try:
+            self.gw.check_model(request.path_params["model_id"])
+        except GatewayError as e:
+            return _from_gateway_error(e)
+        return JSONResponse(self._model_card())
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+        try:
+            body = await self._parse(request, TokenizeBody)
+            self.gw.check_model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise InvalidRequest("prompt: send either prompt or messages", param="prompt")
+            if body.messages is not None:
+                if not body.add_generation_prompt:
+                    raise InvalidRequest("add_generation_prompt: only true is supported",
+                                         param="add_generation_prompt")
+                ids = self.gw.chat_prompt([{"role": "system" if m.role == "developer" else m.role,
+                                            "content": _text_content(m.content, i)}
+                                           for i, m in enumerate(body.messages)])
+            else:
+                ids = self.gw.tokenizer.encode(body.prompt,
+                                               add_special_tokens=body.add_special_tokens)
+        except _TooLarge as e:
+            return e.response()
+        except GatewayError as e:
+            return _from_gateway_error(e)
+        report = self.gw.replicas.reference()
+        return JSONResponse({"count": len(ids), "tokens": list(ids), "token_strs": None,
+                             "max_model_len": report.max_model_len if report else None})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = await self._parse(request, DetokenizeBody)
+            self.gw.check_model(body.model)
+            vocab = self.gw.tokenizer.vocab_size
+            bad = [t for t in body.tokens if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequest(f"tokens: {bad[:3]} are outside the vocabulary (size "
+                                     f"{vocab})", param="tokens")
+        except _TooLarge as e:
+            return e.response()
+        except GatewayError as e:
+            return _from_gateway_error(e)
+        return JSONResponse({"prompt": self.gw.tokenizer.decode(body.tokens)})
+
+    async def version(self) -> JSONResponse:
+        return JSONResponse({"version": _version()})
+
+    async def ping(self) -> Response:
+        # vLLM's liveness probe: 200 while a verifier can serve, 503 otherwise.
+        return Response(status_code=200 if self.gw.replicas.healthy() else 503)
 
     async def health(self) -> Response:
         healthy = self.gw.replicas.healthy()
@@ -446,6 +550,13 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("specdec")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def create_app(gateway: Gateway) -> FastAPI:
     front = OpenAIFrontend(gateway)
     app = FastAPI(title="specdec gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -472,6 +583,11 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.add_api_route("/v1/chat/completions", authenticated(front.chat), methods=["POST"])
     app.add_api_route("/v1/completions", authenticated(front.completions), methods=["POST"])
     app.add_api_route("/v1/models", authenticated(models), methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", authenticated(front.model_by_id), methods=["GET"])
+    app.add_api_route("/tokenize", authenticated(front.tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", authenticated(front.detokenize), methods=["POST"])
+    app.add_api_route("/version", front.version, methods=["GET"])
+    app.add_api_route("/ping", front.ping, methods=["GET", "POST"])
     app.add_api_route("/health", front.health, methods=["GET"])
     app.add_api_route("/metrics", front.metrics, methods=["GET"])
     app.state.frontend = front

@@ -33,8 +33,8 @@ class InvalidRequest(GatewayError):
 
 
 class ModelNotFound(GatewayError):
-    # 400 rather than OpenAI's 404: an unknown model is a mistake in the request body.
-    http_status = 400
+    # 404 as OpenAI and vLLM answer it: the SDK raises NotFoundError, which clients catch.
+    http_status = 404
     grpc_code = grpc.StatusCode.NOT_FOUND
     error_type = "invalid_request_error"
     code = "model_not_found"

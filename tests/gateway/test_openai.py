@@ -165,13 +165,60 @@ def test_drafter_chosen_by_name(stack, client):
 def test_models_and_health(stack, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
-    r = httpx2.get(stack.base_url.removesuffix("/v1") + "/health")
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    root = stack.base_url.removesuffix("/v1")
+    r = httpx2.get(root + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert httpx2.get(root + "/ping").status_code == 200
+    assert httpx2.get(root + "/version").json()["version"]
 
+
+def test_tokenize_and_detokenize(stack):
+    root = stack.base_url.removesuffix("/v1")
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    r = httpx2.post(root + "/tokenize", json={"messages": messages})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == stack.chat_ids(PROMPTS[0])  # what a chat request prefills
+    assert r.json()["count"] == len(r.json()["tokens"]) and r.json()["max_model_len"] > 0
+    ids = httpx2.post(root + "/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
+    assert httpx2.post(root + "/detokenize", json={"tokens": ids}).json()["prompt"] == "Hello there"
+    for path, body, field in (("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "chat_template": "x"}, "chat_template"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")):
+        r = httpx2.post(root + path, json=body)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (path, r.text)
+
+
+def _chat(**fields) -> str:
+    return json.dumps({"messages": [{"role": "user", "content": "x"}], **fields})
+
+
+# Fields that would change the output and are not implemented: refused, never ignored.
+NOT_IMPLEMENTED = [
+    ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"),
+    ("logit_bias", {"42": -100}),
+    ("min_tokens", 40),
+    ("repetition_penalty", 1.2),
+    ("repetition_penalty", -3),
+    ("guided_json", {"type": "object"}),
+    ("structured_outputs", {"regex": "a+"}),
+    ("best_of", 2),
+    ("skip_special_tokens", False),
+    ("include_stop_str_in_output", True),
+]
 
 BAD = [
     (b"{not json", "JSON"),
-    (json.dumps({"model": "other", "messages": [{"role": "user", "content": "x"}]}), "model"),
+    *[(_chat(**{name: value}), name) for name, value in NOT_IMPLEMENTED],
+    (_chat(max_tokens=2**40), "max_tokens"),
+    (_chat(max_completion_tokens=2**40), "max_completion_tokens"),
+    (_chat(top_k=2**40), "top_k"),
+    (_chat(speculative={"method": "eagle3"}), "runs no eagle3 drafter"),
     (json.dumps({"messages": "hello"}), "messages"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
      "temperature"),
@@ -213,6 +260,18 @@ def test_bad_requests_get_400_and_others_keep_running(stack, client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
                                        max_tokens=-3)
+    # An unknown model is 404, as OpenAI and vLLM answer it (the SDK's NotFoundError).
+    with pytest.raises(openai.NotFoundError, match="other"):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=2)
+    # The "off" values of refused fields, and fields that do not change the output, pass.
+    r = httpx2.post(url, content=_chat(max_tokens=2, temperature=0, tools=[], tool_choice="none",
+                                       logit_bias={}, min_tokens=0, repetition_penalty=1.0,
+                                       best_of=1, skip_special_tokens=True,
+                                       response_format={"type": "text"}, user="u",
+                                       metadata={"k": "v"}),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
     t.join(60)
     assert result["text"] == want
 
