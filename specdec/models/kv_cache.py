@@ -37,6 +37,9 @@ class _Sequence:
     # in the pool, or computed twice and kept private): blocks[:len(hashes)] are never
     # written again.
     hashes: list[bytes] = field(default_factory=list)
+    # Its drafter's features (the target's hidden-state rows) are kept for every one of
+    # its positions from 0 on, so the blocks it registers carry them for later hits.
+    features_ok: bool = False
 
 
 @dataclass(slots=True)
@@ -100,6 +103,13 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._seqs: dict[int, _Sequence] = {}
+        # Features beside the KV (keep_features): [num_blocks * block_size, L * hidden],
+        # the rows of feature_layers of every slot, so that a sequence whose drafter
+        # reads hidden states (EAGLE) can take cached blocks too and still hand its
+        # drafter the rows of the positions it did not compute.
+        self.features: torch.Tensor | None = None
+        self.feature_layers: tuple[int, ...] = ()
+        self._block_features = bytearray(num_blocks)  # registered block -> rows kept
 
     @classmethod
     def for_model(cls, cfg, num_blocks: int, block_size: int = 16, dtype=torch.float32,
@@ -144,15 +154,18 @@ class PagedKVCache:
     def can_append(self, seq_id: int, num_new: int) -> bool:
         return self.blocks_needed(seq_id, num_new) <= self.pool.num_free
 
-    def add(self, seq_id: int, tokens: Sequence[int] = ()) -> int:
+    def add(self, seq_id: int, tokens: Sequence[int] = (), features: bool = False) -> int:
         """Start a sequence whose first tokens are `tokens`; with prefix caching, it
         takes over the KV of their longest cached chain of full blocks, but never of
         the last token: one must run through the model to give logits to sample from.
-        Returns the number of leading tokens whose KV is there (a multiple of the
-        block size; 0 without prefix caching)."""
+        features: the sequence keeps its features (keep_features) and takes only blocks
+        that carry them. Returns the number of leading tokens whose KV is there (a
+        multiple of the block size; 0 without prefix caching)."""
         if seq_id in self._seqs:
             raise KeyError(f"sequence {seq_id} already in the KV cache")
-        seq = self._seqs[seq_id] = _Sequence()
+        if features and self.features is None:
+            raise ValueError("features: keep_features was not called")
+        seq = self._seqs[seq_id] = _Sequence(features_ok=features)
         if not self.pool.enable_caching:
             return 0
         bs = self.block_size
@@ -160,7 +173,7 @@ class PagedKVCache:
         for i in range((len(tokens) - 1) // bs):
             h = chain_hash(parent, tokens[i * bs: (i + 1) * bs])
             block = self.pool.lookup(h)
-            if block is None:
+            if block is None or (features and not self._block_features[block]):
                 break
             self.pool.share(block)
             seq.blocks.append(block)
@@ -185,6 +198,7 @@ class PagedKVCache:
                            tokens[i * bs: (i + 1) * bs])
             seq.hashes.append(h)
             self.pool.register(seq.blocks[i], h)
+            self._block_features[seq.blocks[i]] = seq.features_ok
 
     def truncate(self, seq_id: int, new_length: int) -> None:
         """Roll a sequence back to its first new_length tokens. Blocks past it return to
@@ -207,6 +221,8 @@ class PagedKVCache:
                                device=self.device)
             for cache in (self.k, self.v):  # [layers, slots, Hkv, D]
                 cache[:, private * bs: private * bs + src.numel()] = cache[:, src]
+            if self.features is not None:  # [slots, F]
+                self.features[private * bs: private * bs + src.numel()] = self.features[src]
             self.pool.release(seq.blocks[cut])
             seq.blocks[cut] = private
         del seq.hashes[cut:]
@@ -231,6 +247,8 @@ class PagedKVCache:
                                 for s in slots)
         for cache in (self.k, self.v):  # [layers, slots, Hkv, D]
             cache.index_copy_(1, dst_slots, cache.index_select(1, src_slots))
+        if self.features is not None:  # [slots, F]
+            self.features.index_copy_(0, dst_slots, self.features.index_select(0, src_slots))
 
     def free(self, seq_id: int) -> None:
         """Drop a sequence. Its blocks are released last first, so that of its cached
@@ -240,6 +258,41 @@ class PagedKVCache:
         if seq is not None:
             for block in reversed(seq.blocks):
                 self.pool.release(block)
+
+    # -- features (hidden-state rows) beside the KV ---------------------------
+
+    def keep_features(self, layers: tuple[int, ...], hidden_size: int) -> bool:
+        """Keep the hidden-state rows of `layers` (hidden_size wide each) beside the KV,
+        allocated on the first call. False when other layers are kept already (one
+        set per cache: a deployment's EAGLE drafters read the same ones)."""
+        layers = tuple(layers)
+        if self.features is None:
+            self.features = torch.zeros(self.num_blocks * self.block_size,
+                                        len(layers) * hidden_size, dtype=self.k.dtype,
+                                        device=self.device)
+            self.feature_layers = layers
+        return layers == self.feature_layers
+
+    def wants_features(self, seq_id: int) -> bool:
+        return self._seqs[seq_id].features_ok
+
+    def write_features(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows: [M, L * hidden], the features of the positions at slots [M]."""
+        self.features.index_copy_(0, slots, rows)
+
+    def lose_features(self, seq_id: int) -> None:
+        """Some of the sequence's positions were computed without their features kept:
+        the blocks it registers from now on carry none."""
+        self._seqs[seq_id].features_ok = False
+
+    def read_features(self, seq_id: int, num: int) -> torch.Tensor:
+        """[num, L * hidden]: the features of the sequence's first num positions."""
+        seq, bs = self._seqs[seq_id], self.block_size
+        if num > seq.length:
+            raise ValueError(f"features of {num} positions in a sequence of length {seq.length}")
+        blocks = torch.tensor(seq.blocks, dtype=torch.int64)
+        pos = torch.arange(num)
+        return self.features.index_select(0, (blocks[pos // bs] * bs + pos % bs).to(self.device))
 
     # -- one forward pass ----------------------------------------------------
 

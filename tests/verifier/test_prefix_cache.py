@@ -227,9 +227,18 @@ class SomeReadHidden(HiddenRecorder):
             super().advance(seq_id, outcome)
 
 
-def test_drafter_reading_hidden_states_gets_no_hits_but_feeds_others(model):
-    """An EAGLE-style drafter receives the same hidden states with the cache on and off
-    (its sequences compute every position); a plain sequence still hits their blocks."""
+def _same_rows(on: HiddenRecorder, off: HiddenRecorder) -> None:
+    assert on.rows.keys() == off.rows.keys()
+    for seq_id in off.rows:
+        assert on.rows[seq_id].keys() == off.rows[seq_id].keys()
+        for pos, h in off.rows[seq_id].items():
+            assert torch.equal(on.rows[seq_id][pos], h), (seq_id, pos)
+
+
+def test_drafter_reading_hidden_states_hits_and_gets_the_same_rows(model):
+    """An EAGLE-style drafter receives the same hidden states with the cache on and off:
+    its sequences take cached blocks, and the rows of the positions they skipped come
+    from beside the KV; a plain sequence hits their blocks too."""
     rng = random.Random(6)
     system = [rng.randrange(VOCAB) for _ in range(16)]
     prompts = [system + [rng.randrange(VOCAB) for _ in range(3)] for _ in range(3)]
@@ -249,19 +258,40 @@ def test_drafter_reading_hidden_states_gets_no_hits_but_feeds_others(model):
 
     res = both(model, waves, recorder)
     assert res[True][0] == res[False][0] == {f"r{i}": g for i, g in enumerate(plain)}
-    on, off = recorders
-    assert on.rows.keys() == off.rows.keys()
-    for seq_id in off.rows:
-        assert on.rows[seq_id].keys() == off.rows[seq_id].keys()
-        for pos, h in off.rows[seq_id].items():
-            assert torch.equal(on.rows[seq_id][pos], h)
-    assert res[True][1].scheduler.prefix_cache_stats.hits == 0
+    _same_rows(*recorders)
+    engine = res[True][1]
+    assert engine.scheduler.prefix_cache_stats.hits == 2 * 16  # the second wave's system prompt
 
     # A request without a drafter, after them, reuses the blocks they registered.
-    engine = res[True][1]
     out = run_waves(engine, [[Request("plain", prompts[0], 12, GREEDY)]])
     assert out["plain"] == plain[0]
-    assert engine.scheduler.prefix_cache_stats.hits == 16
+    assert engine.scheduler.prefix_cache_stats.hits == 3 * 16
+
+
+def test_blocks_without_features_are_no_hits_for_a_drafter_reading_them(model):
+    """Blocks a plain sequence registered carry no hidden-state rows: a sequence whose
+    drafter reads them computes those positions (and its drafter gets every row)."""
+    rng = random.Random(7)
+    system = [rng.randrange(VOCAB) for _ in range(32)]
+    prompts = [system + [rng.randrange(VOCAB) for _ in range(3)] for _ in range(2)]
+    plain = greedy_generate(model, prompts, 10)
+    refs = {1: prompts[1] + plain[1]}  # seq ids count from 0: r1 reads hidden states
+
+    def waves():
+        return [[Request("r0", prompts[0], 10, GREEDY)],
+                [Request("r1", prompts[1], 10, GREEDY, num_speculative_tokens=3)]]
+
+    recorders = []
+
+    def recorder():
+        recorders.append(SomeReadHidden(refs))
+        return recorders[-1]
+
+    res = both(model, waves, recorder)
+    assert res[True][0] == res[False][0] == {"r0": plain[0], "r1": plain[1]}
+    _same_rows(*recorders)
+    assert recorders[0].rows[1].keys() >= set(range(len(prompts[1])))
+    assert res[True][1].scheduler.prefix_cache_stats.hits == 0
 
 
 def test_the_flag_turns_it_off():

@@ -153,17 +153,14 @@ class Engine:
         """Queue a request; the scheduler admits it when there is room.
 
         Prefix-cache hits and drafters that read hidden states (EAGLE, EAGLE-3): the
-        drafter receives the target's hidden states of every prompt position (prefill
-        outcomes) and builds its own context from them. A hit skips the forward over
-        the cached positions, so those states would not exist. Such sequences are
-        therefore admitted without hits (they compute, and their drafter receives,
-        exactly what it would without the cache), but still register their blocks for
-        every other sequence. The alternative, hidden-state rows of the drafters'
-        layers kept beside each cached block and replayed to the drafter on a hit,
-        would give them hits too, at the price of a per-layer pool and of tracking
-        which layers each block's rows hold. The choice is made here, from what the
-        drafter wants now: a sequence whose drafter is unreachable takes hits, and the
-        drafter, once back, re-starts it from the tokens (as after any reconnect).
+        drafter builds its context from the target's hidden states of every position,
+        and a hit computes none for the cached positions. So the cache keeps the rows
+        of those layers beside the KV (PagedKVCache.keep_features): such a sequence
+        takes only cached blocks that carry them, and its drafter receives the cached
+        rows of the positions it skipped, the same rows a full prefill would have
+        given it (tested in float64). A drafter that wants other layers than the cache
+        keeps takes no hits. A sequence whose drafter is unreachable keeps no features
+        and takes hits; the drafter, once back, re-starts it from the tokens.
         """
         if request.request_id in self._by_request:
             raise ValueError(f"request_id {request.request_id!r} is already running")
@@ -174,7 +171,11 @@ class Engine:
         self.scheduler.add(seq)
         if self.proposer is not None:
             self.proposer.start(seq.seq_id, request)
-            seq.use_prefix_cache = not self.proposer.hidden_layers(seq.seq_id)
+            layers = self.proposer.hidden_layers(seq.seq_id)
+            if layers:
+                seq.wants_features = self.cache.keep_features(
+                    layers, self.model.config.hidden_size)
+                seq.use_prefix_cache = seq.wants_features
 
     def cancel(self, request_id: str) -> StepOutput | None:
         """Stop a request now; its KV is freed at once."""
@@ -248,6 +249,13 @@ class Engine:
         in prefill emits no token, but its hidden states are the drafter's features
         for these positions."""
         for item in batch:
+            if item.is_prefill and item.seq.cached_features:
+                # First the rows of the positions the prefix cache gave it.
+                n, seq = item.seq.cached_features, item.seq
+                item.seq.cached_features = 0
+                rows = self.cache.read_features(seq.seq_id, n)  # [n, L * hidden]
+                self.proposer.advance(seq.seq_id, Outcome(
+                    0, 0, [], rows.view(n, len(self.cache.feature_layers), -1), 0))
             if item.is_prefill:
                 start_pos = item.seq.num_computed
                 item.seq.num_computed += item.num_tokens

@@ -99,6 +99,9 @@ class ModelRunner:
             out = self.model(ids, meta, self.cache,
                              logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
                              hidden_layers=hidden_layers, hidden_indices=hidden_index)
+        if self.cache.features is not None:
+            _keep_features(self.cache, batch, feeds, meta.slot_mapping, out.hidden_states,
+                           hidden_layers, hidden_rows, hidden_index, proposer)
         return RunnerOutput(out.logits, sampled, sampled_drafts,
                             Hidden(out.hidden_states, hidden_layers, hidden_rows))
 
@@ -151,3 +154,32 @@ def _hidden_rows(batch: list[Scheduled], feeds: list[list[int]], starts: list[in
             first_row[item.seq.seq_id] = len(indices)
             indices.extend(range(start, start + len(feed)))
     return tuple(layers), first_row, indices
+
+
+def _keep_features(cache, batch: list[Scheduled], feeds: list[list[int]],
+                   slot_mapping: torch.Tensor,
+                   states: torch.Tensor | None, layers: tuple[int, ...],
+                   first_row: dict[int, int], hidden_index: torch.Tensor,
+                   proposer: Proposer | None) -> None:
+    """Write the features of every sequence that keeps them (PagedKVCache.keep_features)
+    beside its KV: states [len(layers), M, hidden] are the hidden rows of the fed
+    positions hidden_index [M] (rows into the step's T tokens, slot_mapping [T]). A
+    sequence that keeps features but got no rows this step (its drafter stopped
+    reading them) loses them for the blocks it registers from now on."""
+    wanted = cache.feature_layers
+    rows: list[int] = []
+    for item, feed in zip(batch, feeds, strict=True):
+        seq_id = item.seq.seq_id
+        if not cache.wants_features(seq_id):
+            continue
+        if seq_id not in first_row or proposer.hidden_layers(seq_id) != wanted:
+            cache.lose_features(seq_id)
+            continue
+        start = first_row[seq_id]
+        rows.extend(range(start, start + len(feed)))
+    if not rows:
+        return
+    index = torch.tensor(rows, dtype=torch.int64, device=slot_mapping.device)  # [R]
+    sel = states[[layers.index(layer) for layer in wanted]].index_select(1, index)  # [L, R, H]
+    cache.write_features(slot_mapping.index_select(0, hidden_index.index_select(0, index)),
+                         sel.transpose(0, 1).reshape(len(rows), -1))

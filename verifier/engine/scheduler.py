@@ -82,7 +82,8 @@ class Scheduler:
             seq = self.waiting[0]
             # Cached blocks are taken now (an evictable one stops being free); given
             # back below if the rest does not fit.
-            cached = self.cache.add(seq.seq_id, seq.tokens if seq.use_prefix_cache else ())
+            cached = self.cache.add(seq.seq_id, seq.tokens if seq.use_prefix_cache else (),
+                                    features=seq.wants_features)
             n = min(len(seq.tokens) - cached, budget)
             need = self.cache.blocks_needed(seq.seq_id, n)
             if need > self.cache.num_free_blocks - reserved:
@@ -92,6 +93,7 @@ class Scheduler:
             if self.cache.enable_prefix_caching:
                 self.prefix_cache_stats.record(len(seq.tokens), cached)
             seq.num_computed = cached
+            seq.cached_features = cached if seq.wants_features else 0
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.append(Scheduled(seq, n, True))

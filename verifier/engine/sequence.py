@@ -58,10 +58,13 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_drafted: int = 0  # totals for statistics
     num_accepted: int = 0
-    # Whether admission may start from KV the prefix cache holds. Off for sequences whose
-    # drafter reads the target's hidden states: a cache hit computes no hidden states for
-    # the cached positions (see Engine.add_request).
+    # Whether admission may start from KV the prefix cache holds (see Engine.add_request).
     use_prefix_cache: bool = True
+    # Its drafter reads the target's hidden states: the cache keeps them beside the KV,
+    # and admission takes only blocks that carry them.
+    wants_features: bool = False
+    # Leading positions taken from the cache whose features the drafter has not had yet.
+    cached_features: int = 0
 
     @property
     def prompt_len(self) -> int:
