@@ -170,6 +170,38 @@ def on_free_ports(services: list[LocalService]) -> tuple[list[LocalService], dic
     return out, ports
 
 
+def taken_ports(services: list[LocalService], attempts: int = 3,
+                wait_s: float = 1.0) -> list[tuple[str, str, int]]:
+    """The (service, host, port) its --port or --grpc-port names that cannot be bound now,
+    after `attempts` tries (a client socket may hold a port of the ephemeral range for a
+    moment; a listening server holds it for good)."""
+    wanted = []
+    for svc in services:
+        host = "127.0.0.1"
+        if "--host" in svc.argv:
+            host = svc.argv[svc.argv.index("--host") + 1]
+        for i, arg in enumerate(svc.argv[:-1]):
+            if arg in _PORT_FLAGS and int(svc.argv[i + 1]) > 0:
+                wanted.append((svc.name, host, int(svc.argv[i + 1])))
+    taken = wanted
+    for attempt in range(attempts):
+        taken = [w for w in taken if not _bindable(w[1], w[2])]
+        if not taken or attempt == attempts - 1:
+            break
+        time.sleep(wait_s)
+    return taken
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def _executable(name: str) -> str:
     # The console scripts of this installation first (the virtual environment's bin).
     here = Path(sys.executable).parent / name
@@ -287,6 +319,12 @@ def run(args) -> int:
     environ = {"SPECDEC_MODEL_ROOT": str(model_dir.parent), "SPECDEC_MODEL": model_dir.name,
                "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ}
     services = local_services(Path(args.compose_file), environ)
+    taken = taken_ports(services)
+    if taken:
+        names = ", ".join(f"{host}:{port} ({name})" for name, host, port in taken)
+        print(f"specdec up: port(s) already in use: {names}. Is another `make run` up? Stop "
+              f"it, or free the port(s).", file=sys.stderr)
+        return 1
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -18,6 +18,7 @@ from specdec.launch import (
     interpolate,
     local_services,
     service_flag,
+    taken_ports,
 )
 from specdec.server import check_health
 from tests.ports import free_port
@@ -144,3 +145,19 @@ def test_local_stack_starts_a_service_again_when_it_exits_at_start(tmp_path: Pat
                 stack.start(timeout_s=60)
     assert marker.read_text() == "0"
     assert sum("starting it again" in line for line in logged) == 2
+
+
+def test_a_taken_port_is_named_before_anything_starts():
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        free = free_port()
+        services = [LocalService("gateway", ("specdec-gateway", "--host", "127.0.0.1", "--port",
+                                             str(port), "--grpc-port", str(free)), None, ()),
+                    LocalService("ngram", ("specdec-drafter", "--port", str(free_port())),
+                                 None, ())]
+        assert taken_ports(services, wait_s=0.01) == [("gateway", "127.0.0.1", port)]
+    assert taken_ports(services, wait_s=0.01) == []
