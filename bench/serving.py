@@ -67,10 +67,19 @@ SERVED_NAME = "smollm2"
 # Six chat prompts, one per kind of task; the multi-turn one last.
 PROMPT_NAMES = ("code_edit_add_method", "bug_fix_off_by_one", "reformat_list_to_json",
                 "rewrite_fix_grammar", "summarise_bees", "chat_houseplants")
-# Ours: configuration -> the request's `speculative` field (None: leave it out).
+# Ours: configuration -> the request's `speculative` field (None: leave it out). Each
+# drafter at static K = 2 and 4 and at dynamic K, for dynamic K against the best static
+# K under the same load; `default` is what a request without the field gets.
 OURS = {"plain": {"method": "none"},
+        "ngram K=2": {"method": "ngram", "num_speculative_tokens": 2},
         "ngram K=4": {"method": "ngram", "num_speculative_tokens": 4},
+        "ngram auto": {"method": "ngram", "num_speculative_tokens": "auto"},
+        "eagle3 K=2": {"method": "eagle3", "num_speculative_tokens": 2},
+        "eagle3 K=4": {"method": "eagle3", "num_speculative_tokens": 4},
         "default": None}
+# Dynamic K and the static Ks it is judged against, per drafter.
+DYNAMIC = {"ngram": ("ngram auto", ("ngram K=2", "ngram K=4")),
+           "eagle3": ("default", ("eagle3 K=2", "eagle3 K=4"))}
 # vLLM: mode -> --speculative-config (None: plain).
 VLLM = {"plain": None,
         "ngram K=4": {"method": "ngram", "num_speculative_tokens": 4,
@@ -595,6 +604,23 @@ def render(result: dict) -> str:
             lines.append(f"| {name} | {c} | {b.get('steps', '-')} | "
                          f"{_fmt(b.get('batch_mean'), '.1f')} | {_fmt(tps, '.2f')} | "
                          f"{phases} | {_fmt(b.get('engine_busy'), '.0%')} | {cpu} |")
+    lines += ["", "Dynamic K against the same drafter's best static K, and against ours "
+              "without speculation (tok/s ratios at the same C):", "",
+              "| drafter | " + " | ".join(f"C={c} / best static | C={c} / plain" for c in cs)
+              + " |", "|---|" + "---|---|" * len(cs)]
+    for method, (auto, statics) in DYNAMIC.items():
+        row = []
+        for c in cs:
+            a = s.get(f"ours {auto}", {}).get(c)
+            st = [(k, s[f"ours {k}"][c]["tok_s"]) for k in statics if c in s.get(f"ours {k}", {})]
+            plain = s.get("ours plain", {}).get(c)
+            if a is None or not st or plain is None:
+                row.append("- | -")
+                continue
+            k, best_static = max(st, key=lambda x: x[1])
+            row.append(f"{a['tok_s'] / best_static:.2f} ({k.split()[-1]}) | "
+                       f"{a['tok_s'] / plain['tok_s']:.2f}")
+        lines.append(f"| {method} ({auto}) | " + " | ".join(row) + " |")
     eng = s.get("engine plain")
     if eng:
         lines += ["", "Secondary: our engine in this process (no HTTP, gRPC or other "
@@ -621,7 +647,8 @@ def notes(result: dict) -> list[str]:
     return [
         "ours = compose.yaml's x-local services started as `make run` starts them (ngram and "
         "eagle3 drafters, verifier, gateway), on free ports; `default` sends no `speculative` "
-        "field (the deployment's default: eagle3, dynamic K).",
+        "field (the deployment's default: eagle3, dynamic K from the gateway's online step-time "
+        "model); `auto` asks for dynamic K.",
         "vLLM = `python -m vllm.entrypoints.openai.api_server --model DIR "
         + " ".join(VLLM_ARGS) + "` (what `vllm serve` runs), its ngram mode with "
         f"`--speculative-config '{json.dumps(VLLM['ngram K=4'])}'`.",

@@ -108,7 +108,7 @@ def test_a_reduced_run_of_our_stack_and_engine(tmp_path):
         torch.set_num_threads(threads)
     result = json.loads(out.read_text())
     s = result["summary"]
-    assert set(s) == {"ours plain", "ours ngram K=4", "ours default", "engine plain"}
+    assert set(s) == {f"ours {n}" for n in serving.OURS} | {"engine plain"}
     for name in s:
         for c, requests in (("1", 2), ("4", 4)):
             assert s[name][c]["tok_s"] > 0
