@@ -57,6 +57,7 @@ class RunnerOutput:
     sampled: list[Scheduled]
     drafts: list[list[int]]
     hidden: Hidden
+    num_tokens: int  # rows fed in all: prefill chunks, and 1 + drafts per verify block
 
 
 class ModelRunner:
@@ -100,7 +101,7 @@ class ModelRunner:
                              logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
                              hidden_layers=hidden_layers, hidden_indices=hidden_index)
         return RunnerOutput(out.logits, sampled, sampled_drafts,
-                            Hidden(out.hidden_states, hidden_layers, hidden_rows))
+                            Hidden(out.hidden_states, hidden_layers, hidden_rows), len(ids))
 
 
 def _feed(item: Scheduled, draft: list[int]) -> list[int]:
