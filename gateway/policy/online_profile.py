@@ -63,6 +63,10 @@ PRIOR_WEIGHT = 4.0
 # apart, and its wait is then taken as fixed, until batch size or K vary.
 DRAFT_FIXED_PRIOR_WEIGHT = 1e-3
 DRAFT_TOKEN_PRIOR_WEIGHT = PRIOR_WEIGHT
+# w, the wait of a step that drafts nothing (scheduling), is small; held toward 0 more
+# than d, so that while every step drafts (one method at batch 1) the wait counts as
+# that drafter's rather than as a cost plain steps would pay too. Plain steps measure it.
+WAIT_PRIOR_WEIGHT = 1.0
 # Drafting steps of a method after which its own acceptance rates replace the
 # neutral prior in the profile.
 ACCEPTANCE_WARMUP_STEPS = 8
@@ -200,8 +204,9 @@ class OnlineProfile:
                                                FORGETTING)
         # Draft wait: theta = (w, d_m, e_m for each drafter method), ridge toward 0.
         n = 1 + 2 * len(DRAFTER_METHODS)
-        precision = np.diag([1e-6] + [DRAFT_FIXED_PRIOR_WEIGHT, DRAFT_TOKEN_PRIOR_WEIGHT]
-                            * len(DRAFTER_METHODS))  # w: the data decide (every step has it)
+        precision = np.diag([WAIT_PRIOR_WEIGHT] + [DRAFT_FIXED_PRIOR_WEIGHT,
+                                                   DRAFT_TOKEN_PRIOR_WEIGHT]
+                            * len(DRAFTER_METHODS))
         self._wait = ForgettingLeastSquares(np.zeros(n), precision, FORGETTING)
         self.acceptance: dict[str, OnlineAcceptance] = {}  # method -> all its requests' counts
         self._cost: StepCost | None = None

@@ -186,3 +186,12 @@ def test_profile_cli_method_takes_a_comma_separated_list(capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["--method", ","])
     assert "--method: expected one or more method names" in capsys.readouterr().err
+
+
+def test_gateway_cli_dynamic_k_flag():
+    from gateway.__main__ import build_parser
+
+    p = build_parser()
+    assert p.parse_args([]).dynamic_k is True
+    assert p.parse_args(["--no-dynamic-k"]).dynamic_k is False
+    assert p.parse_args(["--num-speculative-tokens", "3"]).num_speculative_tokens == 3

@@ -199,6 +199,25 @@ def test_dynamic_k_follows_the_model_as_it_learns():
     assert dk.next_k(1) == dk.next_k(16) == 0
 
 
+def test_a_drafter_always_asked_the_same_k_counts_as_a_fixed_cost():
+    """Batch 1 at K = 4 only: d and e*4 cannot be told apart. The prior takes the
+    wait as fixed, so it is not multiplied by 16 at batch 16; once batch sizes
+    vary the split is measured."""
+    model = OnlineProfile()
+    v = Verifier(model, a=40.0, b=2.5, d={"eagle3": 6.0}, e={"eagle3": 2.0})
+    for _ in range(100):
+        v.run([("eagle3", 4)])
+    cost = model.cost()
+    assert cost.w + cost.d["eagle3"] + 4 * cost.e["eagle3"] == pytest.approx(14.0, rel=1e-3)
+    assert cost.d["eagle3"] == pytest.approx(14.0, rel=1e-2)
+    assert cost.e["eagle3"] < 0.1
+    for i in range(300):
+        v.run([("eagle3", 4)] * (1 + i % 8))
+    cost = model.cost()
+    assert cost.d["eagle3"] == pytest.approx(6.0, abs=0.1)
+    assert cost.e["eagle3"] == pytest.approx(2.0, abs=0.02)
+
+
 def test_step_sample_is_checked():
     with pytest.raises(ValueError, match="num_tokens"):
         sample(1, 1, -1, 10.0)
