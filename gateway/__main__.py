@@ -35,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=list(METHODS),
                    help="method for requests that do not choose one")
     p.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="K for requests that do not choose one")
+                   help="K for requests that do not choose one: their static K, or with "
+                   "--dynamic-k the upper bound of their dynamic K")
+    p.add_argument("--dynamic-k", action=argparse.BooleanOptionalAction, default=True,
+                   help="requests that do not choose K get dynamic K (\"auto\"), from --profile "
+                   "or, without one, from a step-time model fitted online (default on)")
     p.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
                    help="admit new requests without speculation while the chosen verifier "
                    "runs more than N requests")
@@ -71,10 +75,13 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.profile or profile_path.is_file():
         profile = ItlProfile.load(profile_path)
         log.info("dynamic K profile: %s", profile_path)
+    else:
+        log.info("dynamic K: no profile file, step times are modelled online")
     config = GatewayConfig(
         model_name=args.served_model_name or model_dir.name,
         default_method=args.speculative_method,
         default_num_speculative_tokens=args.num_speculative_tokens,
+        default_auto_k=args.dynamic_k,
         disable_queue_size=args.speculative_disable_queue_size,
         limits=Limits(
             max_prompt_tokens=args.max_prompt_tokens,

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field, replace
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.policy.admission import Decision, Deployment, decide
-from gateway.policy.dynamic_k import DynamicK
+from gateway.policy.dynamic_k import DynamicK, ProfileSource
 from gateway.policy.itl_profile import ItlProfile
+from gateway.policy.online_profile import OnlineProfile
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
 from gateway.types import (
     Delta,
@@ -54,7 +55,10 @@ class Limits:
 class GatewayConfig:
     model_name: str
     default_method: str = "none"
+    # K of requests that do not give one: with default_auto_k the bound of their
+    # dynamic K (and their K until a profile exists), else their static K.
     default_num_speculative_tokens: int = 4
+    default_auto_k: bool = True
     disable_queue_size: int | None = None
     limits: Limits = field(default_factory=Limits)
     api_key: str | None = None
@@ -70,6 +74,8 @@ class GatewayConfig:
             raise ValueError("default_num_speculative_tokens: must be >= 0")
         if self.disable_queue_size is not None and self.disable_queue_size < 0:
             raise ValueError("disable_queue_size: must be >= 0")
+        if not isinstance(self.default_auto_k, bool):
+            raise ValueError(f"default_auto_k: must be a bool, got {self.default_auto_k!r}")
 
 
 class Gateway:
@@ -79,7 +85,27 @@ class Gateway:
         self.tokenizer = tokenizer
         self.replicas = replicas
         self.metrics = metrics or GatewayMetrics()
+        # A profiled table (`specdec profile`) wins; without one, dynamic K reads the
+        # step-time model this gateway fits from its own requests' step statistics.
+        # The model learns either way, so its fit is on /metrics to compare.
         self.profile = profile
+        self.online_profile = OnlineProfile()
+        self.metrics.watch_step_cost(self.online_profile.cost)
+
+    def profile_source(self, replica: Replica) -> ProfileSource:
+        """The profile dynamic K reads on `replica`, as it is at each call."""
+        if self.profile is not None:
+            profile = self.profile
+            return lambda: profile
+
+        def online() -> ItlProfile | None:
+            report = replica.report
+            if report is None:
+                return None
+            return self.online_profile.profile(report.max_num_seqs,
+                                               report.max_num_speculative_tokens)
+
+        return online
 
     # -- request preparation ------------------------------------------------------
 
@@ -132,10 +158,6 @@ class Gateway:
         max_tokens = requested or max_len - len(prompt)
         if limits.max_tokens:
             max_tokens = min(max_tokens, limits.max_tokens)
-        if req.speculative.auto and self.profile is None:
-            raise InvalidRequest("speculative.num_speculative_tokens: \"auto\" needs a profiled "
-                                 "ITL table, and this gateway has none (run `specdec profile`)",
-                                 param="speculative")
         return max_tokens
 
     def _decide(self, req: GenerationRequest, replica: Replica) -> Decision:
@@ -148,6 +170,10 @@ class Gateway:
             ),
             max_num_speculative_tokens=report.max_num_speculative_tokens,
             disable_queue_size=self.config.disable_queue_size,
+            # A seeded sampled request is reproducible only at a K that does not follow
+            # the load: which uniforms a step consumes depends on its K. It keeps the
+            # static default unless it asks for "auto" itself.
+            default_auto_k=self.config.default_auto_k and not req.sampling.HasField("seed"),
         )
         spec = req.speculative
         deployed = {method_name(d.method) for d in report.drafters}
@@ -193,11 +219,12 @@ class Gateway:
         if decision.disabled_reason is not None:
             self.metrics.disabled.labels(decision.disabled_reason).inc()
         dynamic = None
-        if decision.auto_k and self.profile is not None and decision.num_speculative_tokens > 0:
-            dynamic = DynamicK(self.profile, decision.method, decision.num_speculative_tokens,
+        if decision.auto_k and decision.num_speculative_tokens > 0:
+            dynamic = DynamicK(self.profile_source(replica), decision.method,
+                               decision.num_speculative_tokens,
                                warmup_steps=self.config.dynamic_k_warmup_steps)
         return Generation(req, request_id, decision, dynamic, max_tokens, t0, replica,
-                          self.replicas, self.tokenizer, self.metrics)
+                          self.replicas, self.tokenizer, self.metrics, self.online_profile)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         generation = await self.open(req)

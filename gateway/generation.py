@@ -19,6 +19,7 @@ from opentelemetry import propagate, trace
 from gateway.metrics import GatewayMetrics
 from gateway.policy.admission import Decision
 from gateway.policy.dynamic_k import DynamicK
+from gateway.policy.online_profile import OnlineProfile, StepSample
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
 from gateway.types import (
     Delta,
@@ -56,10 +57,13 @@ class Generation:
 
     def __init__(self, req: GenerationRequest, request_id: str, decision: Decision,
                  dynamic: DynamicK | None, max_tokens: int, t0: float, replica: Replica,
-                 replicas: ReplicaPool, tokenizer: Tokenizer, metrics: GatewayMetrics):
+                 replicas: ReplicaPool, tokenizer: Tokenizer, metrics: GatewayMetrics,
+                 online_profile: OnlineProfile | None = None):
         self.replicas = replicas
         self.metrics = metrics
         self.replica = replica
+        self.online_profile = online_profile  # fed every response's step statistics
+        self.first_on_stream = True  # the next response is the stream's first (its prefill)
         self.req = req
         self.request_id = request_id
         self.decision = decision
@@ -87,7 +91,9 @@ class Generation:
         reason = common_pb2.DISABLED_REASON_NONE
         if d.method != "none":
             if self.dynamic is not None:
-                self.num_speculative_tokens = self.dynamic.next_k(replica.load + 1)
+                k = self.dynamic.next_k(replica.load + 1)
+                if k is not None:  # None: no profile yet, the decision's K until there is
+                    self.num_speculative_tokens = k
             speculation.num_speculative_tokens = self.num_speculative_tokens
             if d.disabled_reason is not None:
                 reason = reason_to_proto(d.disabled_reason)
@@ -163,6 +169,7 @@ class Generation:
         propagate.inject(metadata)
         call = replica.stub.Generate(metadata=tuple(metadata.items()))
         replica.inflight += 1
+        self.first_on_stream = True
         try:
             await call.write(self._start(replica))
             while True:
@@ -172,6 +179,7 @@ class Generation:
                     raise _ReplicaAborted("stream ended without a finish reason")
                 if resp.finish_reason == common_pb2.FINISH_REASON_ABORTED:
                     raise _ReplicaAborted("the verifier is shutting down")
+                self._observe_step(replica, resp)
                 delta = self._on_response(resp)
                 if self.stop.matched is not None and not delta.finish:
                     # A stop string ended the text: stop the verifier too.
@@ -191,6 +199,22 @@ class Generation:
             # Frees the sequence in the verifier if the stream is still open (client gone,
             # stop string, error); a no-op on a stream that already ended.
             call.cancel()
+
+    def _observe_step(self, replica: Replica, resp: verifier_pb2.GenerateResponse) -> None:
+        """Hand the response's step statistics to the online step-time model."""
+        step = resp.step_stats
+        first, self.first_on_stream = self.first_on_stream, False
+        if self.online_profile is None or not step.step:
+            return  # no step behind this response (a cancel's or abort's answer)
+        method = self.decision.method
+        if resp.spec_decode.method == common_pb2.SPEC_METHOD_NONE:
+            method = "none"  # the verifier runs it plainly (no drafter on this replica)
+        self.online_profile.observe(StepSample(
+            replica=replica.address, step=step.step, batch_size=step.batch_size,
+            num_tokens=step.num_tokens, step_time_ms=step.step_time_ms,
+            draft_wait_ms=step.draft_wait_ms, method=method,
+            num_speculative_tokens=step.num_speculative_tokens if method != "none" else 0,
+            num_drafted=step.num_drafted, num_accepted=step.num_accepted, prefill=first))
 
     def _on_response(self, resp: verifier_pb2.GenerateResponse) -> Delta:
         now = time.perf_counter()
@@ -262,7 +286,7 @@ class Generation:
         if step.num_drafted:
             self.dynamic.observe(step.num_drafted, step.num_accepted)
         k = self.dynamic.next_k(max(step.batch_size, 1))
-        if k == (self.num_speculative_tokens if self.enabled else 0):
+        if k is None or k == (self.num_speculative_tokens if self.enabled else 0):
             return None
         self.metrics.k_updates.inc()
         update = verifier_pb2.GenerateRequest.PolicyUpdate()

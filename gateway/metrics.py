@@ -7,12 +7,13 @@ Each gateway owns its registry: tests run several in one process.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.policy.online_profile import StepCost
 from specdec.pb import verifier_pb2
 
 # Latency buckets (seconds) wide enough for a CPU deployment and a GPU one.
@@ -46,6 +47,37 @@ class VerifierPrefixCache(Collector):
                 hits.add_metric([address], report.prefix_cache_hits)
                 rate.add_metric([address], report.prefix_cache_hit_rate)
         yield from (queries, hits, rate)
+
+
+class StepCostFit(Collector):
+    """The online step-time model's coefficients (gateway/policy/online_profile.py) as
+    they are at scrape time; nothing until it has seen enough steps."""
+
+    def __init__(self, source: Callable[[], StepCost | None]):
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        cost = self.source()
+        if cost is None:
+            return
+        for name, value, doc in (
+                ("a", cost.a, "Fixed forward time of a verifier step"),
+                ("b", cost.b, "Forward time per row a step feeds"),
+                ("w", cost.w, "Scheduling and draft wait of a step that does not draft")):
+            g = GaugeMetricFamily(f"specdec_step_cost_{name}_ms",
+                                  f"Online step-time model: {doc}, ms")
+            g.add_metric([], value)
+            yield g
+        d = GaugeMetricFamily("specdec_step_cost_draft_ms",
+                              "Online step-time model: a drafter's fixed wait per step, ms",
+                              labels=["method"])
+        e = GaugeMetricFamily("specdec_step_cost_draft_token_ms",
+                              "Online step-time model: a drafter's wait per draft token, ms",
+                              labels=["method"])
+        for method in sorted(cost.d):
+            d.add_metric([method], cost.d[method])
+            e.add_metric([method], cost.e[method])
+        yield from (d, e)
 
 
 class GatewayMetrics:
@@ -100,6 +132,10 @@ class GatewayMetrics:
                                registry=r)
         self.verifier_prefix_cache = VerifierPrefixCache()
         r.register(self.verifier_prefix_cache)
+
+    def watch_step_cost(self, source: Callable[[], StepCost | None]) -> None:
+        """Export the online step-time model's fit, read from `source` at each scrape."""
+        self.registry.register(StepCostFit(source))
 
     def observe_verifier(self, address: str, report: verifier_pb2.LoadReport) -> None:
         """The series a verifier's Load report carries."""

@@ -189,7 +189,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             step_stats=common_pb2.StepStats(
                 step=out.step, num_speculative_tokens=out.num_speculative_tokens,
                 num_drafted=out.num_drafted, num_accepted=out.num_accepted,
-                batch_size=out.batch_size, step_time_ms=out.step_time_ms,
+                batch_size=out.batch_size, num_tokens=out.num_tokens,
+                step_time_ms=out.step_time_ms,
                 draft_wait_ms=out.draft_wait_ms, disabled_reason=step_reason),
             usage=common_pb2.Usage(prompt_tokens=stats.prompt_tokens,
                                    completion_tokens=stats.completion_tokens),

@@ -19,9 +19,12 @@ class Deployment:
 
     default_method: str
     methods_available: frozenset[str]
-    default_num_speculative_tokens: int
+    default_num_speculative_tokens: int  # static K, or dynamic K's bound with default_auto_k
     max_num_speculative_tokens: int
     disable_queue_size: int | None  # None = never auto-disable
+    # Requests that do not give num_speculative_tokens get dynamic K ("auto"), bounded
+    # by default_num_speculative_tokens; False: that K, static.
+    default_auto_k: bool = False
 
     def __post_init__(self) -> None:
         if self.default_method not in METHODS:
@@ -41,6 +44,9 @@ class Deployment:
                              f"max_num_speculative_tokens ({self.max_num_speculative_tokens})")
         if self.disable_queue_size is not None:
             check_count("deployment: disable_queue_size", self.disable_queue_size)
+        if not isinstance(self.default_auto_k, bool):
+            raise ValueError(f"deployment: default_auto_k must be a bool, "
+                             f"got {self.default_auto_k!r}")
 
 
 @dataclass(frozen=True)
@@ -78,11 +84,14 @@ def decide(req: SpeculativeRequest, dep: Deployment, num_running: int) -> Decisi
     if method not in dep.methods_available:
         # Better a plain answer than an error: the drafter may only be restarting.
         return Decision(method, 0, False, "drafter_unavailable")
+    auto = req.auto or (requested_k is None and dep.default_auto_k)
     if requested_k is not None:
         k = requested_k
     else:
+        # An explicit "auto" may go to the verifier's maximum; the deployment's default
+        # stays within the K it would run statically.
         k = dep.max_num_speculative_tokens if req.auto else dep.default_num_speculative_tokens
     # Under load the method and K are kept, so the verifier can be told to turn
     # speculation on later without asking the user again.
     overloaded = dep.disable_queue_size is not None and num_running > dep.disable_queue_size
-    return Decision(method, k, req.auto, "queue_size" if overloaded else None)
+    return Decision(method, k, auto, "queue_size" if overloaded else None)

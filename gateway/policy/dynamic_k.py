@@ -3,7 +3,7 @@ request's acceptance (the profile's prior rates until warm-up, then its own)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gateway.policy.goodput import choose_k, rate_at
 from gateway.policy.itl_profile import ItlProfile
@@ -69,17 +69,24 @@ class OnlineAcceptance:
         )
 
 
+# The deployment's profile as it is now: a file's, fixed, or the online model's, which
+# changes as steps are measured and is None until it has seen enough of them.
+ProfileSource = Callable[[], ItlProfile | None]
+
+
 class DynamicK:
     """Each round's K for one request: the profile's ITL and the request's acceptance.
 
-    When the request's own rates make K=0 best at every batch size, nothing more is
-    drafted and K stays 0: a drafter that fails on this request is not retried. K=0
-    caused by load alone rises again when the batch shrinks.
+    The profile is read afresh every round, so an online profile's newest fit
+    applies to requests already running. When the request's own rates make K=0
+    best at every batch size, nothing more is drafted and K stays 0: a drafter
+    that fails on this request is not retried. K=0 caused by load alone rises
+    again when the batch shrinks.
     """
 
     def __init__(
         self,
-        profile: ItlProfile,
+        profile: ProfileSource,
         method: str,
         max_num_speculative_tokens: int,
         warmup_steps: int = 8,
@@ -93,16 +100,25 @@ class DynamicK:
         self.method = method
         self.max_num_speculative_tokens = max_num_speculative_tokens
         self.warmup_steps = warmup_steps
-        self.prior: tuple[float, ...] = profile.acceptance.get(method, (NEUTRAL_ACCEPTANCE,))
         self.acceptance = OnlineAcceptance()
+
+    @property
+    def prior(self) -> tuple[float, ...]:
+        """The method's rates in the current profile, neutral where it has none."""
+        profile = self.profile()
+        if profile is None:
+            return (NEUTRAL_ACCEPTANCE,)
+        return profile.acceptance.get(self.method, (NEUTRAL_ACCEPTANCE,))
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.update(num_drafted, num_accepted)
 
-    def next_k(self, batch_size: float) -> int:
-        rates = self.acceptance.rates(
-            self.prior, self.warmup_steps, self.max_num_speculative_tokens
-        )
-        return choose_k(
-            self.profile, batch_size, rates, self.max_num_speculative_tokens, self.method
-        )
+    def next_k(self, batch_size: float) -> int | None:
+        """The best K at this batch size; None while there is no profile yet (an
+        online one still learning), in which case the caller keeps its K."""
+        profile = self.profile()
+        if profile is None:
+            return None
+        prior = profile.acceptance.get(self.method, (NEUTRAL_ACCEPTANCE,))
+        rates = self.acceptance.rates(prior, self.warmup_steps, self.max_num_speculative_tokens)
+        return choose_k(profile, batch_size, rates, self.max_num_speculative_tokens, self.method)

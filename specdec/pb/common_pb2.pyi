@@ -146,7 +146,7 @@ class TokenizerFingerprint(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., hash: _Optional[str] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("step", "num_speculative_tokens", "num_drafted", "num_accepted", "batch_size", "step_time_ms", "draft_wait_ms", "disabled_reason")
+    __slots__ = ("step", "num_speculative_tokens", "num_drafted", "num_accepted", "batch_size", "step_time_ms", "draft_wait_ms", "disabled_reason", "num_tokens")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class StepStats(_message.Message):
     STEP_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     DISABLED_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step: int
     num_speculative_tokens: int
     num_drafted: int
@@ -163,7 +164,8 @@ class StepStats(_message.Message):
     step_time_ms: float
     draft_wait_ms: float
     disabled_reason: DisabledReason
-    def __init__(self, step: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., batch_size: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., draft_wait_ms: _Optional[float] = ..., disabled_reason: _Optional[_Union[DisabledReason, str]] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, step: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., num_drafted: _Optional[int] = ..., num_accepted: _Optional[int] = ..., batch_size: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., draft_wait_ms: _Optional[float] = ..., disabled_reason: _Optional[_Union[DisabledReason, str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from gateway.policy.itl_profile import ItlProfile
+from gateway.policy.online_profile import MIN_STEPS
 from gateway.profile import add_arguments, profile
 from tests.gateway.stack import MODEL_NAME, GatewayStack, OracleDraftModel
 
@@ -63,14 +64,66 @@ def test_k_changes_during_one_request(loop, model, smollm2_dir):
         s.close()
 
 
-def test_auto_without_profile_is_a_clear_error(loop, model, smollm2_dir):
-    s = GatewayStack(loop, model, smollm2_dir, drafters={})
+def test_auto_and_default_requests_use_the_online_model_without_a_profile(
+        loop, model, smollm2_dir):
+    """No profile file: "auto" is accepted, and a request that does not choose K gets
+    dynamic K from the step times this gateway has measured, so a drafter right only
+    at the first position ends at K = 1 where static K would keep the default 4."""
+    drafter = FirstRightDrafter(model)
+    s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": drafter},
+                     default_method="draft_model", dynamic_k_warmup_steps=3)
     try:
         client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
-        with pytest.raises(openai.BadRequestError, match="specdec profile"):
+
+        def chat(content, max_tokens, speculative=None):
+            extra = {} if speculative is None else {"speculative": speculative}
+            return client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": content}],
+                temperature=0, max_tokens=max_tokens, extra_body=extra)
+
+        # Plain steps to learn from: the model has no profile before MIN_STEPS of them.
+        online = s.gateway.online_profile
+        while online.num_steps < MIN_STEPS:
+            chat("Say something.", 30, {"method": "none"})
+        # "auto" without a profile file is accepted (it used to be a 400).
+        resp = chat("Name three colours.", 12, {"num_speculative_tokens": "auto"})
+        assert resp.choices[0].message.content == s.reference(s.chat_ids("Name three colours."),
+                                                              12)[0]
+        drafter.wanted.clear()
+        content = "Count to twenty."
+        resp = chat(content, 40)  # no speculative field: the deployment's default
+        assert resp.choices[0].message.content == s.reference(s.chat_ids(content), 40)[0]
+        asked = [k for k in drafter.wanted if k]
+        spec = resp.model_extra["spec_decode"]
+        if spec["num_drafts"] == 0:
+            # The measured drafter wait outweighs what drafting saves: plain from the start.
+            assert asked == [] and spec["disabled_reason"] == "dynamic_k", (asked, spec)
+        else:
+            # Within the default K; once its own rates show only position 1 is ever
+            # accepted, no K above 1 is worth its rows (static K would ask 4 throughout).
+            assert max(asked) <= 4 and spec["num_drafts"] >= 4, (asked, spec)
+            assert max(asked[4:], default=0) <= 1, (asked, spec, online.cost())
+        text = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
+        assert "specdec_step_cost_a_ms" in text and "specdec_step_cost_b_ms" in text
+        assert 'specdec_step_cost_draft_ms{method="draft_model"}' in text
+    finally:
+        s.close()
+
+
+def test_static_default_k_with_dynamic_k_off(loop, model, smollm2_dir):
+    drafter = FirstRightDrafter(model)
+    s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": drafter},
+                     default_method="draft_model", default_auto_k=False)
+    try:
+        client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
+        for _ in range(3):
             client.chat.completions.create(
-                model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                extra_body={"speculative": {"method": "ngram", "num_speculative_tokens": "auto"}})
+                model=MODEL_NAME, messages=[{"role": "user", "content": "Count to twenty."}],
+                temperature=0, max_tokens=40)
+        assert s.gateway.online_profile.num_steps >= MIN_STEPS
+        asked = [k for k in drafter.wanted if k]
+        # K = 4 every step but a request's last, which max_tokens may cut shorter.
+        assert max(asked) == 4 and sum(k != 4 for k in asked) <= 3, asked
     finally:
         s.close()
 
@@ -133,3 +186,12 @@ def test_profile_cli_method_takes_a_comma_separated_list(capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["--method", ","])
     assert "--method: expected one or more method names" in capsys.readouterr().err
+
+
+def test_gateway_cli_dynamic_k_flag():
+    from gateway.__main__ import build_parser
+
+    p = build_parser()
+    assert p.parse_args([]).dynamic_k is True
+    assert p.parse_args(["--no-dynamic-k"]).dynamic_k is False
+    assert p.parse_args(["--num-speculative-tokens", "3"]).num_speculative_tokens == 3

@@ -195,6 +195,21 @@ def test_decide_auto_k_is_an_upper_bound(dep):
                   dep, 0) == Decision("ngram", 5, True, None)
 
 
+def test_decide_default_auto_k_is_bounded_by_the_default_k(dep):
+    auto = dataclasses.replace(dep, default_auto_k=True)
+    # No K given: dynamic K within the K the deployment would run statically.
+    assert decide(SpeculativeRequest(), auto, 0) == Decision("eagle", 3, True, None)
+    assert decide(SpeculativeRequest(method="ngram"), auto, 0) == Decision("ngram", 3, True, None)
+    # An explicit K stays static, an explicit "auto" may reach the verifier's maximum.
+    assert decide(SpeculativeRequest(num_speculative_tokens=2), auto, 0) == \
+        Decision("eagle", 2, False, None)
+    assert decide(SpeculativeRequest(auto=True), auto, 0) == Decision("eagle", 5, True, None)
+    assert decide(SpeculativeRequest(method="none"), auto, 0) == \
+        Decision("none", 0, False, "request")
+    with pytest.raises(ValueError, match="default_auto_k"):
+        dataclasses.replace(dep, default_auto_k=1)
+
+
 def test_decide_rejects_negative_load(dep):
     with pytest.raises(ValueError, match="num_running"):
         decide(SpeculativeRequest(), dep, -1)
@@ -520,7 +535,7 @@ def k_profile(acceptance=None) -> ItlProfile:
 
 def test_dynamic_k_drops_to_zero_when_the_drafter_fails():
     p = k_profile({"eagle": (0.9,)})
-    dk = DynamicK(p, "eagle", max_num_speculative_tokens=4, warmup_steps=5)
+    dk = DynamicK(lambda: p, "eagle", max_num_speculative_tokens=4, warmup_steps=5)
     before = brute_force_k(lambda k: p.itl(1, k), (0.9,), 4)
     assert before > 0
     for _ in range(4):
@@ -532,7 +547,7 @@ def test_dynamic_k_drops_to_zero_when_the_drafter_fails():
 
 def test_dynamic_k_rises_when_the_drafter_beats_its_prior():
     p = k_profile({"ngram": (0.3,)})
-    dk = DynamicK(p, "ngram", max_num_speculative_tokens=4, warmup_steps=3)
+    dk = DynamicK(lambda: p, "ngram", max_num_speculative_tokens=4, warmup_steps=3)
     before = dk.next_k(1)
     assert before == brute_force_k(lambda k: p.itl(1, k), (0.3,), 4)
     assert 0 < before < 4
@@ -572,8 +587,8 @@ def test_choose_k_is_smaller_for_a_costlier_method():
 def test_dynamic_k_uses_its_methods_table():
     p = method_cost_profile()
     eagle3, ngram = (
-        DynamicK(p, "eagle3", max_num_speculative_tokens=4),
-        DynamicK(p, "ngram", max_num_speculative_tokens=4),
+        DynamicK(lambda: p, "eagle3", max_num_speculative_tokens=4),
+        DynamicK(lambda: p, "ngram", max_num_speculative_tokens=4),
     )
     assert eagle3.method == "eagle3" and ngram.method == "ngram"
     assert eagle3.next_k(1) == 2
@@ -582,12 +597,12 @@ def test_dynamic_k_uses_its_methods_table():
 
 def test_dynamic_k_neutral_prior_for_an_unprofiled_method():
     p = k_profile({"eagle": (0.95,)})
-    dk = DynamicK(p, "draft_model", max_num_speculative_tokens=4)
+    dk = DynamicK(lambda: p, "draft_model", max_num_speculative_tokens=4)
     assert dk.prior == (0.5,)
     for b in (1, 16, 64):
         assert dk.next_k(b) == brute_force_k(lambda k, b=b: p.itl(b, k), (0.5,), 4)
     # The method's own prior is used where the profile has one.
-    assert DynamicK(p, "eagle", max_num_speculative_tokens=4).next_k(64) == \
+    assert DynamicK(lambda: p, "eagle", max_num_speculative_tokens=4).next_k(64) == \
         brute_force_k(lambda k: p.itl(64, k), (0.95,), 4) != dk.next_k(64)
 
 
@@ -600,7 +615,7 @@ def test_dynamic_k_is_checked(kwargs, name):
     with pytest.raises(ValueError, match=name):
         DynamicK(
             **(
-                {"profile": k_profile(), "method": "eagle", "max_num_speculative_tokens": 4}
+                {"profile": k_profile, "method": "eagle", "max_num_speculative_tokens": 4}
                 | kwargs
             )
         )

@@ -117,6 +117,28 @@ def test_greedy_output_equals_plain_decoding(model, batch, k, error_rate):
         assert stats["accepted"] < stats["drafted"]
 
 
+def test_step_outputs_carry_the_rows_the_step_fed(model):
+    """num_tokens is the step's whole feed: prefill chunks, then 1 + drafts per
+    verify block, the same on every output of the step (the gateway's step-time
+    model regresses on it)."""
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12]]
+    plain = greedy_generate(model, prompts, 20)
+    refs = {i: p + c for i, (p, c) in enumerate(zip(prompts, plain, strict=True))}
+    engine = Engine(model, EngineConfig(max_model_len=128, block_size=4, num_kv_blocks=64),
+                    ScriptedProposer(refs, 0.3, seed=1))
+    engine.add_request(Request("a", prompts[0], 20, GREEDY, num_speculative_tokens=3))
+    engine.add_request(Request("b", prompts[1], 20, GREEDY, num_speculative_tokens=0))
+    first = engine.step()
+    assert [o.num_tokens for o in first] == [5 + 7] * 2  # both prompts in one prefill step
+    verify_steps = 0
+    while engine.has_work():
+        outs = engine.step()
+        if len(outs) == 2:
+            assert {o.num_tokens for o in outs} == {sum(1 + o.num_drafted for o in outs)}
+            verify_steps += 1
+    assert verify_steps >= 3
+
+
 def test_drafts_with_probabilities_keep_greedy_exact(model):
     reqs = make_requests(4, 4, 16, seed=11)
     plain = greedy_generate(model, [r.prompt_token_ids for r in reqs], 16)

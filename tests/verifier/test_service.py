@@ -221,6 +221,13 @@ def test_output_equals_plain_greedy(loop, model, drafter, batch):
             if drafter == "oracle":  # every draft is the target's own choice
                 assert spec.num_accepted_tokens == spec.num_draft_tokens
                 assert len(responses) < 40
+            # A step feeds at least each of its sequences' last token and this one's drafts.
+            for r in responses:
+                st = r.step_stats
+                assert st.num_tokens >= st.batch_size + st.num_drafted > 0
+            if batch == 1:  # after the prefill, the whole step is this block
+                assert all(r.step_stats.num_tokens == 1 + r.step_stats.num_drafted
+                           for r in responses[1:])
         assert stack.load().num_running == 0
     finally:
         stack.close()

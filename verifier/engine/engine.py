@@ -105,6 +105,7 @@ class StepOutput:
     # The step as a whole, the same for every output of one step.
     step: int = 0
     batch_size: int = 0
+    num_tokens: int = 0  # rows fed in the whole step (prefill chunks, 1 + drafts per block)
     step_time_ms: float = 0.0
     draft_wait_ms: float = 0.0
 
@@ -230,6 +231,7 @@ class Engine:
         draft_wait_ms = (t2 - t0) * 1e3  # scheduling included, as the step stats always had it
         for o in outputs:
             o.step, o.batch_size, o.step_time_ms, o.draft_wait_ms = self.num_steps, len(batch), dt, draft_wait_ms
+            o.num_tokens = out.num_tokens
         return outputs
 
     def _account(self, t0: float, t1: float, t2: float, t3: float, t4: float, t5: float,

@@ -57,6 +57,7 @@ class RunnerOutput:
     sampled: list[Scheduled]
     drafts: list[list[int]]
     hidden: Hidden
+    num_tokens: int  # rows fed in all: prefill chunks, and 1 + drafts per verify block
 
 
 class ModelRunner:
@@ -103,7 +104,7 @@ class ModelRunner:
             _keep_features(self.cache, batch, feeds, meta.slot_mapping, out.hidden_states,
                            hidden_layers, hidden_rows, hidden_index, proposer)
         return RunnerOutput(out.logits, sampled, sampled_drafts,
-                            Hidden(out.hidden_states, hidden_layers, hidden_rows))
+                            Hidden(out.hidden_states, hidden_layers, hidden_rows), len(ids))
 
 
 def _feed(item: Scheduled, draft: list[int]) -> list[int]:

@@ -1,0 +1,313 @@
+"""The online ITL model: a deployment's step time learned from the StepStats the
+gateway already receives, so dynamic K works without `specdec profile`.
+
+Every response of one verifier step carries the same StepStats, so steps are
+deduplicated per replica by their step number: responses of a step are merged
+(which methods drafted, how many draft tokens each asked for, whether one of
+them completed a prompt) until a later step of that replica arrives, and the
+merged step is then fitted once. The step's time splits in two parts the
+verifier reports separately, each fitted by least squares with exponential
+forgetting (recent steps count most, so the model follows a drafter that moves
+or a machine that gets busier):
+
+- the target's forward, step_time_ms - draft_wait_ms = a + b * num_tokens, with
+  num_tokens the rows the step fed (prefill chunks, 1 + drafts per verify
+  block). Steps that carry a prefill are left out: long chunks would pull the
+  line with rows that decode never feeds, at a cost per row that differs.
+- the wait for drafts, draft_wait_ms = w + sum over methods m that drafted in
+  the step of (d_m + e_m * draft tokens asked of m). w is the scheduling a
+  plain step pays too; d_m a drafter's fixed cost per step, e_m its cost per
+  draft token (an EAGLE head runs its LM head once per token and sequence).
+
+From the fit comes an `ItlProfile` on a grid of batch sizes x K:
+ITL(B, 0) = a + w + b*B and ITL(B, k, m) = a + w + b*B*(k+1) + d_m + e_m*B*k,
+one table per method that has drafted, and per-method prior acceptance rates
+from every request's drafted and accepted counts. Until the forward line has
+seen MIN_STEPS steps there is no profile (None): callers then keep the static
+default K, which is also what produces the first drafting steps to learn from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gateway.policy.dynamic_k import NEUTRAL_ACCEPTANCE, OnlineAcceptance
+from gateway.policy.itl_profile import ItlProfile
+from gateway.policy.values import check_count, is_number
+from specdec.speculation import DRAFTER_METHODS
+
+# Steps of the forward line before a profile is given. Fewer would let the first
+# few steps (cold caches, a first long prompt) decide K for everyone.
+MIN_STEPS = 20
+# Weight of the oldest steps: each new step multiplies earlier weights by this, so
+# the fit remembers roughly the last 1 / (1 - FORGETTING) = 512 steps.
+FORGETTING = 1.0 - 1.0 / 512
+# Prior of the cost per fed row: b = a / PRIOR_ROWS_PER_A. With one batch size and
+# one K every step feeds the same rows and b is unidentifiable (any split of the
+# step time between a and b fits); the prior then decides the split. 16 matches a
+# small model on CPU (a ~40 ms, b ~2.5 ms per row: weights read once per step,
+# matmul work per row), and on a GPU, where rows are nearly free, it overstates
+# b, which errs toward less speculation under load until the data show better.
+PRIOR_ROWS_PER_A = 16.0
+# Strength of that prior, in rows^2: (b - a/16)^2 weighs like the squared error of
+# PRIOR_WEIGHT steps one row apart; with step times noisy by s ms, b's prior has a
+# standard deviation of s / 2 ms a row around a / 16. A spread of a row or two in
+# num_tokens over a few dozen steps outweighs it.
+PRIOR_WEIGHT = 4.0
+# Ridge of the draft-wait coefficients toward 0. A method that has not drafted yet
+# is assumed free (any weight > 0 keeps its unseen coefficients at 0), so dynamic K
+# tries it and measures it. The per-token cost e is held to 0 harder than the fixed
+# d: while a drafter is always asked the same number of tokens the two cannot be told
+# apart, and its wait is then taken as fixed, until batch size or K vary.
+DRAFT_FIXED_PRIOR_WEIGHT = 1e-3
+DRAFT_TOKEN_PRIOR_WEIGHT = PRIOR_WEIGHT
+# w, the wait of a step that drafts nothing (scheduling), is small; held toward 0 more
+# than d, so that while every step drafts (one method at batch 1) the wait counts as
+# that drafter's rather than as a cost plain steps would pay too. Plain steps measure it.
+WAIT_PRIOR_WEIGHT = 1.0
+# Drafting steps of a method after which its own acceptance rates replace the
+# neutral prior in the profile.
+ACCEPTANCE_WARMUP_STEPS = 8
+# A step number this far below the replica's last one means the verifier restarted.
+RESTART_GAP = 1024
+# The ITL floor in ms: ItlProfile needs positive times, a fit may reach 0.
+MIN_ITL_MS = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """What one response tells about its verifier step and its request's drafting."""
+
+    replica: str  # the verifier's address: step numbers count per verifier
+    step: int
+    batch_size: int
+    num_tokens: int  # rows fed in the whole step
+    step_time_ms: float
+    draft_wait_ms: float
+    method: str  # the request's drafter method, "none" for plain requests
+    num_speculative_tokens: int  # K asked of this request's drafter this step
+    num_drafted: int
+    num_accepted: int
+    prefill: bool  # this response completed the request's prompt (its first on a stream)
+
+    def __post_init__(self) -> None:
+        for name in ("step", "batch_size", "num_tokens", "num_speculative_tokens",
+                     "num_drafted", "num_accepted"):
+            check_count(f"step sample: {name}", getattr(self, name))
+        for name in ("step_time_ms", "draft_wait_ms"):
+            value = getattr(self, name)
+            if not (is_number(value) and value >= 0):
+                raise ValueError(f"step sample: {name} must be a number >= 0, got {value!r}")
+        if self.method != "none" and self.method not in DRAFTER_METHODS:
+            raise ValueError(f"step sample: unknown method {self.method!r}")
+        if self.num_accepted > self.num_drafted:
+            raise ValueError(f"step sample: num_accepted ({self.num_accepted}) exceeds "
+                             f"num_drafted ({self.num_drafted})")
+
+
+@dataclass
+class _Step:
+    """One verifier step, merged over the responses seen of it."""
+
+    number: int
+    batch_size: int
+    num_tokens: int
+    step_time_ms: float
+    draft_wait_ms: float
+    prefill: bool
+    asked: dict[str, int] = field(default_factory=dict)  # method -> draft tokens asked
+
+    def merge(self, s: StepSample) -> None:
+        self.prefill |= s.prefill
+        if s.method != "none" and s.num_speculative_tokens:
+            self.asked[s.method] = self.asked.get(s.method, 0) + s.num_speculative_tokens
+
+
+class ForgettingLeastSquares:
+    """Least squares with exponential forgetting and a Gaussian prior on theta.
+
+    Minimises sum_t w^(T-t) (y_t - x_t . theta)^2 + (theta - mean)' P (theta - mean);
+    P may be singular (a prior on a combination of coefficients only) as long as
+    P plus the data's scatter is not.
+    """
+
+    def __init__(self, prior_mean: np.ndarray, prior_precision: np.ndarray, forgetting: float):
+        n = len(prior_mean)
+        if prior_precision.shape != (n, n):
+            raise ValueError(f"prior_precision must be {n}x{n}, got {prior_precision.shape}")
+        if not 0 < forgetting <= 1:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        self.prior_mean = np.asarray(prior_mean, dtype=np.float64)  # [n]
+        self.prior_precision = np.asarray(prior_precision, dtype=np.float64)  # [n, n]
+        self.forgetting = forgetting
+        self.scatter = np.zeros((n, n))  # [n, n] sum of w x x'
+        self.moment = np.zeros(n)  # [n] sum of w x y
+        self.count = 0
+
+    def add(self, x: np.ndarray, y: float) -> None:
+        self.scatter *= self.forgetting
+        self.moment *= self.forgetting
+        self.scatter += np.outer(x, x)
+        self.moment += x * y
+        self.count += 1
+
+    def solve(self, fixed: dict[int, float] | None = None) -> np.ndarray:
+        """theta; `fixed` pins coefficients (index -> value) and solves for the rest."""
+        a = self.scatter + self.prior_precision
+        r = self.moment + self.prior_precision @ self.prior_mean
+        theta = np.zeros(len(r))
+        free = list(range(len(r)))
+        for i, v in (fixed or {}).items():
+            theta[i] = v
+            free.remove(i)
+        if free:
+            sub = np.ix_(free, free)
+            rhs = r[free] - a[np.ix_(free, list(fixed or {}))] @ theta[list(fixed or {})]
+            theta[free] = np.linalg.lstsq(a[sub], rhs, rcond=None)[0]
+        return theta
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The fitted step time in ms: forward a + b * rows, plus the draft wait w (plain
+    steps too) and per drafting method d[m] + e[m] * draft tokens."""
+
+    a: float
+    b: float
+    w: float
+    d: dict[str, float]
+    e: dict[str, float]
+
+    def itl(self, batch_size: float, k: int, method: str | None = None) -> float:
+        t = self.a + self.w + self.b * batch_size * (k + 1)
+        if k > 0 and method in self.d:
+            t += self.d[method] + self.e[method] * batch_size * k
+        return max(t, MIN_ITL_MS)
+
+
+class OnlineProfile:
+    """The step-time model of one deployment, fitted from every response's StepStats.
+
+    Shared by all replicas (one deployment runs one model on one kind of machine);
+    steps are deduplicated per replica.
+    """
+
+    def __init__(self, min_steps: int = MIN_STEPS):
+        check_count("online profile: min_steps", min_steps)
+        self.min_steps = min_steps
+        self._pending: dict[str, _Step] = {}  # replica -> its latest step, still merging
+        # Forward: theta = (a, b); the prior is on b - a/16 only, so a is free.
+        v = np.array([-1.0 / PRIOR_ROWS_PER_A, 1.0])
+        self._forward = ForgettingLeastSquares(np.zeros(2), PRIOR_WEIGHT * np.outer(v, v),
+                                               FORGETTING)
+        # Draft wait: theta = (w, d_m, e_m for each drafter method), ridge toward 0.
+        n = 1 + 2 * len(DRAFTER_METHODS)
+        precision = np.diag([WAIT_PRIOR_WEIGHT] + [DRAFT_FIXED_PRIOR_WEIGHT,
+                                                   DRAFT_TOKEN_PRIOR_WEIGHT]
+                            * len(DRAFTER_METHODS))
+        self._wait = ForgettingLeastSquares(np.zeros(n), precision, FORGETTING)
+        self.acceptance: dict[str, OnlineAcceptance] = {}  # method -> all its requests' counts
+        self._cost: StepCost | None = None
+        self._profiles: dict[tuple[int, int], ItlProfile] = {}  # grid -> profile of _cost
+
+    @property
+    def num_steps(self) -> int:
+        """Steps in the forward fit (prefill steps excluded)."""
+        return self._forward.count
+
+    def observe(self, s: StepSample) -> None:
+        """One response: its request's acceptance now, its step once the step is complete."""
+        if s.method != "none" and s.num_drafted:
+            self.acceptance.setdefault(s.method, OnlineAcceptance()).update(
+                s.num_drafted, s.num_accepted)
+        pending = self._pending.get(s.replica)
+        if pending is not None and s.step == pending.number:
+            pending.merge(s)
+            return
+        if pending is not None and pending.number - RESTART_GAP < s.step < pending.number:
+            return  # a late response of a step already fitted
+        if pending is not None:
+            self._fit(pending)
+        step = _Step(s.step, s.batch_size, s.num_tokens, s.step_time_ms, s.draft_wait_ms,
+                     s.prefill)
+        step.merge(s)
+        self._pending[s.replica] = step
+
+    def _fit(self, step: _Step) -> None:
+        x = np.zeros(1 + 2 * len(DRAFTER_METHODS))
+        x[0] = 1.0
+        for m, asked in step.asked.items():
+            i = DRAFTER_METHODS.index(m)
+            x[1 + 2 * i] = 1.0
+            x[2 + 2 * i] = asked
+        self._wait.add(x, step.draft_wait_ms)
+        if not step.prefill:
+            self._forward.add(np.array([1.0, step.num_tokens]),
+                              step.step_time_ms - step.draft_wait_ms)
+        self._cost = None
+        self._profiles.clear()
+
+    def cost(self) -> StepCost | None:
+        """The fitted cost, None before MIN_STEPS forward steps."""
+        if self.num_steps < self.min_steps:
+            return None
+        if self._cost is None:
+            a, b = self._forward.solve()
+            # A row never makes a step faster, and a step is never free: a negative
+            # b or a (noise, or a narrow spread of rows) is pinned and the other refitted.
+            if b < 0:
+                a, b = self._forward.solve({1: 0.0})
+            if a < 0:
+                a, b = self._forward.solve({0: 0.0})
+                b = max(b, 0.0)
+            wait = self._wait.solve()
+            d, e = {}, {}
+            for i, m in enumerate(DRAFTER_METHODS):
+                if self._wait.scatter[1 + 2 * i, 1 + 2 * i] > 0:  # the method has drafted
+                    d[m] = max(float(wait[1 + 2 * i]), 0.0)
+                    e[m] = max(float(wait[2 + 2 * i]), 0.0)
+            self._cost = StepCost(float(a), float(b), max(float(wait[0]), 0.0), d, e)
+        return self._cost
+
+    def rates(self, method: str, max_num_speculative_tokens: int) -> tuple[float, ...]:
+        """Prior acceptance of `method` for dynamic K: its requests' rates so far,
+        NEUTRAL_ACCEPTANCE before warm-up."""
+        acc = self.acceptance.get(method, OnlineAcceptance())
+        return acc.rates((NEUTRAL_ACCEPTANCE,), ACCEPTANCE_WARMUP_STEPS,
+                         max(max_num_speculative_tokens, 1))
+
+    def profile(self, max_num_seqs: int, max_num_speculative_tokens: int) -> ItlProfile | None:
+        """The model as an ItlProfile over batch sizes 1, 2, 4, ... max_num_seqs and
+        K 0..max_num_speculative_tokens; None before MIN_STEPS steps."""
+        check_count("online profile: max_num_speculative_tokens", max_num_speculative_tokens)
+        max_num_seqs = max(max_num_seqs, 1)
+        cost = self.cost()
+        if cost is None:
+            return None
+        key = (max_num_seqs, max_num_speculative_tokens)
+        if key not in self._profiles:
+            batch_sizes = batch_grid(max_num_seqs)
+            ks = tuple(range(max_num_speculative_tokens + 1))
+
+            def table(method: str | None) -> tuple[tuple[float, ...], ...]:
+                return tuple(tuple(cost.itl(b, k, method) for k in ks) for b in batch_sizes)
+
+            self._profiles[key] = ItlProfile(
+                batch_sizes=batch_sizes, ks=ks, itl_ms=table(None),
+                acceptance={m: self.rates(m, max_num_speculative_tokens)
+                            for m in self.acceptance},
+                method_itl_ms={m: table(m) for m in cost.d})
+        return self._profiles[key]
+
+
+def batch_grid(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, ... and max_num_seqs itself: ITL is linear in B, so interpolating
+    between these points is exact and the grid stays small."""
+    sizes = [1]
+    while sizes[-1] * 2 < max_num_seqs:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return tuple(sizes)

@@ -1,0 +1,239 @@
+"""The online step-time model: it recovers a known cost from synthetic step
+statistics, counts each verifier step once, gives no profile before enough
+steps, and its profile makes dynamic K speculate where rows are cheap and not
+where they are dear."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.policy.dynamic_k import NEUTRAL_ACCEPTANCE, DynamicK
+from gateway.policy.goodput import choose_k
+from gateway.policy.online_profile import (
+    MIN_STEPS,
+    PRIOR_ROWS_PER_A,
+    OnlineProfile,
+    StepCost,
+    StepSample,
+    batch_grid,
+)
+
+
+def sample(step, batch, rows, ms, wait=0.0, method="none", k=0, drafted=0, accepted=0,
+           replica="v0", prefill=False) -> StepSample:
+    return StepSample(replica=replica, step=step, batch_size=batch, num_tokens=rows,
+                      step_time_ms=ms, draft_wait_ms=wait, method=method,
+                      num_speculative_tokens=k, num_drafted=drafted, num_accepted=accepted,
+                      prefill=prefill)
+
+
+class Verifier:
+    """Synthetic steps of a verifier whose cost is known: forward a + b * rows,
+    draft wait w + d[m] + e[m] * draft tokens asked of m. Each step's responses
+    (one per sequence) are observed, as the gateway sees them."""
+
+    def __init__(self, model: OnlineProfile, a, b, w=0.0, d=None, e=None, replica="v0"):
+        self.model, self.a, self.b, self.w = model, a, b, w
+        self.d, self.e = d or {}, e or {}
+        self.replica = replica
+        self.step = 0
+
+    def run(self, seqs: list[tuple[str, int]], prefill_rows: int = 0,
+            first: bool = False) -> None:
+        """One step over sequences (method, K); every drafted token is accepted."""
+        self.step += 1
+        rows = prefill_rows + sum(1 + k for _, k in seqs)
+        wait = self.w
+        for m in {m for m, k in seqs if k}:
+            wait += self.d[m] + self.e[m] * sum(k for mm, k in seqs if mm == m)
+        ms = self.a + self.b * rows + wait
+        for i, (m, k) in enumerate(seqs):
+            self.model.observe(sample(self.step, len(seqs), rows, ms, wait, m, k, k, k,
+                                      self.replica, prefill=first and i == 0))
+
+
+def test_fit_recovers_forward_and_draft_costs():
+    model = OnlineProfile()
+    v = Verifier(model, a=30.0, b=4.0, w=0.5, d={"eagle3": 12.0, "ngram": 0.3},
+                 e={"eagle3": 1.5, "ngram": 0.0})
+    rng = random.Random(0)
+    for _ in range(300):
+        batch = rng.choice([1, 2, 4, 8])
+        seqs = [(rng.choice(["eagle3", "ngram", "none"]), rng.randint(0, 4)) for _ in range(batch)]
+        seqs = [(m, 0 if m == "none" else k) for m, k in seqs]
+        v.run(seqs)
+    cost = model.cost()
+    assert cost is not None
+    assert cost.a == pytest.approx(30.0, rel=5e-3)
+    assert cost.b == pytest.approx(4.0, rel=5e-3)
+    assert cost.w == pytest.approx(0.5, abs=0.05)
+    assert cost.d["eagle3"] == pytest.approx(12.0, abs=0.05)
+    assert cost.e["eagle3"] == pytest.approx(1.5, abs=0.02)
+    assert cost.d["ngram"] == pytest.approx(0.3, abs=0.05)
+    assert cost.e["ngram"] == pytest.approx(0.0, abs=0.02)
+    # The profile's tables are the cost: linear in B, so exact between grid points too.
+    prof = model.profile(max_num_seqs=16, max_num_speculative_tokens=4)
+    assert prof.batch_sizes == (1, 2, 4, 8, 16) and prof.ks == (0, 1, 2, 3, 4)
+    for b in (1, 3, 16):
+        assert prof.itl(b, 0) == pytest.approx(cost.itl(b, 0))
+        assert prof.itl(b, 3, "eagle3") == pytest.approx(30.5 + 4 * b * 4 + 12 + 1.5 * b * 3,
+                                                         rel=2e-3)
+    assert set(prof.method_itl_ms) == {"eagle3", "ngram"}
+
+
+def test_each_step_counts_once_whatever_its_responses():
+    once, many = OnlineProfile(), OnlineProfile()
+    for step in range(1, 41):
+        rows = 1 + step % 7
+        once.observe(sample(step, 1, rows, 10.0 + 2.0 * rows))
+        for _ in range(8):  # the same step seen through eight requests
+            many.observe(sample(step, 8, rows, 10.0 + 2.0 * rows))
+    # The last step stays open until a later one arrives: 39 steps fitted.
+    assert once.num_steps == many.num_steps == 39
+    assert many.cost() == once.cost()
+    # A late response of a step already fitted changes nothing.
+    many.observe(sample(12, 8, 100, 500.0))
+    many.observe(sample(41, 1, 2, 14.0))
+    assert many.num_steps == 40
+
+
+def test_steps_count_per_replica_and_a_restart_starts_over():
+    model = OnlineProfile()
+    for step in range(1, 11):
+        model.observe(sample(step, 1, 2, 20.0, replica="v0"))
+        model.observe(sample(step, 1, 2, 20.0, replica="v1"))  # same numbers, other steps
+    assert model.num_steps == 18
+    model.observe(sample(5000, 1, 2, 20.0, replica="v0"))
+    model.observe(sample(1, 1, 2, 20.0, replica="v0"))  # far below: the verifier restarted
+    model.observe(sample(2, 1, 2, 20.0, replica="v0"))
+    assert model.num_steps == 21
+
+
+def test_prefill_steps_stay_out_of_the_forward_fit():
+    model = OnlineProfile()
+    v = Verifier(model, a=20.0, b=1.0)
+    for i in range(60):
+        v.run([("none", 0)] * (1 + i % 8))
+        # A long prompt's prefill costs more per row than decode; it must not bend the line.
+        v.run([("none", 0)], prefill_rows=400, first=True)
+        v.model.observe(sample(v.step, 1, 401, 2000.0, replica="v0", prefill=True))
+    cost = model.cost()
+    assert cost.a == pytest.approx(20.0, rel=1e-2) and cost.b == pytest.approx(1.0, rel=1e-2)
+
+
+def test_no_profile_before_enough_steps_then_the_prior_split():
+    model = OnlineProfile()
+    for step in range(1, MIN_STEPS + 1):  # the last stays open: MIN_STEPS - 1 fitted
+        assert model.profile(16, 4) is None and model.cost() is None
+        model.observe(sample(step, 1, 1, 34.0))
+    assert model.profile(16, 4) is None
+    model.observe(sample(MIN_STEPS + 1, 1, 1, 34.0))
+    cost = model.cost()
+    # Batch 1, plain: every step fed one row, so only a + b is seen; the prior splits it.
+    assert cost.a + cost.b == pytest.approx(34.0, rel=1e-3)
+    assert cost.b == pytest.approx(cost.a / PRIOR_ROWS_PER_A, rel=1e-3)
+    assert cost.d == {} and cost.e == {}
+    # No drafting seen: no method table, no measured acceptance, the neutral prior.
+    prof = model.profile(16, 4)
+    assert prof.method_itl_ms == {} and prof.acceptance == {}
+    assert DynamicK(lambda: prof, "eagle3", 4).prior == (NEUTRAL_ACCEPTANCE,)
+
+
+def test_coefficients_stay_non_negative():
+    model = OnlineProfile()
+    for step in range(1, 80):  # noise only: more rows look cheaper
+        rows = 1 + step % 9
+        model.observe(sample(step, rows, rows, 50.0 - 0.5 * rows))
+    cost = model.cost()
+    assert cost.b == 0.0 and cost.a > 0
+
+
+def test_acceptance_prior_is_measured_per_method():
+    model = OnlineProfile()
+    v = Verifier(model, a=40.0, b=2.5, d={"ngram": 0.0}, e={"ngram": 0.0})
+    for _ in range(30):
+        v.run([("ngram", 4)])
+        # The eagle3 request's drafts: first accepted, second rejected.
+        v.model.observe(sample(v.step, 2, 10, 60.0, 0.0, "eagle3", 4, 4, 1))
+    prof = model.profile(16, 4)
+    assert prof.acceptance["ngram"] == (1.0, 1.0, 1.0, 1.0)
+    assert prof.acceptance["eagle3"][:2] == (1.0, 0.0)
+
+
+def test_profile_makes_k_zero_at_a_large_batch_and_speculates_at_batch_one():
+    """The issue's CPU cost: a = 40 ms, b = 2.5 ms per fed row, good acceptance."""
+    model = OnlineProfile()
+    v = Verifier(model, a=40.0, b=2.5, d={"eagle3": 3.0}, e={"eagle3": 0.2})
+    rng = random.Random(1)
+    for _ in range(200):
+        batch = rng.choice([1, 4, 16])
+        v.run([("eagle3", rng.randint(0, 4)) for _ in range(batch)])
+    prof = model.profile(max_num_seqs=128, max_num_speculative_tokens=4)
+    assert choose_k(prof, 1, (0.8,), 4, "eagle3") == 4
+    # Without drafter cost, K = 1 beats plain while 1.8 (a + bB) > a + 2bB, i.e.
+    # B < 4a/b = 64 at acceptance 0.8, and B < 1.5a/b = 24 at 0.6.
+    assert choose_k(prof, 16, (0.8,), 4, "eagle3") > 0
+    assert choose_k(prof, 128, (0.8,), 4, "eagle3") == 0
+    assert choose_k(prof, 4, (0.6,), 4, "eagle3") > 0
+    assert choose_k(prof, 32, (0.6,), 4, "eagle3") == 0
+
+
+def test_dynamic_k_follows_the_model_as_it_learns():
+    model = OnlineProfile()
+    dk = DynamicK(lambda: model.profile(16, 4), "ngram", 4)
+    assert dk.next_k(1) is None  # nothing measured: the caller keeps its K
+    v = Verifier(model, a=10.0, b=0.1, d={"ngram": 0.0}, e={"ngram": 0.0})
+    for i in range(MIN_STEPS + 5):
+        v.run([("ngram", i % 5)])
+    assert dk.next_k(1) == 4  # rows nearly free, and every draft so far accepted
+    for i in range(8):  # this request's own drafts: half of first positions accepted
+        dk.observe(4, i % 2)
+    assert dk.next_k(1) == 1  # AL is 1.5 at any K >= 1: the cheapest of them
+    # The machine gets busy: a row now costs four times the fixed part of a step.
+    v.a, v.b = 10.0, 40.0
+    for i in range(2000):
+        v.run([("ngram", i % 5)] * 4)
+    assert model.cost().b == pytest.approx(40.0, rel=1e-2)
+    assert dk.next_k(1) == dk.next_k(16) == 0
+
+
+def test_a_drafter_always_asked_the_same_k_counts_as_a_fixed_cost():
+    """Batch 1 at K = 4 only: d and e*4 cannot be told apart. The prior takes the
+    wait as fixed, so it is not multiplied by 16 at batch 16; once batch sizes
+    vary the split is measured."""
+    model = OnlineProfile()
+    v = Verifier(model, a=40.0, b=2.5, d={"eagle3": 6.0}, e={"eagle3": 2.0})
+    for _ in range(100):
+        v.run([("eagle3", 4)])
+    cost = model.cost()
+    assert cost.w + cost.d["eagle3"] + 4 * cost.e["eagle3"] == pytest.approx(14.0, rel=1e-3)
+    assert cost.d["eagle3"] == pytest.approx(14.0, rel=1e-2)
+    assert cost.e["eagle3"] < 0.1
+    for i in range(300):
+        v.run([("eagle3", 4)] * (1 + i % 8))
+    cost = model.cost()
+    assert cost.d["eagle3"] == pytest.approx(6.0, abs=0.1)
+    assert cost.e["eagle3"] == pytest.approx(2.0, abs=0.02)
+
+
+def test_step_sample_is_checked():
+    with pytest.raises(ValueError, match="num_tokens"):
+        sample(1, 1, -1, 10.0)
+    with pytest.raises(ValueError, match="step_time_ms"):
+        sample(1, 1, 1, float("nan"))
+    with pytest.raises(ValueError, match="method"):
+        sample(1, 1, 1, 10.0, method="medusa")
+    with pytest.raises(ValueError, match="num_accepted"):
+        sample(1, 1, 1, 10.0, method="ngram", k=2, drafted=1, accepted=2)
+
+
+def test_batch_grid_and_cost():
+    assert batch_grid(1) == (1,)
+    assert batch_grid(16) == (1, 2, 4, 8, 16)
+    assert batch_grid(24) == (1, 2, 4, 8, 16, 24)
+    c = StepCost(a=40.0, b=2.5, w=1.0, d={"eagle3": 10.0}, e={"eagle3": 0.5})
+    assert c.itl(1, 0) == 43.5
+    assert c.itl(2, 3, "eagle3") == 40 + 1 + 2.5 * 8 + 10 + 0.5 * 6
+    assert c.itl(2, 3, "ngram") == 40 + 1 + 2.5 * 8  # never drafted: no drafter cost yet
