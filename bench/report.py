@@ -56,7 +56,8 @@ HEADLINE_SOURCE = "serving.json"
 HEADLINE_ROWS = [
     ("ours plain", "ours (`make run`), no speculation"),
     ("ours ngram K=4", "ours, ngram K=4"),
-    ("ours default", "ours, the deployment's default (eagle3)"),
+    ("ours default", "ours, `make run`'s default (ngram, dynamic K)"),
+    ("ours eagle3 auto", "ours, eagle3, dynamic K"),
     ("vllm plain", "`vllm serve`, no speculation"),
     ("vllm ngram K=4", "`vllm serve`, ngram K=4"),
 ]

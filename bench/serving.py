@@ -76,10 +76,11 @@ OURS = {"plain": {"method": "none"},
         "ngram auto": {"method": "ngram", "num_speculative_tokens": "auto"},
         "eagle3 K=2": {"method": "eagle3", "num_speculative_tokens": 2},
         "eagle3 K=4": {"method": "eagle3", "num_speculative_tokens": 4},
+        "eagle3 auto": {"method": "eagle3", "num_speculative_tokens": "auto"},
         "default": None}
 # Dynamic K and the static Ks it is judged against, per drafter.
 DYNAMIC = {"ngram": ("ngram auto", ("ngram K=2", "ngram K=4")),
-           "eagle3": ("default", ("eagle3 K=2", "eagle3 K=4"))}
+           "eagle3": ("eagle3 auto", ("eagle3 K=2", "eagle3 K=4"))}
 # vLLM: mode -> --speculative-config (None: plain).
 VLLM = {"plain": None,
         "ngram K=4": {"method": "ngram", "num_speculative_tokens": 4,
@@ -647,8 +648,8 @@ def notes(result: dict) -> list[str]:
     return [
         "ours = compose.yaml's x-local services started as `make run` starts them (ngram and "
         "eagle3 drafters, verifier, gateway), on free ports; `default` sends no `speculative` "
-        "field (the deployment's default: eagle3, dynamic K from the gateway's online step-time "
-        "model); `auto` asks for dynamic K.",
+        "field (`make run`'s default: ngram on CPU, see compose.yaml, with dynamic K from the "
+        "gateway's online step-time model); `auto` asks for dynamic K.",
         "vLLM = `python -m vllm.entrypoints.openai.api_server --model DIR "
         + " ".join(VLLM_ARGS) + "` (what `vllm serve` runs), its ngram mode with "
         f"`--speculative-config '{json.dumps(VLLM['ngram K=4'])}'`.",

@@ -59,14 +59,14 @@ def test_local_services_from_compose():
         "ngram": "127.0.0.1:50061", "eagle3": "127.0.0.1:50063",
         "verifier": "127.0.0.1:50051", "gateway": "127.0.0.1:50050"}
     gw = by_name["gateway"].argv
-    assert gw[gw.index("--speculative-method") + 1] == "eagle3"
+    assert gw[gw.index("--speculative-method") + 1] == "ngram"  # x-local.env's, not eagle3
     assert verifier[verifier.index("--max-num-seqs") + 1] == "16"
     # The environment wins over x-local.env and over the file's defaults.
-    again = local_services(environ={**ENV, "SPECDEC_METHOD": "ngram",
+    again = local_services(environ={**ENV, "SPECDEC_METHOD": "eagle3",
                                     "VERIFIER_MAX_NUM_SEQS": "32"})
     by_name = {s.name: s for s in again}
     gw, verifier = by_name["gateway"].argv, by_name["verifier"].argv
-    assert gw[gw.index("--speculative-method") + 1] == "ngram"
+    assert gw[gw.index("--speculative-method") + 1] == "eagle3"
     assert verifier[verifier.index("--max-num-seqs") + 1] == "32"
 
 

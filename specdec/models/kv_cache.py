@@ -197,8 +197,15 @@ class PagedKVCache:
             h = chain_hash(seq.hashes[-1] if seq.hashes else ROOT_HASH,
                            tokens[i * bs: (i + 1) * bs])
             seq.hashes.append(h)
+            held = self.pool.lookup(h)
+            if (held is not None and held != seq.blocks[i] and seq.features_ok
+                    and not self._block_features[held]):
+                # A copy that carries features serves every sequence; the one without
+                # serves only those whose drafter reads none.
+                self.pool.unregister(held)
             self.pool.register(seq.blocks[i], h)
-            self._block_features[seq.blocks[i]] = seq.features_ok
+            if self.pool.lookup(h) == seq.blocks[i]:
+                self._block_features[seq.blocks[i]] = seq.features_ok
 
     def truncate(self, seq_id: int, new_length: int) -> None:
         """Roll a sequence back to its first new_length tokens. Blocks past it return to

@@ -132,3 +132,11 @@ class BlockPool:
             raise RuntimeError(f"block {block} is already registered")
         self._hash_of[block] = block_hash
         self._block_of[block_hash] = block
+
+    def unregister(self, block: int) -> None:
+        """Forget a block's hash (another copy of the same prefix takes it over). The
+        sequences using it keep it; unused, it is free at once."""
+        del self._block_of[self._hash_of.pop(block)]
+        if self.refcount[block] == 0:
+            del self._evictable[block]
+            self._free.append(block)

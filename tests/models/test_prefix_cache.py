@@ -176,3 +176,24 @@ def test_disabled_cache_never_hits():
     cache.free(0)
     assert cache.pool.num_evictable == 0 and cache.num_free_blocks == 4
     assert cache.add(1, [1] * 9) == 0
+
+
+def test_a_copy_with_features_takes_the_prefix_over():
+    """Blocks registered without features serve no sequence that wants them; a copy
+    computed with features takes the hash over, and then serves both kinds."""
+    cache = make()
+    cache.keep_features((0,), hidden_size=3)
+    tokens = list(range(9))
+    prefill(cache, 0, tokens)  # no features kept: its two full blocks carry none
+    cache.free(0)
+    assert cache.add(1, tokens, features=True) == 0  # nothing it can take
+    meta = cache.plan([(1, len(tokens))])
+    rows = torch.arange(len(tokens) * 3, dtype=torch.float32).view(len(tokens), 3)
+    cache.write_features(meta.slot_mapping, rows)
+    cache.commit(1, tokens, len(tokens))
+    assert cache.pool.num_evictable == 0  # the featureless copies went free at once
+    cache.free(1)
+    assert cache.add(2, tokens, features=True) == 8
+    assert torch.equal(cache.read_features(2, 8), rows[:8])
+    assert cache.add(3, tokens) == 8  # a sequence without features hits the same blocks
+    assert cache.blocks(3)[:2] == cache.blocks(2)[:2]
