@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
                    help="admit new requests without speculation while the chosen verifier "
                    "runs more than N requests")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="log lines as text or as JSON objects (one per request on "
+                   "gateway.requests: id, status, method, K, tokens, TTFT, end-to-end time)")
     p.add_argument("--profile", default=None,
                    help=f"ITL profile for dynamic K, written by `specdec profile` "
                    f"(default {DEFAULT_PROFILE} when it exists)")
@@ -110,7 +113,9 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from specdec.telemetry import setup_logging
+
+    setup_logging(args.log_format)
     import uvloop
 
     return uvloop.run(_serve(args))

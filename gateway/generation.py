@@ -9,6 +9,8 @@ verifier stream, which frees the sequence in the verifier and its drafter.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,6 +38,8 @@ from specdec.stop import StopStringMatcher
 from specdec.tokenizer import Tokenizer
 
 tracer = trace.get_tracer("specdec.gateway")
+# One line per request when it ends (`--log-format json` makes it a JSON object).
+request_log = logging.getLogger("gateway.requests")
 
 
 @dataclass
@@ -119,15 +123,35 @@ class Generation:
             span.set_attribute("specdec.num_speculative_tokens",
                                self.decision.num_speculative_tokens)
             metrics.running.inc()
+            status = "cancelled"  # the client went away before the end
             try:
                 async for delta in self._stream(self.replica):
+                    if delta.finish:
+                        status = "ok"
                     yield delta
             except GatewayError as e:
+                status = f"error: {type(e).__name__}"
                 metrics.request_errors.labels(type(e).__name__).inc()
                 span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
                 raise
             finally:
                 metrics.running.dec()
+                request_log.info("request %s", json.dumps(self.log_fields(status)),
+                                 extra={"fields": self.log_fields(status)})
+
+    def log_fields(self, status: str) -> dict:
+        s, now = self.summary, time.perf_counter()
+        return {
+            "id": self.request_id, "status": status, "method": self.decision.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "auto_k": self.dynamic is not None, "disabled_reason": s.disabled_reason,
+            "prompt_tokens": len(self.req.prompt_token_ids),
+            "completion_tokens": len(self.progress.generated),
+            "acceptance_length": round(s.acceptance_length, 3) if s.num_drafts else None,
+            "ttft_ms": (round(1e3 * (self.t_first - self.t0), 1)
+                        if self.t_first is not None else None),
+            "e2e_ms": round(1e3 * (now - self.t0), 1), "verifier": self.replica.address,
+        }
 
     async def _stream(self, replica: Replica) -> AsyncIterator[Delta]:
         failed: list[Replica] = []

@@ -249,7 +249,8 @@ class OpenAIFrontend:
         prompt = self.gw.chat_prompt(messages)
         sampling = self._sampling(body, body.max_completion_tokens or body.max_tokens,
                                   num_logprobs)
-        return GenerationRequest(tuple(prompt), sampling, stop, spec, prompt_field="messages")
+        return GenerationRequest(tuple(prompt), sampling, stop, spec, prompt_field="messages",
+                                 request_id=f"chatcmpl-{uuid.uuid4().hex}")
 
     def completion_request(self, body: CompletionBody) -> GenerationRequest:
         stop, spec = self._common(body)
@@ -266,7 +267,8 @@ class OpenAIFrontend:
         ids = self.gw.text_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         num_logprobs = body.logprobs if body.logprobs else (1 if body.logprobs == 0 else 0)
         sampling = self._sampling(body, body.max_tokens, num_logprobs)
-        return GenerationRequest(tuple(ids), sampling, stop, spec, prompt_field="prompt")
+        return GenerationRequest(tuple(ids), sampling, stop, spec, prompt_field="prompt",
+                                 request_id=f"cmpl-{uuid.uuid4().hex}")
 
     # -- rendering ----------------------------------------------------------------
 
@@ -321,7 +323,7 @@ class OpenAIFrontend:
         if isinstance(admitted, Response):
             return admitted
         body, generation = admitted
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = generation.request_id  # the id in every log and trace
         top = body.top_logprobs or 0
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -371,7 +373,7 @@ class OpenAIFrontend:
         if isinstance(admitted, Response):
             return admitted
         body, generation = admitted
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = generation.request_id
         want_logprobs = body.logprobs is not None
         top = body.logprobs or 0
         if body.stream:

@@ -9,12 +9,36 @@ many requests, so drafter spans hang off the stream, not off a request).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 
 from opentelemetry import context, propagate, trace
 
 log = logging.getLogger(__name__)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and a record's `fields`
+    (a dict passed as `extra={"fields": ...}`, e.g. the gateway's request log) merged in."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record), "level": record.levelname,
+               "logger": record.name, "message": record.getMessage()}
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(log_format: str = "text") -> None:
+    """Log at INFO to stderr, as text lines or (log_format "json") JSON objects."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(
+        "%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
 
 
 def setup_tracing(service_name: str, otlp_endpoint: str | None) -> bool:

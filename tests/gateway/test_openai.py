@@ -411,3 +411,25 @@ def test_metrics(stack, client):
     queries = float(values[f'specdec_verifier_prefix_cache_queries_total{{verifier="{address}"}}'])
     rate = float(values[f'specdec_verifier_prefix_cache_hit_rate{{verifier="{address}"}}'])
     assert queries >= hits and rate == pytest.approx(hits / queries, rel=1e-5)
+
+
+def test_one_log_line_per_request_under_the_response_id(stack, client, caplog):
+    import logging
+
+    from specdec.telemetry import JsonFormatter
+
+    with caplog.at_level(logging.INFO, logger="gateway.requests"):
+        reply = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[1]}],
+            temperature=0, max_tokens=8, extra_body={"speculative": {"method": "ngram"}})
+        deadline = time.monotonic() + 10
+        while not any(r.name == "gateway.requests" for r in caplog.records):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    (record,) = [r for r in caplog.records if r.name == "gateway.requests"]
+    line = json.loads(JsonFormatter().format(record))
+    assert line["id"] == reply.id and line["id"].startswith("chatcmpl-")
+    assert line["status"] == "ok" and line["method"] == "ngram"
+    assert line["completion_tokens"] == reply.usage.completion_tokens
+    assert line["prompt_tokens"] == reply.usage.prompt_tokens
+    assert line["e2e_ms"] >= line["ttft_ms"] > 0
