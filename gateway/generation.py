@@ -136,8 +136,8 @@ class Generation:
                 raise
             finally:
                 metrics.running.dec()
-                request_log.info("request %s", json.dumps(self.log_fields(status)),
-                                 extra={"fields": self.log_fields(status)})
+                fields = self.log_fields(status)
+                request_log.info("request %s", json.dumps(fields), extra={"fields": fields})
 
     def log_fields(self, status: str) -> dict:
         s, now = self.summary, time.perf_counter()
