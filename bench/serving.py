@@ -276,6 +276,7 @@ class Probe:
             out["steps"] = d["steps"]
             out["tokens_per_step"] = d["tokens"] / steps
             out["batch_mean"] = d["sequences"] / steps
+            out["rows_per_step"] = d.get("rows", 0) / steps
             out["step_ms"] = {k[:-3]: d[k] / steps for k in d if k.endswith("_ms")}
             out["engine_busy"] = sum(d[k] for k in d if k.endswith("_ms")
                                      and k != "deliver_ms") / 1e3 / wall_s
@@ -301,7 +302,8 @@ def _vllm_iterations(log: Path, start: int, end: int, wall_s: float) -> dict:
     return {"steps": len(its),
             "step_ms": {"iteration": statistics.mean(elapsed)},
             "engine_busy": sum(elapsed) / 1e3 / wall_s,
-            "batch_mean": statistics.mean(it[0] + it[2] for it in its)}
+            "batch_mean": statistics.mean(it[0] + it[2] for it in its),
+            "rows_per_step": statistics.mean(it[1] + it[3] for it in its)}
 
 
 # -- servers -----------------------------------------------------------------------
@@ -583,12 +585,14 @@ def render(result: dict) -> str:
     lines += ["", "Where the time goes: per engine step, the mean milliseconds of each phase "
               "(ours: schedule / draft wait / forward / sample / postprocess / deliver to the "
               "streams; vLLM: its iteration time), the mean batch (sequences per step; vLLM's "
-              "counts context and generation requests), tokens emitted per step, the share of the "
+              "counts context and generation requests), the query rows its forward fed (prefill "
+              "chunks, and 1 + drafts per verified sequence; vLLM's context and generation "
+              "tokens), tokens emitted per step, the share of the "
               "wall time the engine was busy, and each process's CPU use in cores (CPU seconds "
               "over wall seconds; the machine has " + str(result["cpus"]) + "):", "",
-              "| system | C | steps | batch | tokens/step | step ms | engine busy | "
+              "| system | C | steps | batch | rows/step | tokens/step | step ms | engine busy | "
               "CPU cores by process |",
-              "|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|"]
     for c in cs:
         for name in [f"ours {n}" for n in OURS] + [f"vllm {m}" for m in VLLM]:
             x = s.get(name, {}).get(c)
@@ -603,7 +607,8 @@ def render(result: dict) -> str:
             cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(b["cpu_share"].items(),
                                                               key=lambda kv: -kv[1]) if v >= 0.01)
             lines.append(f"| {name} | {c} | {b.get('steps', '-')} | "
-                         f"{_fmt(b.get('batch_mean'), '.1f')} | {_fmt(tps, '.2f')} | "
+                         f"{_fmt(b.get('batch_mean'), '.1f')} | "
+                         f"{_fmt(b.get('rows_per_step'), '.1f')} | {_fmt(tps, '.2f')} | "
                          f"{phases} | {_fmt(b.get('engine_busy'), '.0%')} | {cpu} |")
     lines += ["", "Dynamic K against the same drafter's best static K, and against ours "
               "without speculation (tok/s ratios at the same C):", "",

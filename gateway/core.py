@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.policy.admission import Decision, Deployment, decide
-from gateway.policy.dynamic_k import DynamicK, ProfileSource
+from gateway.policy.dynamic_k import PRIOR_STEPS, DynamicK, ProfileSource
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import OnlineProfile
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
@@ -62,8 +62,8 @@ class GatewayConfig:
     disable_queue_size: int | None = None
     limits: Limits = field(default_factory=Limits)
     api_key: str | None = None
-    # Drafting steps of a request after which its own acceptance rates replace the profile's.
-    dynamic_k_warmup_steps: int = 8
+    # Drafting steps the method's rates count for in a request's own acceptance estimate.
+    dynamic_k_prior_steps: float = PRIOR_STEPS
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -222,7 +222,7 @@ class Gateway:
         if decision.auto_k and decision.num_speculative_tokens > 0:
             dynamic = DynamicK(self.profile_source(replica), decision.method,
                                decision.num_speculative_tokens,
-                               warmup_steps=self.config.dynamic_k_warmup_steps)
+                               prior_steps=self.config.dynamic_k_prior_steps)
         return Generation(req, request_id, decision, dynamic, max_tokens, t0, replica,
                           self.replicas, self.tokenizer, self.metrics, self.online_profile)
 

@@ -307,8 +307,9 @@ class Generation:
         if self.dynamic is None or self.decision.disabled_reason is not None:
             return None
         step = resp.step_stats
-        if step.num_drafted:
-            self.dynamic.observe(step.num_drafted, step.num_accepted)
+        if not step.step:
+            return None  # no step behind this response
+        self.dynamic.observe(step.num_drafted, step.num_accepted)
         k = self.dynamic.next_k(max(step.batch_size, 1))
         if k is None or k == (self.num_speculative_tokens if self.enabled else 0):
             return None

@@ -307,7 +307,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             prefix_cache_hit_rate=load.prefix_cache.hit_rate,
             engine_times=verifier_pb2.EngineTimes(
                 steps=load.times.steps, tokens=load.times.tokens,
-                sequences=load.times.sequences,
+                sequences=load.times.sequences, rows=load.times.rows,
                 schedule_ms=load.times.schedule_ms, draft_wait_ms=load.times.draft_wait_ms,
                 forward_ms=load.times.forward_ms, sample_ms=load.times.sample_ms,
                 postprocess_ms=load.times.postprocess_ms, deliver_ms=load.deliver_ms))

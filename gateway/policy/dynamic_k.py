@@ -1,5 +1,5 @@
 """Dynamic K: each round's K for one running request, from the profile's ITL and the
-request's acceptance (the profile's prior rates until warm-up, then its own)."""
+request's acceptance (its own aged counts around the method's rates in the profile)."""
 
 from __future__ import annotations
 
@@ -7,34 +7,60 @@ from collections.abc import Callable, Sequence
 
 from gateway.policy.goodput import choose_k, rate_at
 from gateway.policy.itl_profile import ItlProfile
-from gateway.policy.values import check_count
+from gateway.policy.values import check_count, is_number
 from specdec.speculation import DRAFTER_METHODS
 
 # Prior for a method the profile has no acceptance rates for. 0.5 claims neither a
 # good nor a useless drafter: speculation then starts only where draft positions are
-# cheap (small batches), and the request's own rates take over after warm-up.
+# cheap (small batches), and the requests' own counts soon outweigh it.
 NEUTRAL_ACCEPTANCE = 0.5
+# How many drafting steps the method's rates count for in a request's own estimate:
+# fewer let a handful of steps swing K between the extremes (a position tried twice
+# and accepted twice reads as certain), more keep a request that differs from the
+# others (a reply that copies its prompt) at the others' K too long.
+PRIOR_STEPS = 8.0
+# Half-life of a request's evidence, in its steps. Long against PRIOR_STEPS so the
+# estimate is not noisy, short against a reply (hundreds of steps) so a phase of it
+# that drafts badly does not decide the rest.
+HALF_LIFE_STEPS = 48.0
 
 
 class OnlineAcceptance:
-    """One request's acceptance counts per draft position.
+    """Acceptance counts per draft position, and the rates they estimate.
 
     Position i counts as tried only when positions 1..i-1 were accepted: the
     verifier stops at the first rejection, so later drafts are never judged. The
     ratio accepted/tried is then the conditional rate a_i that acceptance_length
     multiplies; counting every drafted position as tried would estimate
     prod_{j<=i} a_j instead, and the product would apply it twice.
+
+    With a half-life the counts age (`age()`, once per step of the request): a
+    drafter's acceptance moves within one reply (an ngram drafter copying a block
+    of the prompt, then writing new text), and old evidence must not pin K. In
+    particular a request whose rates made K = 0 best drafts nothing more, so
+    nothing new is learnt; as its evidence ages the rates return to the prior
+    and it tries speculation again.
     """
 
-    def __init__(self) -> None:
-        self._tried: list[int] = []  # [position - 1]
-        self._accepted: list[int] = []  # [position - 1]
+    def __init__(self, half_life_steps: float | None = None) -> None:
+        if half_life_steps is not None and not (is_number(half_life_steps)
+                                                and half_life_steps > 0):
+            raise ValueError(f"half_life_steps must be a number > 0, got {half_life_steps!r}")
+        self._decay = 1.0 if half_life_steps is None else 0.5 ** (1.0 / half_life_steps)
+        self._tried: list[float] = []  # [position - 1], aged counts
+        self._accepted: list[float] = []  # [position - 1]
         self._steps = 0
 
     @property
     def steps(self) -> int:
         """Number of steps that drafted at least one token."""
         return self._steps
+
+    def age(self) -> None:
+        """One step has passed: every count so far weighs 2^(-1/half-life) less."""
+        if self._decay != 1.0:
+            self._tried = [t * self._decay for t in self._tried]
+            self._accepted = [a * self._decay for a in self._accepted]
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         check_count("num_drafted", num_drafted)
@@ -46,27 +72,30 @@ class OnlineAcceptance:
         self._steps += 1
         judged = min(num_accepted + 1, num_drafted)
         while len(self._tried) < judged:
-            self._tried.append(0)
-            self._accepted.append(0)
+            self._tried.append(0.0)
+            self._accepted.append(0.0)
         for i in range(judged):
             self._tried[i] += 1
         for i in range(num_accepted):
             self._accepted[i] += 1
 
     def rates(
-        self, prior: Sequence[float], warmup_steps: int, max_num_speculative_tokens: int
+        self, prior: Sequence[float], prior_steps: float, max_num_speculative_tokens: int
     ) -> tuple[float, ...]:
-        """Rates for positions 1..max_num_speculative_tokens: the prior until warm-up,
-        then the observed ones."""
-        check_count("warmup_steps", warmup_steps)
+        """Rates for positions 1..max_num_speculative_tokens: each the posterior mean
+        (accepted + prior_steps * prior) / (tried + prior_steps), so the prior counts
+        as prior_steps tries of every position; a position never tried keeps the prior."""
+        if not (is_number(prior_steps) and prior_steps >= 0):
+            raise ValueError(f"prior_steps must be a number >= 0, got {prior_steps!r}")
         check_count("max_num_speculative_tokens", max_num_speculative_tokens)
-        prior_rates = tuple(rate_at(prior, i) for i in range(max_num_speculative_tokens))
-        if self._steps < warmup_steps:
-            return prior_rates
-        return tuple(
-            self._accepted[i] / self._tried[i] if i < len(self._tried) and self._tried[i] else p
-            for i, p in enumerate(prior_rates)
-        )
+        out = []
+        for i in range(max_num_speculative_tokens):
+            p = rate_at(prior, i)
+            tried = self._tried[i] if i < len(self._tried) else 0.0
+            accepted = self._accepted[i] if i < len(self._accepted) else 0.0
+            out.append((accepted + prior_steps * p) / (tried + prior_steps)
+                       if tried + prior_steps > 0 else p)
+        return tuple(out)
 
 
 # The deployment's profile as it is now: a file's, fixed, or the online model's, which
@@ -78,10 +107,12 @@ class DynamicK:
     """Each round's K for one request: the profile's ITL and the request's acceptance.
 
     The profile is read afresh every round, so an online profile's newest fit
-    applies to requests already running. When the request's own rates make K=0
-    best at every batch size, nothing more is drafted and K stays 0: a drafter
-    that fails on this request is not retried. K=0 caused by load alone rises
-    again when the batch shrinks.
+    applies to requests already running. The request's rates are the posterior of
+    its own aged counts around the method's rates in the profile (worth
+    `prior_steps` drafting steps): a few lucky or unlucky steps move K only a
+    little, a drafter that keeps failing on this request takes it to K = 0, and
+    evidence older than a few half-lives fades, so a request at K = 0 (by its rates
+    or by load) tries speculation again once the prior says it pays.
     """
 
     def __init__(
@@ -89,18 +120,20 @@ class DynamicK:
         profile: ProfileSource,
         method: str,
         max_num_speculative_tokens: int,
-        warmup_steps: int = 8,
+        prior_steps: float = PRIOR_STEPS,
+        half_life_steps: float = HALF_LIFE_STEPS,
     ):
         if method not in DRAFTER_METHODS:
             raise ValueError(f"dynamic K: method must be one of {', '.join(DRAFTER_METHODS)}, "
                              f"got {method!r}")
         check_count("dynamic K: max_num_speculative_tokens", max_num_speculative_tokens)
-        check_count("dynamic K: warmup_steps", warmup_steps)
+        if not (is_number(prior_steps) and prior_steps >= 0):
+            raise ValueError(f"dynamic K: prior_steps must be a number >= 0, got {prior_steps!r}")
         self.profile = profile
         self.method = method
         self.max_num_speculative_tokens = max_num_speculative_tokens
-        self.warmup_steps = warmup_steps
-        self.acceptance = OnlineAcceptance()
+        self.prior_steps = prior_steps
+        self.acceptance = OnlineAcceptance(half_life_steps)
 
     @property
     def prior(self) -> tuple[float, ...]:
@@ -111,7 +144,13 @@ class DynamicK:
         return profile.acceptance.get(self.method, (NEUTRAL_ACCEPTANCE,))
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """One step of the request, drafting or not: age the counts, add the step's."""
+        self.acceptance.age()
         self.acceptance.update(num_drafted, num_accepted)
+
+    def rates(self) -> tuple[float, ...]:
+        return self.acceptance.rates(self.prior, self.prior_steps,
+                                     self.max_num_speculative_tokens)
 
     def next_k(self, batch_size: float) -> int | None:
         """The best K at this batch size; None while there is no profile yet (an
@@ -120,5 +159,5 @@ class DynamicK:
         if profile is None:
             return None
         prior = profile.acceptance.get(self.method, (NEUTRAL_ACCEPTANCE,))
-        rates = self.acceptance.rates(prior, self.warmup_steps, self.max_num_speculative_tokens)
+        rates = self.acceptance.rates(prior, self.prior_steps, self.max_num_speculative_tokens)
         return choose_k(profile, batch_size, rates, self.max_num_speculative_tokens, self.method)

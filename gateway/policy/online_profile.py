@@ -67,9 +67,11 @@ DRAFT_TOKEN_PRIOR_WEIGHT = PRIOR_WEIGHT
 # than d, so that while every step drafts (one method at batch 1) the wait counts as
 # that drafter's rather than as a cost plain steps would pay too. Plain steps measure it.
 WAIT_PRIOR_WEIGHT = 1.0
-# Drafting steps of a method after which its own acceptance rates replace the
-# neutral prior in the profile.
-ACCEPTANCE_WARMUP_STEPS = 8
+# The method's rates in the profile: the posterior of all its requests' counts around
+# NEUTRAL_ACCEPTANCE worth this many drafting steps, the counts aged with this
+# half-life in drafting responses (the workload drifts: other prompts, other users).
+ACCEPTANCE_PRIOR_STEPS = 8.0
+ACCEPTANCE_HALF_LIFE = 4096.0
 # A step number this far below the replica's last one means the verifier restarted.
 RESTART_GAP = 1024
 # The ITL floor in ms: ItlProfile needs positive times, a fit may reach 0.
@@ -220,8 +222,9 @@ class OnlineProfile:
     def observe(self, s: StepSample) -> None:
         """One response: its request's acceptance now, its step once the step is complete."""
         if s.method != "none" and s.num_drafted:
-            self.acceptance.setdefault(s.method, OnlineAcceptance()).update(
-                s.num_drafted, s.num_accepted)
+            acc = self.acceptance.setdefault(s.method, OnlineAcceptance(ACCEPTANCE_HALF_LIFE))
+            acc.age()
+            acc.update(s.num_drafted, s.num_accepted)
         pending = self._pending.get(s.replica)
         if pending is not None and s.step == pending.number:
             pending.merge(s)
@@ -273,9 +276,9 @@ class OnlineProfile:
 
     def rates(self, method: str, max_num_speculative_tokens: int) -> tuple[float, ...]:
         """Prior acceptance of `method` for dynamic K: its requests' rates so far,
-        NEUTRAL_ACCEPTANCE before warm-up."""
+        around NEUTRAL_ACCEPTANCE while they are few."""
         acc = self.acceptance.get(method, OnlineAcceptance())
-        return acc.rates((NEUTRAL_ACCEPTANCE,), ACCEPTANCE_WARMUP_STEPS,
+        return acc.rates((NEUTRAL_ACCEPTANCE,), ACCEPTANCE_PRIOR_STEPS,
                          max(max_num_speculative_tokens, 1))
 
     def profile(self, max_num_seqs: int, max_num_speculative_tokens: int) -> ItlProfile | None:

@@ -58,11 +58,12 @@ def test_vllm_iteration_lines_give_its_step_time(tmp_path):
     assert got["step_ms"]["iteration"] == pytest.approx(130.0 / 3)
     assert got["engine_busy"] == pytest.approx(0.26)
     assert got["batch_mean"] == pytest.approx(3.0)
+    assert got["rows_per_step"] == pytest.approx((50 + 4 + 4) / 3)  # context + generation tokens
 
 
 def test_breakdown_divides_engine_time_by_steps_and_cpu_by_wall():
     probe = serving.Probe({})
-    engine = {"steps": 10, "tokens": 20, "sequences": 40, "schedule_ms": 1.0, "draft_wait_ms": 2.0,
+    engine = {"steps": 10, "tokens": 20, "sequences": 40, "rows": 70, "schedule_ms": 1.0, "draft_wait_ms": 2.0,
               "forward_ms": 30.0, "sample_ms": 4.0, "postprocess_ms": 3.0, "deliver_ms": 1.0}
     a = {"cpu_s": {"verifier": 1.0, "gateway": 0.5},
          "engine": {k: 0 for k in engine}}
@@ -70,6 +71,7 @@ def test_breakdown_divides_engine_time_by_steps_and_cpu_by_wall():
     got = probe.breakdown(a, b, wall_s=0.5)
     assert got["cpu_share"] == {"verifier": 2.0, "gateway": 0.2}
     assert got["steps"] == 10 and got["tokens_per_step"] == 2.0 and got["batch_mean"] == 4.0
+    assert got["rows_per_step"] == 7.0
     assert got["step_ms"]["forward"] == 3.0 and got["step_ms"]["deliver"] == 0.1
     assert got["engine_busy"] == pytest.approx(40.0 / 1e3 / 0.5)
 
@@ -116,6 +118,7 @@ def test_a_reduced_run_of_our_stack_and_engine(tmp_path):
             assert s[name][c]["identical"] == s[name][c]["requests"] == requests
     b = s["ours plain"]["1"]["breakdown"]
     assert b["tokens_per_step"] == pytest.approx(1.0, abs=0.3)  # plain: one token a step
+    assert b["rows_per_step"] >= b["batch_mean"]  # a row per sequence, prefill chunks more
     assert b["step_ms"]["forward"] > 0 and b["cpu_share"]["verifier"] > 0
     assert s["ours ngram K=4"]["1"]["acceptance_length"] >= 1.0
     assert "| ours default |" in out.with_suffix(".md").read_text()

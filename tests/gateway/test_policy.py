@@ -486,8 +486,11 @@ def test_online_acceptance_counts_by_hand():
     # Position 1 judged in all 3 drafting steps, accepted twice; position 2 judged
     # after an accepted position 1 (steps 2 and 3), accepted once; position 3 judged
     # once (step 2) and accepted; position 4 never drafted -> prior.
-    assert acc.rates((0.1, 0.2, 0.3, 0.4), warmup_steps=3, max_num_speculative_tokens=5) == \
+    assert acc.rates((0.1, 0.2, 0.3, 0.4), prior_steps=0, max_num_speculative_tokens=5) == \
         pytest.approx((2 / 3, 1 / 2, 1.0, 0.4, 0.4))
+    # The prior counts as prior_steps tries of every position.
+    assert acc.rates((0.1, 0.2, 0.3, 0.4), prior_steps=2, max_num_speculative_tokens=5) == \
+        pytest.approx(((2 + 0.2) / 5, (1 + 0.4) / 4, (1 + 0.6) / 3, 0.4, 0.4))
 
 
 def test_online_acceptance_estimates_conditional_rates():
@@ -501,31 +504,45 @@ def test_online_acceptance_estimates_conditional_rates():
         acc.update(3, accepted)
     # Unconditional rates would be 0.9, 0.54, 0.162; standard errors are <= 0.005.
     assert acc.rates((), 0, 3) == pytest.approx(true, abs=0.02)
+    # A prior worth 8 steps is nothing against 20 000 of them.
+    assert acc.rates((0.0,), 8, 3) == pytest.approx(true, abs=0.02)
 
 
-def test_online_acceptance_rejects_bad_updates():
+def test_online_acceptance_rejects_bad_input():
     acc = OnlineAcceptance()
     with pytest.raises(ValueError, match="num_accepted"):
         acc.update(2, 3)
     with pytest.raises(ValueError, match="num_drafted"):
         acc.update(-1, 0)
     assert acc.steps == 0
+    with pytest.raises(ValueError, match="prior_steps"):
+        acc.rates((0.5,), -1, 2)
+    with pytest.raises(ValueError, match="half_life_steps"):
+        OnlineAcceptance(0)
 
 
-def test_prior_until_warm_up_then_observed():
-    acc = OnlineAcceptance()
-    prior = (0.9, 0.8)
-    for step in range(4):
-        assert acc.rates(prior, warmup_steps=4, max_num_speculative_tokens=4) == (
-            0.9,
-            0.8,
-            0.8,
-            0.8,
-        ), step
-        acc.update(2, 1)
-    assert acc.steps == 4
-    # Positions 1, 2 observed (1.0 and 0.0); positions 3, 4 were never drafted.
-    assert acc.rates(prior, warmup_steps=4, max_num_speculative_tokens=4) == (1.0, 0.0, 0.8, 0.8)
+def test_online_acceptance_forgets_with_its_half_life():
+    acc = OnlineAcceptance(half_life_steps=10)
+    for _ in range(20):
+        acc.age()
+        acc.update(2, 0)  # position 1 always rejected
+    prior = (0.9,)
+    low = acc.rates(prior, 4, 1)[0]
+    # 20 tries aged to sum_{i<20} 2^(-i/10) ~ 10.8 (+ 4 prior tries at 0.9).
+    tried = sum(0.5 ** (i / 10) for i in range(20))
+    assert low == pytest.approx(3.6 / (tried + 4))
+    for _ in range(10):
+        acc.age()  # steps without drafts: nothing new, the old evidence fades
+    assert acc.rates(prior, 4, 1)[0] == pytest.approx(3.6 / (tried / 2 + 4))
+    for _ in range(200):
+        acc.age()
+    assert acc.rates(prior, 4, 1)[0] == pytest.approx(0.9, abs=1e-3)
+    # Without a half-life nothing fades.
+    keep = OnlineAcceptance()
+    keep.update(2, 0)
+    for _ in range(100):
+        keep.age()
+    assert keep.rates(prior, 4, 1)[0] == pytest.approx(3.6 / 5)
 
 
 def k_profile(acceptance=None) -> ItlProfile:
@@ -533,32 +550,47 @@ def k_profile(acceptance=None) -> ItlProfile:
     return table((1, 64), range(5), lambda b, k: 10 + 0.5 * k + 0.02 * b * k, acceptance)
 
 
-def test_dynamic_k_drops_to_zero_when_the_drafter_fails():
+def test_dynamic_k_drops_to_zero_when_the_drafter_fails_and_tries_again_later():
     p = k_profile({"eagle": (0.9,)})
-    dk = DynamicK(lambda: p, "eagle", max_num_speculative_tokens=4, warmup_steps=5)
-    before = brute_force_k(lambda k: p.itl(1, k), (0.9,), 4)
-    assert before > 0
-    for _ in range(4):
-        assert dk.next_k(1) == before
-        dk.observe(dk.next_k(1), 0)
-    dk.observe(4, 0)
-    assert dk.next_k(1) == 0
+    # At batch 64 a draft position costs 1.78 ms on 10: K > 0 pays while position 1's
+    # rate r gives 1 + r > 1.178.
+    dk = DynamicK(lambda: p, "eagle", max_num_speculative_tokens=4, prior_steps=5,
+                  half_life_steps=20)
+    before = brute_force_k(lambda k: p.itl(64, k), (0.9,), 4)
+    assert before > 0 and dk.next_k(64) == before
+    steps = 0
+    while (k := dk.next_k(64)) > 0:
+        dk.observe(k, 0)
+        steps += 1
+        assert steps < 60, "a drafter never accepted must end at K = 0"
+    tried = sum(0.5 ** (i / 20) for i in range(steps))
+    assert dk.rates()[0] == pytest.approx(4.5 / (5 + tried))
+    assert dk.rates()[0] < 0.178
+    # Plain steps bring no evidence; the old one fades and speculation is tried again.
+    waited = 0
+    while dk.next_k(64) == 0:
+        dk.observe(0, 0)
+        waited += 1
+        assert waited < 200
+    assert waited >= 1 and dk.rates()[0] > 0.178
 
 
 def test_dynamic_k_rises_when_the_drafter_beats_its_prior():
     p = k_profile({"ngram": (0.3,)})
-    dk = DynamicK(lambda: p, "ngram", max_num_speculative_tokens=4, warmup_steps=3)
+    dk = DynamicK(lambda: p, "ngram", max_num_speculative_tokens=4, prior_steps=3)
     before = dk.next_k(1)
     assert before == brute_force_k(lambda k: p.itl(1, k), (0.3,), 4)
     assert 0 < before < 4
-    for _ in range(3):
+    for _ in range(6):
         k = dk.next_k(1)
         dk.observe(k, k)
-    # Positions 1..before were always accepted; later ones never drafted keep the prior.
-    observed = (1.0,) * before + (0.3,) * (4 - before)
-    assert dk.acceptance.rates(dk.prior, 3, 4) == observed
+    rates = dk.rates()
+    # Positions up to `before` were always accepted: their rates move far from the
+    # prior (0.3) toward 1; positions never drafted keep it.
+    assert all(r > 0.6 for r in rates[:before])
+    assert rates[-1] == 0.3 or dk.next_k(1) > before
     after = dk.next_k(1)
-    assert after == brute_force_k(lambda k: p.itl(1, k), observed, 4)
+    assert after == brute_force_k(lambda k: p.itl(1, k), rates, 4)
     assert after > before
     assert dk.next_k(64) <= after
 
@@ -609,7 +641,7 @@ def test_dynamic_k_neutral_prior_for_an_unprofiled_method():
 @pytest.mark.parametrize("kwargs, name", [
     ({"method": "none"}, "method"),
     ({"max_num_speculative_tokens": -1}, "max_num_speculative_tokens"),
-    ({"warmup_steps": -1}, "warmup_steps"),
+    ({"prior_steps": -1}, "prior_steps"),
 ])
 def test_dynamic_k_is_checked(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -458,6 +458,8 @@ def test_cli_serves_health_and_generate_then_stops_on_sigterm(smollm2_dir):
         # Its engine's accounting: the prefill step and one step per further token.
         times = report.engine_times
         assert (times.steps, times.tokens) == (len(tokens), len(tokens))
+        # Rows: the prompt's (one chunk at this length), then one per plain step.
+        assert times.rows == len(prompt) + len(tokens) - 1
         assert times.forward_ms > 0 and times.deliver_ms > 0
         channel.close()
         proc.send_signal(signal.SIGTERM)

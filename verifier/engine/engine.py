@@ -70,6 +70,7 @@ class StepTimes:
     steps: int = 0
     tokens: int = 0
     sequences: int = 0  # summed batch sizes
+    rows: int = 0  # summed query rows fed (prefill chunks, 1 + drafts per verified sequence)
     schedule_ms: float = 0.0
     draft_wait_ms: float = 0.0
     forward_ms: float = 0.0
@@ -225,7 +226,7 @@ class Engine:
             t4 = time.perf_counter()
             outputs = self._postprocess(out, chains, token_ids, num_accepted)
         t5 = time.perf_counter()
-        self._account(t0, t1, t2, t3, t4, t5, len(batch), outputs)
+        self._account(t0, t1, t2, t3, t4, t5, len(batch), out.num_tokens, outputs)
         dt = (t5 - t0) * 1e3
         self.step_time_ema_ms = dt if not self.step_time_ema_ms else 0.9 * self.step_time_ema_ms + 0.1 * dt
         draft_wait_ms = (t2 - t0) * 1e3  # scheduling included, as the step stats always had it
@@ -235,10 +236,11 @@ class Engine:
         return outputs
 
     def _account(self, t0: float, t1: float, t2: float, t3: float, t4: float, t5: float,
-                 batch_size: int, outputs: list[StepOutput]) -> None:
+                 batch_size: int, rows: int, outputs: list[StepOutput]) -> None:
         tm = self.times
         tm.steps += 1
         tm.sequences += batch_size
+        tm.rows += rows
         tm.tokens += sum(len(o.new_token_ids) for o in outputs)
         tm.schedule_ms += (t1 - t0) * 1e3
         tm.draft_wait_ms += (t2 - t1) * 1e3
