@@ -32,6 +32,7 @@ from gateway.types import (
 )
 from specdec.pb import verifier_pb2
 from specdec.speculation import METHODS, method_name
+from specdec.structured import Grammars
 from specdec.tokenizer import Tokenizer
 
 __all__ = ["Delta", "Gateway", "GatewayConfig", "GatewayError", "Generation",
@@ -91,6 +92,8 @@ class Gateway:
         self.profile = profile
         self.online_profile = OnlineProfile()
         self.metrics.watch_step_cost(self.online_profile.cost)
+        # Compiles a request's grammar to refuse a bad one before it reaches a verifier.
+        self.grammars = Grammars(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_ids)
 
     def profile_source(self, replica: Replica) -> ProfileSource:
         """The profile dynamic K reads on `replica`, as it is at each call."""
@@ -138,6 +141,16 @@ class Gateway:
         if bad:
             raise InvalidRequest(f"{pf}: token ids {bad[:3]} are outside the vocabulary "
                                  f"(size {vocab})", param=pf)
+        if req.sampling.HasField("structured_output"):
+            field = req.structured_field or "sampling.structured_output"
+            if req.sampling.ignore_eos:
+                raise InvalidRequest("ignore_eos: a structured output ends where its grammar "
+                                     "does; it cannot ignore the end of sequence",
+                                     param="ignore_eos")
+            try:
+                self.grammars.compile(req.sampling.structured_output, field)
+            except ValueError as e:
+                raise InvalidRequest(str(e), param=field) from None
         limits = self.config.limits
         if limits.max_prompt_tokens and len(prompt) > limits.max_prompt_tokens:
             raise InvalidRequest(f"{pf}: the prompt has {len(prompt)} tokens, over this "

@@ -30,6 +30,7 @@ from gateway.core import (
     InvalidRequest,
 )
 from gateway.policy.request import SpeculativeRequest
+from gateway.structured import StructuredOutputError, from_openai
 from specdec.pb import common_pb2
 
 MAX_TOP_LOGPROBS = 20
@@ -40,9 +41,7 @@ _MAX_COUNT = 2**31 - 1
 # does not implement yet, with the value that means "off". A request that sets one to
 # anything else is refused with 400 naming it, never served as if it had not asked.
 _NOT_IMPLEMENTED: dict[str, object] = {
-    "response_format": None, "structured_outputs": None, "guided_json": None,
-    "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "guided_decoding_backend": None, "guided_whitespace_pattern": None,
+    "guided_whitespace_pattern": None,
     "tools": None, "tool_choice": None, "functions": None, "function_call": None,
     "logit_bias": None, "min_tokens": 0, "repetition_penalty": 1.0, "bad_words": None,
     "best_of": None, "logits_processors": None, "allowed_token_ids": None,
@@ -216,6 +215,17 @@ class OpenAIFrontend:
         s.stop_token_ids.extend(body.stop_token_ids or ())
         return s
 
+    @staticmethod
+    def _structured(body: _Body, sampling: common_pb2.SamplingParams) -> str | None:
+        """Puts the body's structured output into `sampling`; the field it came from."""
+        try:
+            structured, field = from_openai(body.model_extra or {})
+        except StructuredOutputError as e:
+            raise InvalidRequest(str(e), param=e.param) from None
+        if structured is not None:
+            sampling.structured_output.CopyFrom(structured)
+        return field
+
     def _common(self, body: _Body) -> tuple[tuple[str, ...], SpeculativeRequest]:
         self.gw.check_model(body.model)
         for name, value in (body.model_extra or {}).items():
@@ -250,6 +260,7 @@ class OpenAIFrontend:
         sampling = self._sampling(body, body.max_completion_tokens or body.max_tokens,
                                   num_logprobs)
         return GenerationRequest(tuple(prompt), sampling, stop, spec, prompt_field="messages",
+                                 structured_field=self._structured(body, sampling),
                                  request_id=f"chatcmpl-{uuid.uuid4().hex}")
 
     def completion_request(self, body: CompletionBody) -> GenerationRequest:
@@ -268,6 +279,7 @@ class OpenAIFrontend:
         num_logprobs = body.logprobs if body.logprobs else (1 if body.logprobs == 0 else 0)
         sampling = self._sampling(body, body.max_tokens, num_logprobs)
         return GenerationRequest(tuple(ids), sampling, stop, spec, prompt_field="prompt",
+                                 structured_field=self._structured(body, sampling),
                                  request_id=f"cmpl-{uuid.uuid4().hex}")
 
     # -- rendering ----------------------------------------------------------------

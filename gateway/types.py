@@ -55,6 +55,8 @@ class GenerationRequest:
     request_id: str = ""
     # Which request field the prompt came from, for error messages.
     prompt_field: str = "prompt"
+    # Which request field sampling.structured_output came from, for error messages.
+    structured_field: str | None = None
 
 
 @dataclass

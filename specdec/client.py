@@ -27,6 +27,7 @@ import grpc
 from specdec.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specdec.server import GRPC_OPTIONS
 from specdec.speculation import FINISH_REASONS, method_name, method_to_proto, reason_name
+from specdec.structured import KINDS, from_kind
 
 # -- errors -------------------------------------------------------------------------
 
@@ -167,10 +168,22 @@ def _speculation(spec: Mapping[str, Any] | None) -> common_pb2.SpeculationPolicy
 def _sampling(max_tokens: int = 0, temperature: float | None = None, top_p: float | None = None,
               top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-              logprobs: int = 0) -> common_pb2.SamplingParams:
+              logprobs: int = 0, structured_output: Mapping[str, Any] | None = None
+              ) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams(max_tokens=max_tokens, top_k=top_k, min_p=min_p,
                                   stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                   logprobs=logprobs)
+    if structured_output:
+        # vLLM's structured_outputs form: one of json, json_object, regex, choice, grammar.
+        given = [k for k in KINDS if structured_output.get(k) not in (None, False)]
+        unknown = sorted(set(structured_output) - set(KINDS))
+        if unknown or len(given) != 1:
+            raise InvalidRequestError(f"structured_output: exactly one of {', '.join(KINDS)}")
+        try:
+            s.structured_output.CopyFrom(from_kind(given[0], structured_output[given[0]],
+                                                   f"structured_output.{given[0]}"))
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
     if temperature is not None:
         s.temperature = temperature
     if top_p is not None:

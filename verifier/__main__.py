@@ -60,6 +60,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     from specdec.models import load_model
     from specdec.models.prepare import prepare_default_model
+    from specdec.structured import Grammars
     from specdec.tokenizer import Tokenizer, model_fingerprint
     from verifier.drafter_client import DrafterClient, TargetInfo
     from verifier.drafting import DrafterPool
@@ -94,7 +95,9 @@ async def _serve(args: argparse.Namespace) -> int:
     engine = engine_thread.call(lambda: Engine(model, engine_cfg, pool, tokenizer.eos_token_ids))
     servicer = VerifierServicer(engine, pool, target, model_name=model_dir.name,
                                 default_num_speculative_tokens=args.num_speculative_tokens,
-                                engine_thread=engine_thread)
+                                engine_thread=engine_thread,
+                                grammars=Grammars(tokenizer.hf, cfg.vocab_size,
+                                                  tokenizer.eos_token_ids))
     service = await serve(servicer, f"{args.host}:{args.port}")
     log.info("verifier serving %s on %s (drafters: %s)", model_dir.name,
              host_port(f"{args.host}:{service.port}"),

@@ -22,6 +22,7 @@ from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.server import GrpcService, start_server
 from specdec.speculation import acceptance_length, reason_to_proto
+from specdec.structured import Grammars
 from specdec.telemetry import incoming_context
 from verifier.drafter_client import TargetInfo
 from verifier.drafting import DrafterPool
@@ -76,9 +77,11 @@ def _field_error(prefix: str, e: ValueError) -> ValueError:
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: Engine, pool: DrafterPool, target: TargetInfo, *,
                  model_name: str = "", default_num_speculative_tokens: int = 4,
-                 engine_thread: EngineThread | None = None):
-        """engine_thread: the thread `engine` was built on, to step it there too."""
+                 engine_thread: EngineThread | None = None, grammars: Grammars | None = None):
+        """engine_thread: the thread `engine` was built on, to step it there too;
+        grammars: compiles structured outputs for the target's tokenizer (None: refused)."""
         self.engine = engine
+        self.grammars = grammars
         self.pool = pool
         self.target = target
         self.model_name = model_name
@@ -91,6 +94,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._accepting = True
 
     # -- translation -------------------------------------------------------------
+
+    def _grammar(self, s: common_pb2.SamplingParams):
+        """The request's grammar matcher, None without structured_output."""
+        if not s.HasField("structured_output"):
+            return None
+        field = "start.sampling.structured_output"
+        if self.grammars is None:
+            raise ValueError(f"{field}: this verifier has no tokenizer to compile grammars with")
+        if s.ignore_eos:
+            raise ValueError("start.sampling.ignore_eos: a structured output ends where its "
+                             "grammar does; it cannot ignore the end of sequence")
+        compiled = self.grammars.compile(s.structured_output, field)
+        return self.grammars.matcher(compiled)
 
     def to_request(self, start: verifier_pb2.GenerateRequest.Start) -> tuple[Request, Policy]:
         """Raise ValueError naming the field for anything the engine cannot run."""
@@ -143,7 +159,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             request_id=start.request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
             max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(s.stop_token_ids),
             ignore_eos=s.ignore_eos, num_speculative_tokens=policy.effective_k,
-            drafter=policy.drafter, num_logprobs=s.logprobs)
+            drafter=policy.drafter, num_logprobs=s.logprobs, grammar=self._grammar(s))
         try:
             self.engine.validate(request)
         except ValueError as e:

@@ -20,6 +20,7 @@ from gateway.service import serve as serve_gateway
 from specdec.generate import greedy_generate
 from specdec.models import LlamaForCausalLM
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specdec.structured import Grammars
 from specdec.tokenizer import Tokenizer
 from tests.loop_thread import LoopThread
 from tests.tiny import tiny_llama
@@ -58,7 +59,8 @@ def default_drafters(model: LlamaForCausalLM) -> dict[str, DraftMethod]:
 
 class Replica:
     def __init__(self, loop: LoopThread, model: LlamaForCausalLM, eos: frozenset[int],
-                 drafter_ports: dict[str, int], max_num_seqs: int = 16):
+                 drafter_ports: dict[str, int], max_num_seqs: int = 16,
+                 grammars: Grammars | None = None):
         cfg = model.config
         target = TargetInfo(cfg.vocab_size, "", cfg.hidden_size, cfg.num_layers)
         clients = [DrafterClient(name, f"127.0.0.1:{port}", target, backoff_s=(0.05, 0.2))
@@ -68,7 +70,7 @@ class Replica:
                                             block_size=16, num_kv_blocks=600,
                                             max_num_speculative_tokens=K_MAX), self.pool, eos)
         self.servicer = VerifierServicer(engine, self.pool, target, model_name=MODEL_NAME,
-                                         default_num_speculative_tokens=4)
+                                         default_num_speculative_tokens=4, grammars=grammars)
         self.service = loop.run(serve_verifier(self.servicer, "127.0.0.1:0"))
         for c in clients:
             assert c.wait_available(10), c.error
@@ -95,7 +97,10 @@ class GatewayStack:
         self.drafter_services = {name: loop.run(serve_drafter(m, "127.0.0.1:0"))
                                  for name, m in self.methods.items()}
         ports = {name: s.port for name, s in self.drafter_services.items()}
-        self.replicas = [Replica(loop, model, self.tokenizer.eos_token_ids, ports)
+        self.grammars = Grammars(self.tokenizer.hf, model.config.vocab_size,
+                                 self.tokenizer.eos_token_ids)
+        self.replicas = [Replica(loop, model, self.tokenizer.eos_token_ids, ports,
+                                 grammars=self.grammars)
                          for _ in range(replicas)]
         pool = ReplicaPool([r.address for r in self.replicas], poll_interval_s=0.1)
         self.gateway = Gateway(GatewayConfig(model_name=MODEL_NAME, **config), self.tokenizer,

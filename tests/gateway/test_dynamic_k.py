@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 
 import httpx2
 import openai
@@ -59,7 +60,7 @@ def test_k_changes_during_one_request(loop, model, smollm2_dir):
         # After the switch every draft token is accepted (only the right one is asked for).
         assert spec["num_accepted_tokens"] > spec["num_drafts"] * 0.5
         text = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
-        changes = sum(1 for a, b in zip(asked, asked[1:]) if a != b)
+        changes = sum(1 for a, b in itertools.pairwise(asked) if a != b)
         assert f"specdec_spec_decode_k_updates_total {float(changes)}" in text
     finally:
         s.close()

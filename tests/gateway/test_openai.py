@@ -201,15 +201,14 @@ def _chat(**fields) -> str:
 
 # Fields that would change the output and are not implemented: refused, never ignored.
 NOT_IMPLEMENTED = [
-    ("response_format", {"type": "json_object"}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "required"),
     ("logit_bias", {"42": -100}),
     ("min_tokens", 40),
     ("repetition_penalty", 1.2),
     ("repetition_penalty", -3),
-    ("guided_json", {"type": "object"}),
-    ("structured_outputs", {"regex": "a+"}),
+    ("guided_whitespace_pattern", " *"),
+    ("structured_outputs", {"regex": "a+", "whitespace_pattern": " *"}),
     ("best_of", 2),
     ("skip_special_tokens", False),
     ("include_stop_str_in_output", True),
@@ -237,6 +236,17 @@ BAD = [
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}), "n"),
     (json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "role"),
     (json.dumps({"messages": []}), "messages"),
+    # Structured outputs: a bad grammar, two at once, an unknown form.
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                   "schema": {"type": "nope"}}}),
+     "response_format"),
+    (_chat(guided_regex="("), "guided_regex"),
+    (_chat(structured_outputs={"choice": []}), "structured_outputs"),
+    (_chat(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs"),
+    (_chat(guided_json={"type": "object"}, guided_regex="a+"), "one structured output"),
+    (_chat(response_format={"type": "yaml"}), "response_format.type"),
+    (_chat(guided_grammar="root ::= "), "guided_grammar"),
+    (_chat(response_format={"type": "json_object"}, ignore_eos=True), "ignore_eos"),
 ]
 
 

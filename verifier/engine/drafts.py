@@ -3,7 +3,8 @@
 A drafter may only lower a sequence's K. Out-of-vocabulary ids end a draft,
 a malformed draft distribution drops it (K = 0 this step), and a token tree
 is verified as a tree only for greedy requests without a sliding window;
-anywhere else it keeps its chain of first children (specdec/tree.py).
+anywhere else it keeps its chain of first children (specdec/tree.py). Under a
+grammar (specdec/structured.py) a draft ends at the first token the grammar forbids.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def collect_drafts(proposer: Proposer | None, batch: list[Scheduled],
     proposals = proposer.propose(wanted, tokens)
     vocab = model_config.vocab_size
     greedy = {item.seq.seq_id: item.seq.request.sampling.is_greedy for item in batch}
+    grammars = {item.seq.seq_id: item.seq.request.grammar for item in batch
+                if item.seq.request.grammar is not None}
     for seq_id, k in wanted.items():
         p = proposals.get(seq_id)
         if p is None:
@@ -50,17 +53,22 @@ def collect_drafts(proposer: Proposer | None, batch: list[Scheduled],
         # A drafter can only lower K; out-of-vocabulary ids end the draft (a
         # tree's prefix is a tree: parents come first).
         ids = list(itertools.takewhile(lambda t: 0 <= t < vocab, p.token_ids[:k]))
+        grammar = grammars.get(seq_id)
         if p.parents is not None and not token_tree.is_chain(p.parents[: len(ids)]):
             if p.probs is not None:
                 continue  # trees carry one-hot drafts only: run K = 0
             parents = p.parents[: len(ids)]
-            # Trees are verified for greedy requests only; a sampled request, or
-            # a sliding window (it would count a tree token's slot rather than
-            # its position), keeps the chain of first children.
-            if greedy[seq_id] and model_config.sliding_window is None:
+            # Trees are verified for greedy requests only; a sampled request, a
+            # sliding window (it would count a tree token's slot rather than its
+            # position) or a grammar (its masks follow one path) keeps the chain
+            # of first children.
+            if greedy[seq_id] and model_config.sliding_window is None and grammar is None:
                 drafts.trees[seq_id] = parents
             else:
                 ids = [ids[i] for i in token_tree.first_child_chain(parents)]
+        if grammar is not None:
+            # A draft the grammar forbids can never be accepted: cut it, and the rest.
+            ids = ids[: grammar.allowed_drafts(ids)]
         if p.probs is not None and ids:
             if p.probs.dim() != 2 or p.probs.shape[0] < len(ids) or p.probs.shape[1] != vocab:
                 continue  # a malformed q can't be verified exactly: run K = 0

@@ -24,6 +24,7 @@ import torch
 
 from specdec.models import LlamaForCausalLM
 from specdec.sampling import SamplingMetadata
+from specdec.structured import allowed_tokens
 from verifier.engine.drafts import collect_drafts
 from verifier.engine.proposer import Outcome, Proposer
 from verifier.engine.runner import Hidden, ModelRunner, RunnerOutput
@@ -286,7 +287,8 @@ class Engine:
         metadata = SamplingMetadata.from_params(
             [s.request.sampling for s in seqs], [s.generator for s in seqs], self.shared_generator,
             device=dev)
-        out_ids, num_accepted = rejection_sample(chains.logits, draft_ids, q, num_drafts, metadata)
+        logits = _grammar_masked(chains, seqs)
+        out_ids, num_accepted = rejection_sample(logits, draft_ids, q, num_drafts, metadata)
         return out_ids.tolist(), num_accepted.tolist()
 
     def _postprocess(self, out: RunnerOutput, chains: Chains, token_ids: list[list[int]],
@@ -314,6 +316,8 @@ class Engine:
         if not item.is_prefill:
             self._keep_accepted_kv(seq, path, accepted)
         appended, reason = self._append(seq, new)
+        if seq.request.grammar is not None:
+            seq.request.grammar.accept(appended)
         seq.num_computed = len(seq.tokens) - 1
         # Only now is it known which drafts were accepted: register the full blocks of
         # committed tokens (before a finish frees them into the evictable LRU).
@@ -396,3 +400,23 @@ def _logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[
         for t, c, r, ti, tl in zip(token_ids, chosen[:, 0].tolist(), ranks.tolist(),
                                    top_ids.tolist(), top_lp.tolist(), strict=True)
     ]
+
+
+def _grammar_masked(chains: Chains, seqs: list[Sequence]) -> torch.Tensor:
+    """chains.logits [N, V], with the rows of sequences under a grammar masked to what
+    it allows after each prefix of their drafts (forbidden tokens -> -inf): the target
+    distribution plain decoding under the grammar would sample from, at every position
+    verified. The raw rows stay in chains.logits for logprobs."""
+    if all(s.request.grammar is None for s in seqs):
+        return chains.logits
+    bitmask = None
+    row = 0
+    for seq, chain in zip(seqs, chains.drafts, strict=True):
+        grammar = seq.request.grammar
+        if grammar is not None:
+            if bitmask is None:
+                bitmask = grammar.new_bitmask(chains.logits.shape[0])  # [N, ceil(V / 32)]
+            grammar.fill_masks(chain, bitmask, row)
+        row += len(chain) + 1
+    allowed = allowed_tokens(bitmask, chains.logits.shape[-1]).to(chains.logits.device)  # [N, V]
+    return chains.logits.masked_fill(~allowed, float("-inf"))

@@ -28,6 +28,8 @@ class Request:
     num_speculative_tokens: int = 0  # K wanted; 0 = plain decoding
     drafter: str | None = None  # the proposer's name for this request's drafter; None = none
     num_logprobs: int = 0  # > 0: return each token's logprob and this many top alternatives
+    # The output's grammar (specdec.structured.GrammarState), at the tokens emitted so far.
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

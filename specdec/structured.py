@@ -1,0 +1,242 @@
+"""Structured outputs: a request's grammar (JSON schema, any JSON object, regex,
+choice, EBNF) compiled by xgrammar against the target's tokenizer, and the
+per-sequence matcher the verifier steps through drafts.
+
+The wire form is `common.StructuredOutput` inside SamplingParams, so the gateway's
+REST and gRPC APIs and the verifier carry it alike. The gateway compiles a request's
+grammar once to refuse a bad one with a 400 naming the field; the verifier compiles
+it again (cached) for the matcher.
+
+Under speculation (verifier/engine): before the forward, a sequence's drafts are
+walked through its matcher and cut at the first token the grammar forbids, since
+the target could never accept it; after the forward, row j of its block (the
+position after drafts 1..j) gets the grammar's mask in that state, so the target
+distribution every position is verified against is exactly the one plain decoding
+under the grammar samples from; after sampling, the matcher accepts what was
+emitted. The walk accepts drafts and rolls them back, so the matcher only ever
+holds emitted tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from specdec.pb import common_pb2
+
+if TYPE_CHECKING:  # torch loads with the first mask, not with the SDK that imports this
+    import torch
+
+# Longest choice list, and largest grammar text, a request may carry: a grammar is
+# compiled on the serving path, and its size bounds the work.
+MAX_CHOICES = 1024
+MAX_GRAMMAR_BYTES = 256 * 1024
+
+
+# vLLM's names for the kinds of grammar (its `structured_outputs` keys).
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputError(ValueError):
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def schema_text(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, bool)):
+        return json.dumps(value)
+    raise StructuredOutputError(f"{where}: a JSON Schema (object or JSON text)", where)
+
+
+def _choices(value: Any, where: str) -> common_pb2.Choices:
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise StructuredOutputError(f"{where}: a list of strings", where)
+    return common_pb2.Choices(choices=value)
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise StructuredOutputError(f"{where}: a string", where)
+    return value
+
+
+def from_kind(kind: str, value: Any, where: str) -> common_pb2.StructuredOutput:
+    """One grammar from vLLM's field names (KINDS); StructuredOutputError naming `where`."""
+    if kind == "json":
+        return common_pb2.StructuredOutput(json_schema=schema_text(value, where))
+    if kind == "json_object":
+        if value is not True:
+            raise StructuredOutputError(f"{where}: true or absent", where)
+        return common_pb2.StructuredOutput(json_object=True)
+    if kind == "choice":
+        return common_pb2.StructuredOutput(choice=_choices(value, where))
+    return common_pb2.StructuredOutput(**{kind: _text(value, where)})
+
+
+def kind(spec: common_pb2.StructuredOutput | None) -> str | None:
+    """Which grammar `spec` asks for ("json_schema", "json_object", "regex", "choice",
+    "grammar"), or None for no constraint."""
+    if spec is None:
+        return None
+    return spec.WhichOneof("kind")
+
+
+def _regex_escape(text: str) -> str:
+    # xgrammar's regex dialect (ECMAScript-like): escape every metacharacter.
+    return "".join("\\" + c if c in r"\^$.|?*+()[]{}/" else c for c in text)
+
+
+class Grammars:
+    """Compiles StructuredOutput specs for one tokenizer; thread-safe, with a cache.
+
+    `tokenizer` is a Hugging Face tokenizer (or a directory holding one); `vocab_size`
+    the model's (it may exceed the tokenizer's: padded rows are never allowed);
+    `stop_token_ids` the ids that end a sequence, which the grammar allows once it is
+    complete.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int]):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        self._compiler = None  # built on first use: it reads the whole vocabulary
+        self._lock = threading.Lock()
+
+    def _compiler_now(self):
+        import xgrammar as xgr  # noqa: PLC0415 (a native library, loaded on first use)
+
+        if self._compiler is None:
+            tokenizer = self._tokenizer
+            if isinstance(tokenizer, (str, Path)):
+                from transformers import AutoTokenizer  # noqa: PLC0415
+
+                tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+            self._xgr = xgr
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        return self._compiler
+
+    def compile(self, spec: common_pb2.StructuredOutput, field: str = "structured_output"):
+        """The compiled grammar; ValueError naming `field`.<kind> for a bad one."""
+        which = kind(spec)
+        if which is None:
+            raise ValueError(f"{field}: names no grammar (json_schema, json_object, regex, "
+                             f"choice or grammar)")
+        where = f"{field}.{which}"
+        try:
+            with self._lock:
+                c = self._compiler_now()
+                if which == "json_object":
+                    if not spec.json_object:
+                        raise ValueError(f"{where}: must be true when set")
+                    return c.compile_builtin_json_grammar()
+                if which == "json_schema":
+                    text = spec.json_schema
+                    _check_size(where, text)
+                    try:
+                        schema = json.loads(text)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{where}: not JSON: {e}") from None
+                    if not isinstance(schema, (dict, bool)):
+                        raise ValueError(f"{where}: a JSON Schema is an object or a boolean")
+                    return c.compile_json_schema(text, any_whitespace=True, strict_mode=True)
+                if which == "regex":
+                    _check_size(where, spec.regex)
+                    return c.compile_regex(spec.regex)
+                if which == "choice":
+                    choices = list(spec.choice.choices)
+                    if not choices:
+                        raise ValueError(f"{where}: must list at least one choice")
+                    if len(choices) > MAX_CHOICES:
+                        raise ValueError(f"{where}: at most {MAX_CHOICES} choices")
+                    _check_size(where, "".join(choices))
+                    return c.compile_regex("|".join(f"({_regex_escape(x)})" for x in choices))
+                _check_size(where, spec.grammar)
+                return c.compile_grammar(spec.grammar)
+        except RuntimeError as e:
+            # xgrammar's parse errors: keep the message, drop its source location.
+            raise ValueError(f"{where}: {_short(e)}") from None
+
+    def matcher(self, compiled) -> GrammarState:
+        """A fresh matcher at the grammar's start."""
+        return GrammarState(self._xgr, compiled, self.vocab_size)
+
+
+def _check_size(where: str, text: str) -> None:
+    if len(text.encode()) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"{where}: larger than {MAX_GRAMMAR_BYTES} bytes")
+
+
+def _short(e: Exception) -> str:
+    # "[04:08:06] /project/cpp/regex_converter.cc:83: Regex parsing error ..." -> the error.
+    text = str(e).strip()
+    head, sep, rest = text.partition(": ")
+    if sep and ".cc:" in head:
+        return rest.strip()
+    return text
+
+
+class GrammarState:
+    """One sequence's position in its grammar: only emitted tokens are ever accepted
+    for good; drafts are walked and rolled back."""
+
+    def __init__(self, xgr, compiled, vocab_size: int):
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self.matcher = xgr.GrammarMatcher(compiled)  # rolls back any number of tokens
+
+    def allowed_drafts(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts the grammar allows in order (the rest are cut)."""
+        n = 0
+        for t in drafts:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+    def fill_masks(self, drafts: Sequence[int], bitmask: torch.Tensor, first_row: int) -> None:
+        """bitmask: [N, ceil(V / 32)] int32; rows first_row .. first_row + len(drafts) get
+        the allowed tokens after drafts[:j] (every draft must be allowed)."""
+        m = self.matcher
+        for j in range(len(drafts) + 1):
+            if m.is_terminated():
+                # After an end-of-sequence draft: the sequence ends there, whatever
+                # this row would sample is dropped. Leave it unmasked.
+                bitmask[first_row + j] = -1
+            else:
+                m.fill_next_token_bitmask(bitmask, first_row + j)
+            if j < len(drafts) and not m.accept_token(drafts[j]):
+                raise ValueError(f"draft {j} ({drafts[j]}) is not allowed by the grammar")
+        if drafts:
+            m.rollback(len(drafts))
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Emitted tokens, for good. A token the grammar forbids can only be one it did
+        not constrain (max_tokens reached mid-way never calls this with more)."""
+        for t in tokens:
+            if self.matcher.is_terminated():
+                return
+            if not self.matcher.accept_token(t):
+                raise ValueError(f"token {t} is not allowed by the grammar")
+
+    def new_bitmask(self, rows: int) -> torch.Tensor:
+        """[rows, ceil(V / 32)] int32, every token allowed."""
+        return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask [N, ceil(V / 32)] int32 (bit b of word w: token 32 w + b) -> [N, V] bool."""
+    import torch  # noqa: PLC0415
+
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()

@@ -1,0 +1,179 @@
+"""Structured outputs in the engine: the grammar's mask on every verified position,
+drafts it forbids cut, exact against plain decoding under the same grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from specdec.models import PagedKVCache
+from specdec.pb import common_pb2
+from specdec.sampling import SamplingParams
+from specdec.structured import Grammars, allowed_tokens
+from specdec.tokenizer import Tokenizer
+from tests.tiny import tiny_llama
+from tests.verifier.test_engine import ScriptedProposer, run
+from verifier.engine import Engine, EngineConfig, Request
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir) -> Tokenizer:
+    return Tokenizer.from_dir(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer) -> Grammars:
+    return Grammars(tokenizer.hf, len(tokenizer.hf), tokenizer.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    # Random float64 weights over the real tokenizer's vocabulary: the grammar decides
+    # much of the output, the model the rest, and outputs compare with ==.
+    return tiny_llama(len(tokenizer.hf), seed=3, logit_scale=2.0)
+
+
+def spec(**kind) -> common_pb2.StructuredOutput:
+    if "choice" in kind:
+        return common_pb2.StructuredOutput(choice=common_pb2.Choices(choices=kind["choice"]))
+    return common_pb2.StructuredOutput(**kind)
+
+
+def reference(model, grammars, structured, prompt, max_tokens, eos, sampling=None):
+    """Plain decoding under the grammar, written independently of the engine: a full
+    forward per token, xgrammar's own matcher and mask, argmax (or the seeded draw)."""
+    matcher = xgr.GrammarMatcher(grammars.compile(structured))
+    bitmask = xgr.allocate_token_bitmask(1, model.config.vocab_size)
+    ids, out = list(prompt), []
+    for _ in range(max_tokens):
+        # A fresh cache and a full forward per token: nothing of the engine's reuse.
+        cache = PagedKVCache.for_model(model.config, -(-len(ids) // 16), 16, model.dtype,
+                                       model.device)
+        cache.add(0)
+        with torch.no_grad():
+            logits = model(torch.tensor(ids), cache.plan([(0, len(ids))]), cache).logits[-1]
+        logits = logits.clone()  # [V]
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        allowed = allowed_tokens(bitmask, logits.shape[-1])[0]
+        logits[~allowed] = float("-inf")
+        t = int(logits.argmax())
+        assert matcher.accept_token(t)
+        out.append(t)
+        ids.append(t)
+        if t in eos:
+            break
+    return out
+
+
+def request(grammars, structured, prompt, max_tokens, k=0, rid="r0", **sampling):
+    return Request(rid, prompt, max_tokens, SamplingParams(temperature=0.0, **sampling),
+                   num_speculative_tokens=k,
+                   grammar=grammars.matcher(grammars.compile(structured)))
+
+
+CASES = {
+    "json_schema": spec(json_schema=json.dumps(SCHEMA)),
+    "json_object": spec(json_object=True),
+    "regex": spec(regex=r"[a-c]{3}-[0-9]{2,4}"),
+    "choice": spec(choice=["positive", "negative", "neutral"]),
+    "grammar": spec(grammar='root ::= "yes" | "no" | "(" root " and " root ")"'),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("k, error_rate", [(0, 0.0), (4, 0.0), (4, 0.5), (4, 1.0)])
+def test_greedy_under_a_grammar_equals_plain_decoding(model, grammars, tokenizer, name, k,
+                                                      error_rate):
+    structured = CASES[name]
+    prompts = [tokenizer.encode(text) for text in ("Describe a person.", "Go:")]
+    eos = tokenizer.eos_token_ids
+    refs = [reference(model, grammars, structured, p, 24, eos) for p in prompts]
+    reqs = [request(grammars, structured, p, 24, k=k, rid=f"r{i}")
+            for i, p in enumerate(prompts)]
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=256,
+                                        max_num_speculative_tokens=8),
+                    ScriptedProposer({i: r.prompt_token_ids + g
+                                      for i, (r, g) in enumerate(zip(reqs, refs, strict=True))},
+                                     error_rate, seed=5) if k else None, eos)
+    stats: dict = {}
+    got = run(engine, reqs, stats)
+    for i, r in enumerate(reqs):
+        assert got[r.request_id] == refs[i], (name, i)
+    if name in ("regex", "choice"):
+        pattern = {"regex": r"[a-c]{3}-[0-9]{2,4}", "choice": "positive|negative|neutral"}[name]
+        for ref in refs:
+            text = tokenizer.decode([t for t in ref if t not in eos])
+            assert re.fullmatch(pattern, text), text
+    if name == "json_schema":
+        for ref in refs:
+            if ref[-1] in eos:  # complete (not cut by max_tokens)
+                obj = json.loads(tokenizer.decode(ref[:-1]))
+                assert set(obj) >= {"name", "age"} and isinstance(obj["age"], int)
+    if k and error_rate == 0.0:
+        assert stats["accepted"] > 0  # the oracle's drafts were verified and kept
+
+
+def test_drafts_the_grammar_forbids_never_reach_the_forward(model, grammars, tokenizer):
+    structured = CASES["regex"]
+    prompt = tokenizer.encode("Go:")
+    ref = reference(model, grammars, structured, prompt, 16, tokenizer.eos_token_ids)
+    # Random drafts: almost none fits [a-c]{3}-[0-9]{2,4}, so almost every block is cut
+    # to nothing before the forward and the rows fed stay near one per step.
+    engine = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=256,
+                                        max_num_speculative_tokens=8),
+                    ScriptedProposer({0: prompt + ref}, error_rate=1.0, seed=2),
+                    tokenizer.eos_token_ids)
+    engine.add_request(request(grammars, structured, prompt, 16, k=8))
+    rows, out = [], []
+    while engine.has_work():
+        for o in engine.step():
+            out += o.new_token_ids
+            rows.append(o.num_tokens)
+    assert out == ref
+    assert sum(rows[1:]) <= 2 * len(rows[1:])  # without the cut: 9 rows a step
+
+
+def test_seeded_sampling_under_a_grammar_is_the_same_with_and_without_drafts(
+        model, grammars, tokenizer):
+    structured = CASES["json_object"]
+    prompt = tokenizer.encode("JSON please:")
+
+    def sample(k: int, error_rate: float) -> list[int]:
+        r = Request("s", prompt, 20, SamplingParams(temperature=0.8, seed=7),
+                    num_speculative_tokens=k,
+                    grammar=grammars.matcher(grammars.compile(structured)))
+        plain = reference(model, grammars, structured, prompt, 20, tokenizer.eos_token_ids)
+        proposer = ScriptedProposer({0: prompt + plain}, error_rate, seed=1) if k else None
+        engine = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=256,
+                                            max_num_speculative_tokens=8),
+                        proposer, tokenizer.eos_token_ids)
+        return run(engine, [r])["s"]
+
+    base = sample(0, 0.0)
+    text = tokenizer.decode([t for t in base if t not in tokenizer.eos_token_ids])
+    assert text.lstrip().startswith("{")
+    # A seeded request draws the same uniforms at the same positions whatever K is.
+    assert sample(4, 0.5) == base
+    assert sample(4, 0.0) == base
+
+
+@pytest.mark.parametrize("structured, field", [
+    (spec(json_schema="{not json"), "structured_output.json_schema"),
+    (spec(json_schema='{"type": "nope"}'), "structured_output.json_schema"),
+    (spec(regex="("), "structured_output.regex"),
+    (spec(choice=[]), "structured_output.choice"),
+    (spec(grammar="root ::= "), "structured_output.grammar"),
+    (spec(json_object=False), "structured_output.json_object"),
+    (common_pb2.StructuredOutput(), "structured_output"),
+])
+def test_bad_grammars_name_their_field(grammars, structured, field):
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        grammars.compile(structured)
