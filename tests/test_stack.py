@@ -6,6 +6,7 @@ killed and restarted; 64 concurrent streams that leave nothing allocated behind.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from pathlib import Path
@@ -74,6 +75,27 @@ def test_chat_with_each_drafter_streaming_and_concurrent(local_stack):
         return [o.choices[0].message.content for o in outs]
 
     assert asyncio.run(together()) == alone
+
+
+def test_structured_outputs_on_the_real_model_with_each_drafter(local_stack):
+    """SmolLM2 under a JSON schema and a choice: valid, and the same with every drafter."""
+    client = openai.OpenAI(base_url=local_stack.base_url, api_key="x", max_retries=0)
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20},
+                                               "country": {"enum": ["France", "Spain"]}},
+              "required": ["capital", "country"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+    content = "What is the capital of France? Answer in JSON."
+    texts = {}
+    for method in ("none", "ngram", "eagle3"):
+        r = _chat(client, content, method, max_tokens=64, response_format=fmt)
+        texts[method] = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", texts[method]
+        obj = json.loads(texts[method])
+        assert set(obj) == {"capital", "country"} and obj["country"] in ("France", "Spain")
+    assert texts["ngram"] == texts["eagle3"] == texts["none"], texts
+    r = _chat(client, "Is the sky blue? Answer yes or no.", "ngram",
+              guided_choice=["yes", "no"])
+    assert r.choices[0].message.content in ("yes", "no")
 
 
 def test_drafter_killed_mid_request(local_stack):
