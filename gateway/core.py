@@ -31,6 +31,7 @@ from gateway.types import (
     Unavailable,
 )
 from specdec.pb import verifier_pb2
+from specdec.processors import LogitsProcessors
 from specdec.speculation import METHODS, method_name
 from specdec.structured import Grammars
 from specdec.tokenizer import Tokenizer
@@ -141,6 +142,10 @@ class Gateway:
         if bad:
             raise InvalidRequest(f"{pf}: token ids {bad[:3]} are outside the vocabulary "
                                  f"(size {vocab})", param=pf)
+        try:
+            LogitsProcessors.from_proto(req.sampling, vocab, field="sampling")
+        except ValueError as e:
+            raise InvalidRequest(str(e), param=str(e).split(":")[0]) from None
         if req.sampling.HasField("structured_output"):
             field = req.structured_field or "sampling.structured_output"
             if req.sampling.ignore_eos:

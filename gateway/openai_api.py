@@ -16,6 +16,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -31,11 +32,16 @@ from gateway.core import (
 )
 from gateway.policy.request import SpeculativeRequest
 from gateway.structured import StructuredOutputError, from_openai
+from gateway.types import SpecDecodeSummary
 from specdec.pb import common_pb2
+from specdec.processors import LogitsProcessors
 
 MAX_TOP_LOGPROBS = 20
 # Largest integer the wire carries for counts (uint32 fields, signed-safe).
 _MAX_COUNT = 2**31 - 1
+# Choices one request may ask for (n, times the prompts of a completions list): each is
+# a sequence in a verifier.
+MAX_CHOICES = 64
 
 # Fields of vLLM's and OpenAI's APIs that would change the output and that this server
 # does not implement yet, with the value that means "off". A request that sets one to
@@ -43,8 +49,7 @@ _MAX_COUNT = 2**31 - 1
 _NOT_IMPLEMENTED: dict[str, object] = {
     "guided_whitespace_pattern": None,
     "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "logit_bias": None, "min_tokens": 0, "repetition_penalty": 1.0, "bad_words": None,
-    "best_of": None, "logits_processors": None, "allowed_token_ids": None,
+    "logits_processors": None,
     "prompt_logprobs": None, "use_beam_search": False, "length_penalty": 1.0,
     "include_stop_str_in_output": False, "skip_special_tokens": True,
     "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
@@ -72,12 +77,18 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = Field(None, ge=0, lt=2**64)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0, le=_MAX_COUNT)
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     speculative: dict[str, Any] | None = None
 
 
@@ -188,15 +199,9 @@ class OpenAIFrontend:
             raise InvalidRequest(msg, param=param) from None
 
     def _sampling(self, body: _Body, max_tokens: int | None, num_logprobs: int) -> common_pb2.SamplingParams:
-        if body.n != 1:
-            raise InvalidRequest("n: only n=1 is supported", param="n")
-        if body.presence_penalty or body.frequency_penalty:
-            raise InvalidRequest("presence_penalty/frequency_penalty: penalties are not "
-                                 "supported (they would change the target distribution)",
-                                 param="presence_penalty" if body.presence_penalty
-                                 else "frequency_penalty")
         s = common_pb2.SamplingParams(max_tokens=max_tokens or 0, ignore_eos=body.ignore_eos,
                                       logprobs=num_logprobs)
+        self._processors(body, s, max_tokens)
         if body.temperature is not None:
             s.temperature = body.temperature
         if body.top_p is not None:
@@ -214,6 +219,36 @@ class OpenAIFrontend:
                                      param="stop_token_ids")
         s.stop_token_ids.extend(body.stop_token_ids or ())
         return s
+
+    def _processors(self, body: _Body, s: common_pb2.SamplingParams,
+                    max_tokens: int | None) -> None:
+        """The body's logits processors into `s`, checked (400 naming the field)."""
+        s.presence_penalty = body.presence_penalty
+        s.frequency_penalty = body.frequency_penalty
+        if body.repetition_penalty is not None:
+            s.repetition_penalty = body.repetition_penalty
+        for key, bias in (body.logit_bias or {}).items():
+            try:
+                s.logit_bias[int(key)] = bias
+            except (ValueError, OverflowError):
+                raise InvalidRequest(f"logit_bias: keys are token ids, got {key!r}",
+                                     param="logit_bias") from None
+        s.min_tokens = body.min_tokens
+        if max_tokens is not None and body.min_tokens > max_tokens:
+            raise InvalidRequest(f"min_tokens: {body.min_tokens} exceeds max_tokens "
+                                 f"{max_tokens}", param="min_tokens")
+        tok = self.gw.tokenizer
+        for word in body.bad_words or ():
+            # As vLLM: the word as it would start the text, and after a space.
+            for text in {word, " " + word.lstrip()}:
+                ids = tok.encode(text)
+                if ids:
+                    s.bad_words.add(ids=ids)
+        s.allowed_token_ids.extend(body.allowed_token_ids or ())
+        try:
+            LogitsProcessors.from_proto(s, tok.vocab_size, field="")
+        except ValueError as e:
+            raise InvalidRequest(str(e), param=str(e).split(":")[0]) from None
 
     @staticmethod
     def _structured(body: _Body, sampling: common_pb2.SamplingParams) -> str | None:
@@ -263,24 +298,41 @@ class OpenAIFrontend:
                                  structured_field=self._structured(body, sampling),
                                  request_id=f"chatcmpl-{uuid.uuid4().hex}")
 
-    def completion_request(self, body: CompletionBody) -> GenerationRequest:
+    def chat_requests(self, body: ChatBody) -> list[GenerationRequest]:
+        """The request's choices: n copies of its conversation."""
+        _check_best_of(body)
+        return _choices([self.chat_request(body)], body.n)
+
+    def completion_requests(self, body: CompletionBody) -> list[GenerationRequest]:
+        """The request's choices: n per prompt of the list, in order (choice index =
+        prompt index * n + i, as vLLM numbers them)."""
+        _check_best_of(body)
         stop, spec = self._common(body)
-        if body.echo:
-            raise InvalidRequest("echo: not supported", param="echo")
+        if body.echo and body.logprobs is not None:
+            raise InvalidRequest("echo: with logprobs it needs the prompt's logprobs, which "
+                                 "this server does not compute", param="echo")
         if body.suffix:
             raise InvalidRequest("suffix: not supported", param="suffix")
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidRequest("prompt: only one prompt per request is supported",
-                                     param="prompt")
-            prompt = prompt[0]
-        ids = self.gw.text_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+        prompts = body.prompt
+        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+            prompts = [prompts]
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise InvalidRequest(f"prompt: {len(prompts)} prompts x n={body.n} is over "
+                                 f"{MAX_CHOICES} choices per request", param="prompt")
+        rid = f"cmpl-{uuid.uuid4().hex}"
         num_logprobs = body.logprobs if body.logprobs else (1 if body.logprobs == 0 else 0)
-        sampling = self._sampling(body, body.max_tokens, num_logprobs)
-        return GenerationRequest(tuple(ids), sampling, stop, spec, prompt_field="prompt",
-                                 structured_field=self._structured(body, sampling),
-                                 request_id=f"cmpl-{uuid.uuid4().hex}")
+        reqs = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, list) and any(not isinstance(t, int) for t in prompt):
+                raise InvalidRequest(f"prompt[{i}]: token ids must be integers", param="prompt")
+            ids = self.gw.text_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+            sampling = self._sampling(body, body.max_tokens, num_logprobs)
+            reqs.append(GenerationRequest(
+                tuple(ids), sampling, stop, spec,
+                prompt_field="prompt" if len(prompts) == 1 else f"prompt[{i}]",
+                structured_field=self._structured(body, sampling),
+                request_id=rid if len(prompts) == 1 else f"{rid}-p{i}"))
+        return _choices(reqs, body.n)
 
     # -- rendering ----------------------------------------------------------------
 
@@ -320,115 +372,147 @@ class OpenAIFrontend:
     # -- handlers -----------------------------------------------------------------
 
     async def _admit(self, request: Request, cls: type[_Body], build):
-        """Parse, translate (`build`) and admit the request: (body, generation), or the
-        error response of the first step that refuses it."""
+        """Parse, translate (`build`: the request's choices) and admit every choice:
+        (body, generations), or the error response of the first step that refuses it.
+        Nothing reaches a verifier before every choice is admitted."""
         try:
             body = await self._parse(request, cls)
-            return body, await self.gw.open(build(body))
+            return body, [await self.gw.open(r) for r in build(body)]
         except GatewayError as e:
             return _from_gateway_error(e)
         except _TooLarge as e:
             return e.response()
 
     async def chat(self, request: Request) -> Response:
-        admitted = await self._admit(request, ChatBody, self.chat_request)
+        admitted = await self._admit(request, ChatBody, self.chat_requests)
         if isinstance(admitted, Response):
             return admitted
-        body, generation = admitted
-        rid = generation.request_id  # the id in every log and trace
+        body, generations = admitted
+        rid = _response_id(generations)  # the id in every log and trace
         top = body.top_logprobs or 0
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return _sse(self._chat_chunks(generation.deltas(), rid, body.logprobs, top,
-                                          include_usage))
+            return _sse(self._chat_chunks(generations, rid, body.logprobs, top, include_usage))
         try:
-            whole = await _collect(request, generation.deltas())
+            wholes = await _collect(request, [g.deltas() for g in generations])
         except GatewayError as e:
             return _from_gateway_error(e)
-        if whole is None:
+        if wholes is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        text, logprobs, last = whole
+        finals = [last for _, _, last in wholes]
+        choices = []
+        for i, (text, logprobs, last) in enumerate(wholes):
+            choices.append({
+                "index": i, "message": {"role": "assistant", "content": "".join(text)},
+                "logprobs": self.chat_logprobs(logprobs, top) if body.logprobs else None,
+                "finish_reason": last.finish_reason})
+            if len(wholes) > 1:
+                choices[-1]["spec_decode"] = last.spec_decode.to_json()
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": int(time.time()),
-            "model": self.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                         "logprobs": self.chat_logprobs(logprobs, top) if body.logprobs else None,
-                         "finish_reason": last.finish_reason}],
-            "usage": self.usage(last), "spec_decode": last.spec_decode.to_json()})
+            "model": self.model, "choices": choices, "usage": _usage(finals, 1),
+            "spec_decode": _spec_decode([d.spec_decode for d in finals])})
 
-    async def _chat_chunks(self, deltas: AsyncIterator[Delta], rid: str, want_logprobs: bool,
+    async def _chat_chunks(self, generations: list, rid: str, want_logprobs: bool,
                            top: int, include_usage: bool) -> AsyncIterator[dict]:
         created = int(time.time())
+        n = len(generations)
 
-        def chunk(delta: dict, finish: str | None = None, logprobs: dict | None = None) -> dict:
+        def chunk(index: int, delta: dict, finish: str | None = None,
+                  logprobs: dict | None = None) -> dict:
             return {"id": rid, "object": "chat.completion.chunk", "created": created,
                     "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish}]}
 
-        yield chunk({"role": "assistant", "content": ""})
-        async for delta in deltas:
+        for i in range(n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        finals: list[Delta | None] = [None] * n
+        async for i, delta in _merged([g.deltas() for g in generations]):
             lp = self.chat_logprobs(delta.logprobs, top) if want_logprobs else None
             if delta.finish:
-                out = chunk({"content": delta.text} if delta.text else {}, delta.finish_reason, lp)
+                finals[i] = delta
+                out = chunk(i, {"content": delta.text} if delta.text else {},
+                            delta.finish_reason, lp)
                 out["spec_decode"] = delta.spec_decode.to_json()
                 yield out
-                if include_usage:
-                    yield {"id": rid, "object": "chat.completion.chunk", "created": created,
-                           "model": self.model, "choices": [], "usage": self.usage(delta),
-                           "spec_decode": delta.spec_decode.to_json()}
             elif delta.text or lp:
-                yield chunk({"content": delta.text}, None, lp)
+                yield chunk(i, {"content": delta.text}, None, lp)
+        if include_usage and all(finals):
+            yield {"id": rid, "object": "chat.completion.chunk", "created": created,
+                   "model": self.model, "choices": [], "usage": _usage(finals, 1),
+                   "spec_decode": _spec_decode([d.spec_decode for d in finals])}
 
     async def completions(self, request: Request) -> Response:
-        admitted = await self._admit(request, CompletionBody, self.completion_request)
+        admitted = await self._admit(request, CompletionBody, self.completion_requests)
         if isinstance(admitted, Response):
             return admitted
-        body, generation = admitted
-        rid = generation.request_id
+        body, generations = admitted
+        rid = _response_id(generations)
+        prompts = len(generations) // body.n
         want_logprobs = body.logprobs is not None
         top = body.logprobs or 0
+        echo = [self._prompt_text(g) if body.echo else "" for g in generations]
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return _sse(self._completion_chunks(generation.deltas(), rid, want_logprobs, top,
-                                                include_usage))
+            return _sse(self._completion_chunks(generations, rid, want_logprobs, top,
+                                                include_usage, echo, prompts))
         try:
-            whole = await _collect(request, generation.deltas())
+            wholes = await _collect(request, [g.deltas() for g in generations])
         except GatewayError as e:
             return _from_gateway_error(e)
-        if whole is None:
+        if wholes is None:
             return Response(status_code=499)
-        text, logprobs, last = whole
+        finals = [last for _, _, last in wholes]
+        choices = []
+        for i, (text, logprobs, last) in enumerate(wholes):
+            choices.append({
+                "index": i, "text": echo[i] + "".join(text),
+                "logprobs": (self.completion_logprobs(logprobs, top, 0)
+                             if want_logprobs else None),
+                "finish_reason": last.finish_reason})
+            if len(wholes) > 1:
+                choices[-1]["spec_decode"] = last.spec_decode.to_json()
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": int(time.time()),
-            "model": self.model,
-            "choices": [{"index": 0, "text": "".join(text),
-                         "logprobs": (self.completion_logprobs(logprobs, top, 0)
-                                      if want_logprobs else None),
-                         "finish_reason": last.finish_reason}],
-            "usage": self.usage(last), "spec_decode": last.spec_decode.to_json()})
+            "model": self.model, "choices": choices, "usage": _usage(finals, prompts),
+            "spec_decode": _spec_decode([d.spec_decode for d in finals])})
 
-    async def _completion_chunks(self, deltas: AsyncIterator[Delta], rid: str, want_logprobs: bool,
-                                 top: int, include_usage: bool) -> AsyncIterator[dict]:
+    def _prompt_text(self, generation) -> str:
+        return self.gw.tokenizer.decode(list(generation.req.prompt_token_ids))
+
+    async def _completion_chunks(self, generations: list, rid: str, want_logprobs: bool,
+                                 top: int, include_usage: bool, echo: list[str],
+                                 prompts: int) -> AsyncIterator[dict]:
         created = int(time.time())
-        offset = 0
-        async for delta in deltas:
+        n = len(generations)
+        offsets = [0] * n
+        finals: list[Delta | None] = [None] * n
+
+        def chunk(i: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+            return {"id": rid, "object": "text_completion", "created": created,
+                    "model": self.model,
+                    "choices": [{"index": i, "text": text, "logprobs": logprobs,
+                                 "finish_reason": finish}]}
+
+        for i, text in enumerate(echo):
+            if text:
+                yield chunk(i, text, None, None)
+        async for i, delta in _merged([g.deltas() for g in generations]):
             if not (delta.text or delta.finish or (want_logprobs and delta.logprobs)):
                 continue
-            out = {"id": rid, "object": "text_completion", "created": created,
-                   "model": self.model,
-                   "choices": [{"index": 0, "text": delta.text,
-                                "logprobs": (self.completion_logprobs(delta.logprobs, top, offset)
-                                             if want_logprobs else None),
-                                "finish_reason": delta.finish_reason}]}
-            offset += len(delta.text)
+            lp = (self.completion_logprobs(delta.logprobs, top, offsets[i])
+                  if want_logprobs else None)
+            out = chunk(i, delta.text, lp, delta.finish_reason)
+            offsets[i] += len(delta.text)
             if delta.finish:
+                finals[i] = delta
                 out["spec_decode"] = delta.spec_decode.to_json()
             yield out
-            if delta.finish and include_usage:
-                yield {"id": rid, "object": "text_completion", "created": created,
-                       "model": self.model, "choices": [], "usage": self.usage(delta),
-                       "spec_decode": delta.spec_decode.to_json()}
+        if include_usage and all(finals):
+            yield {"id": rid, "object": "text_completion", "created": created,
+                   "model": self.model, "choices": [], "usage": _usage(finals, prompts),
+                   "spec_decode": _spec_decode([d.spec_decode for d in finals])}
 
     def _model_card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created,
@@ -519,34 +603,42 @@ class _TooLarge(Exception):
                                f"{self.limit} bytes", "invalid_request_error")
 
 
-async def _collect(request: Request, deltas: AsyncIterator[Delta]
-                   ) -> tuple[list[str], list[common_pb2.TokenLogprob], Delta] | None:
-    """A whole non-streamed completion, or None if the client went away first. Starlette
-    does not cancel a handler whose client disconnects, so this watches for it: a request
-    nobody will read must not keep its sequence running in the verifier."""
-    text: list[str] = []
-    logprobs: list[common_pb2.TokenLogprob] = []
-    last: list[Delta] = []
+async def _collect(request: Request, streams: list[AsyncIterator[Delta]]
+                   ) -> list[tuple[list[str], list[common_pb2.TokenLogprob], Delta]] | None:
+    """Whole non-streamed completions, one per choice, or None if the client went away
+    first. Starlette does not cancel a handler whose client disconnects, so this watches
+    for it: a request nobody will read must not keep its sequences running in the
+    verifier."""
+    n = len(streams)
+    text: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[common_pb2.TokenLogprob]] = [[] for _ in range(n)]
+    last: list[Delta | None] = [None] * n
 
     async def consume() -> None:
-        async for delta in deltas:
-            text.append(delta.text)
-            logprobs.extend(delta.logprobs)
-            last[:] = [delta]
+        async for i, delta in _merged(streams):
+            text[i].append(delta.text)
+            logprobs[i].extend(delta.logprobs)
+            last[i] = delta
 
     task = asyncio.create_task(consume())
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
             if done:
-                task.result()  # raises what the generation raised
-                return text, logprobs, last[0]
+                task.result()  # raises what a generation raised
+                return [(text[i], logprobs[i], last[i]) for i in range(n)]
             if await request.is_disconnected():
                 return None
     finally:
         if not task.done():
-            task.cancel()  # closes the generation, which cancels the verifier stream
+            task.cancel()  # closes the generations, which cancels the verifier streams
             await asyncio.gather(task, return_exceptions=True)
+
+
+def _response_id(generations: list) -> str:
+    """The response's id: the request id ("chatcmpl-<hex>", "cmpl-<hex>") without the
+    suffixes of a prompt ("-p<i>") or a choice ("-<i>")."""
+    return "-".join(generations[0].request_id.split("-")[:2])
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -606,3 +698,86 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.add_api_route("/metrics", front.metrics, methods=["GET"])
     app.state.frontend = front
     return app
+
+
+def _check_best_of(body: _Body) -> None:
+    # best_of > n ranks extra samples by likelihood and returns the best: not implemented.
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidRequest(f"best_of: only best_of = n is supported (got best_of="
+                             f"{body.best_of}, n={body.n})", param="best_of")
+    if body.n > MAX_CHOICES:
+        raise InvalidRequest(f"n: at most {MAX_CHOICES}", param="n")
+
+
+def _choices(requests: list[GenerationRequest], n: int) -> list[GenerationRequest]:
+    """n choices of each request, in order. Choice i of a seeded request draws from
+    seed + i (as vLLM seeds them), so choices differ yet each is reproducible; its
+    request id gets "-i" (the first keeps the id when n is 1)."""
+    if n == 1:
+        return requests
+    out = []
+    for req in requests:
+        for i in range(n):
+            sampling = common_pb2.SamplingParams()
+            sampling.CopyFrom(req.sampling)
+            if sampling.HasField("seed"):
+                sampling.seed = (sampling.seed + i) % 2**64
+            out.append(replace(req, sampling=sampling, request_id=f"{req.request_id}-{i}"))
+    return out
+
+
+def _spec_decode(summaries: list) -> dict:
+    """The request's spec_decode over its choices: counts summed."""
+    if len(summaries) == 1:
+        return summaries[0].to_json()
+    first = summaries[0]
+    total = SpecDecodeSummary(method=first.method, disabled_reason=first.disabled_reason)
+    for s in summaries:
+        total.num_drafts += s.num_drafts
+        total.num_draft_tokens += s.num_draft_tokens
+        total.num_accepted_tokens += s.num_accepted_tokens
+    return total.to_json()
+
+
+def _usage(finals: list[Delta], prompts: int) -> dict:
+    """Prompt tokens once per prompt (its n choices share it), completion tokens summed."""
+    per_prompt = len(finals) // prompts
+    prompt_tokens = sum(finals[i * per_prompt].usage.prompt_tokens for i in range(prompts))
+    completion = sum(d.usage.completion_tokens for d in finals)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """The deltas of several generations as they come, tagged with the choice index.
+    Closing this closes them all (their verifier streams are cancelled)."""
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield 0, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for d in stream:
+                await queue.put((i, d, None))
+        except Exception as e:  # noqa: BLE001 (handed to the reader, which raises it)
+            await queue.put((i, None, e))
+            return
+        await queue.put((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, d, err = await queue.get()
+            if err is not None:
+                raise err
+            if d is None:
+                left -= 1
+                continue
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

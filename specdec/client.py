@@ -168,11 +168,19 @@ def _speculation(spec: Mapping[str, Any] | None) -> common_pb2.SpeculationPolicy
 def _sampling(max_tokens: int = 0, temperature: float | None = None, top_p: float | None = None,
               top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-              logprobs: int = 0, structured_output: Mapping[str, Any] | None = None
-              ) -> common_pb2.SamplingParams:
+              logprobs: int = 0, structured_output: Mapping[str, Any] | None = None,
+              presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+              repetition_penalty: float | None = None,
+              logit_bias: Mapping[int, float] | None = None, min_tokens: int = 0,
+              allowed_token_ids: Sequence[int] = ()) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams(max_tokens=max_tokens, top_k=top_k, min_p=min_p,
                                   stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, presence_penalty=presence_penalty,
+                                  frequency_penalty=frequency_penalty,
+                                  logit_bias=dict(logit_bias or {}), min_tokens=min_tokens,
+                                  allowed_token_ids=list(allowed_token_ids))
+    if repetition_penalty is not None:
+        s.repetition_penalty = repetition_penalty
     if structured_output:
         # vLLM's structured_outputs form: one of json, json_object, regex, choice, grammar.
         given = [k for k in KINDS if structured_output.get(k) not in (None, False)]

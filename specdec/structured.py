@@ -119,6 +119,7 @@ class Grammars:
                 tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
             info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+            self._hf = tokenizer
             self._xgr = xgr
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         return self._compiler
@@ -166,7 +167,10 @@ class Grammars:
 
     def matcher(self, compiled) -> GrammarState:
         """A fresh matcher at the grammar's start."""
-        return GrammarState(self._xgr, compiled, self.vocab_size)
+        return GrammarState(self._xgr, compiled, self.vocab_size, self._encode)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._hf.encode(text, add_special_tokens=False))
 
 
 def _check_size(where: str, text: str) -> None:
@@ -187,10 +191,11 @@ class GrammarState:
     """One sequence's position in its grammar: only emitted tokens are ever accepted
     for good; drafts are walked and rolled back."""
 
-    def __init__(self, xgr, compiled, vocab_size: int):
+    def __init__(self, xgr, compiled, vocab_size: int, encode=None):
         self._xgr = xgr
         self.vocab_size = vocab_size
         self.matcher = xgr.GrammarMatcher(compiled)  # rolls back any number of tokens
+        self._encode = encode  # text -> token ids, for the grammar's forced text
 
     def allowed_drafts(self, drafts: Sequence[int]) -> int:
         """How many leading drafts the grammar allows in order (the rest are cut)."""
@@ -218,6 +223,30 @@ class GrammarState:
                 raise ValueError(f"draft {j} ({drafts[j]}) is not allowed by the grammar")
         if drafts:
             m.rollback(len(drafts))
+
+    def forced_tokens(self, drafts: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` draft tokens for the text the grammar forces after `drafts`
+        (allowed ones): a schema's keys, quotes, braces. The forced string is
+        tokenized as the tokenizer would write it and cut where the grammar refuses a
+        token; these are drafts like any other (a deterministic proposal, one-hot q),
+        verified by the target, so a tokenization the target would not choose costs
+        acceptance, never exactness."""
+        if limit <= 0 or self._encode is None:
+            return []
+        m = self.matcher
+        for t in drafts:
+            if not m.accept_token(t):
+                raise ValueError(f"draft {t} is not allowed by the grammar")
+        out: list[int] = []
+        text = "" if m.is_terminated() else m.find_jump_forward_string()
+        if text:
+            for t in self._encode(text)[:limit]:
+                if not (0 <= t < self.vocab_size and m.accept_token(t)):
+                    break
+                out.append(t)
+        if drafts or out:
+            m.rollback(len(drafts) + len(out))
+        return out
 
     def accept(self, tokens: Sequence[int]) -> None:
         """Emitted tokens, for good. A token the grammar forbids can only be one it did

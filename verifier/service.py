@@ -19,6 +19,7 @@ import grpc
 from opentelemetry import trace
 
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingParams
 from specdec.server import GrpcService, start_server
 from specdec.speculation import acceptance_length, reason_to_proto
@@ -95,6 +96,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     # -- translation -------------------------------------------------------------
 
+    def _processors(self, s: common_pb2.SamplingParams) -> LogitsProcessors | None:
+        """The request's logits processors, None when none is active."""
+        p = LogitsProcessors.from_proto(s, self.target.vocab_size, "start.sampling")
+        if p.min_tokens and s.max_tokens and p.min_tokens > s.max_tokens:
+            raise ValueError(f"start.sampling.min_tokens: {p.min_tokens} exceeds max_tokens "
+                             f"{s.max_tokens}")
+        return p if p.active else None
+
     def _grammar(self, s: common_pb2.SamplingParams):
         """The request's grammar matcher, None without structured_output."""
         if not s.HasField("structured_output"):
@@ -159,7 +168,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             request_id=start.request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
             max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(s.stop_token_ids),
             ignore_eos=s.ignore_eos, num_speculative_tokens=policy.effective_k,
-            drafter=policy.drafter, num_logprobs=s.logprobs, grammar=self._grammar(s))
+            drafter=policy.drafter, num_logprobs=s.logprobs, grammar=self._grammar(s),
+            processors=self._processors(s))
         try:
             self.engine.validate(request)
         except ValueError as e:

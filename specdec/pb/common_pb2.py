@@ -24,41 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\x9d\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\r\x12\x37\n\x11structured_output\x18\n \x01(\x0b\x32\x1c.specdec.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.specdec.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"G\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.specdec.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"|\n\x11SpeculationPolicy\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x0e\n\x06\x61uto_k\x18\x04 \x01(\x08\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.specdec.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"8\n\x14TokenizerFingerprint\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x0c\n\x04hash\x18\x02 \x01(\t\"\xee\x01\n\tStepStats\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x14\n\x0cstep_time_ms\x18\x06 \x01(\x02\x12\x15\n\rdraft_wait_ms\x18\x07 \x01(\x02\x12\x33\n\x0f\x64isabled_reason\x18\x08 \x01(\x0e\x32\x1a.specdec.v1.DisabledReason\x12\x12\n\nnum_tokens\x18\t \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xd4\x01\n\x0fSpecDecodeStats\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\x12\n\nnum_drafts\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x05 \x01(\x02\x12\x33\n\x0f\x64isabled_reason\x18\x06 \x01(\x0e\x32\x1a.specdec.v1.DisabledReason*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04*\xba\x01\n\nSpecMethod\x12\x1b\n\x17SPEC_METHOD_UNSPECIFIED\x10\x00\x12\x14\n\x10SPEC_METHOD_NONE\x10\x01\x12\x15\n\x11SPEC_METHOD_NGRAM\x10\x02\x12\x1b\n\x17SPEC_METHOD_DRAFT_MODEL\x10\x03\x12\x15\n\x11SPEC_METHOD_EAGLE\x10\x04\x12\x16\n\x12SPEC_METHOD_EAGLE3\x10\x05\x12\x16\n\x12SPEC_METHOD_SUFFIX\x10\x06*\x9a\x02\n\x0e\x44isabledReason\x12\x18\n\x14\x44ISABLED_REASON_NONE\x10\x00\x12\x1b\n\x17\x44ISABLED_REASON_REQUEST\x10\x01\x12\x1e\n\x1a\x44ISABLED_REASON_QUEUE_SIZE\x10\x02\x12\'\n#DISABLED_REASON_DRAFTER_UNAVAILABLE\x10\x03\x12\x1c\n\x18\x44ISABLED_REASON_DEADLINE\x10\x04\x12\x1d\n\x19\x44ISABLED_REASON_DYNAMIC_K\x10\x05\x12&\n\"DISABLED_REASON_TOKENIZER_MISMATCH\x10\x06\x12#\n\x1f\x44ISABLED_REASON_DRAFTER_MAX_LEN\x10\x07*\xd3\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x05\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\xd3\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\r\x12\x37\n\x11structured_output\x18\n \x01(\x0b\x32\x1c.specdec.v1.StructuredOutput\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\'\n\tbad_words\x18\x10 \x03(\x0b\x32\x14.specdec.v1.TokenIds\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.specdec.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"G\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.specdec.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"|\n\x11SpeculationPolicy\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\r\x12\x0e\n\x06\x61uto_k\x18\x04 \x01(\x08\"m\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.specdec.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"8\n\x14TokenizerFingerprint\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x0c\n\x04hash\x18\x02 \x01(\t\"\xee\x01\n\tStepStats\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x13\n\x0bnum_drafted\x18\x03 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\r\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x14\n\x0cstep_time_ms\x18\x06 \x01(\x02\x12\x15\n\rdraft_wait_ms\x18\x07 \x01(\x02\x12\x33\n\x0f\x64isabled_reason\x18\x08 \x01(\x0e\x32\x1a.specdec.v1.DisabledReason\x12\x12\n\nnum_tokens\x18\t \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xd4\x01\n\x0fSpecDecodeStats\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\x12\n\nnum_drafts\x18\x02 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x05 \x01(\x02\x12\x33\n\x0f\x64isabled_reason\x18\x06 \x01(\x0e\x32\x1a.specdec.v1.DisabledReason*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04*\xba\x01\n\nSpecMethod\x12\x1b\n\x17SPEC_METHOD_UNSPECIFIED\x10\x00\x12\x14\n\x10SPEC_METHOD_NONE\x10\x01\x12\x15\n\x11SPEC_METHOD_NGRAM\x10\x02\x12\x1b\n\x17SPEC_METHOD_DRAFT_MODEL\x10\x03\x12\x15\n\x11SPEC_METHOD_EAGLE\x10\x04\x12\x16\n\x12SPEC_METHOD_EAGLE3\x10\x05\x12\x16\n\x12SPEC_METHOD_SUFFIX\x10\x06*\x9a\x02\n\x0e\x44isabledReason\x12\x18\n\x14\x44ISABLED_REASON_NONE\x10\x00\x12\x1b\n\x17\x44ISABLED_REASON_REQUEST\x10\x01\x12\x1e\n\x1a\x44ISABLED_REASON_QUEUE_SIZE\x10\x02\x12\'\n#DISABLED_REASON_DRAFTER_UNAVAILABLE\x10\x03\x12\x1c\n\x18\x44ISABLED_REASON_DEADLINE\x10\x04\x12\x1d\n\x19\x44ISABLED_REASON_DYNAMIC_K\x10\x05\x12&\n\"DISABLED_REASON_TOKENIZER_MISMATCH\x10\x06\x12#\n\x1f\x44ISABLED_REASON_DRAFTER_MAX_LEN\x10\x07*\xd3\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x05\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1437
-  _globals['_DTYPE']._serialized_end=1544
-  _globals['_SPECMETHOD']._serialized_start=1547
-  _globals['_SPECMETHOD']._serialized_end=1733
-  _globals['_DISABLEDREASON']._serialized_start=1736
-  _globals['_DISABLEDREASON']._serialized_end=2018
-  _globals['_FINISHREASON']._serialized_start=2021
-  _globals['_FINISHREASON']._serialized_end=2232
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_DTYPE']._serialized_start=1772
+  _globals['_DTYPE']._serialized_end=1879
+  _globals['_SPECMETHOD']._serialized_start=1882
+  _globals['_SPECMETHOD']._serialized_end=2068
+  _globals['_DISABLEDREASON']._serialized_start=2071
+  _globals['_DISABLEDREASON']._serialized_end=2353
+  _globals['_FINISHREASON']._serialized_start=2356
+  _globals['_FINISHREASON']._serialized_end=2567
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=325
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=328
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=475
-  _globals['_CHOICES']._serialized_start=477
-  _globals['_CHOICES']._serialized_end=503
-  _globals['_TENSOR']._serialized_start=505
-  _globals['_TENSOR']._serialized_end=576
-  _globals['_SPECULATIONPOLICY']._serialized_start=578
-  _globals['_SPECULATIONPOLICY']._serialized_end=702
-  _globals['_TOKENLOGPROB']._serialized_start=704
-  _globals['_TOKENLOGPROB']._serialized_end=813
-  _globals['_TOPLOGPROB']._serialized_start=815
-  _globals['_TOPLOGPROB']._serialized_end=862
-  _globals['_TOKENIZERFINGERPRINT']._serialized_start=864
-  _globals['_TOKENIZERFINGERPRINT']._serialized_end=920
-  _globals['_STEPSTATS']._serialized_start=923
-  _globals['_STEPSTATS']._serialized_end=1161
-  _globals['_USAGE']._serialized_start=1163
-  _globals['_USAGE']._serialized_end=1220
-  _globals['_SPECDECODESTATS']._serialized_start=1223
-  _globals['_SPECDECODESTATS']._serialized_end=1435
+  _globals['_SAMPLINGPARAMS']._serialized_end=635
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=529
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=577
+  _globals['_TOKENIDS']._serialized_start=637
+  _globals['_TOKENIDS']._serialized_end=660
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=663
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=810
+  _globals['_CHOICES']._serialized_start=812
+  _globals['_CHOICES']._serialized_end=838
+  _globals['_TENSOR']._serialized_start=840
+  _globals['_TENSOR']._serialized_end=911
+  _globals['_SPECULATIONPOLICY']._serialized_start=913
+  _globals['_SPECULATIONPOLICY']._serialized_end=1037
+  _globals['_TOKENLOGPROB']._serialized_start=1039
+  _globals['_TOKENLOGPROB']._serialized_end=1148
+  _globals['_TOPLOGPROB']._serialized_start=1150
+  _globals['_TOPLOGPROB']._serialized_end=1197
+  _globals['_TOKENIZERFINGERPRINT']._serialized_start=1199
+  _globals['_TOKENIZERFINGERPRINT']._serialized_end=1255
+  _globals['_STEPSTATS']._serialized_start=1258
+  _globals['_STEPSTATS']._serialized_end=1496
+  _globals['_USAGE']._serialized_start=1498
+  _globals['_USAGE']._serialized_end=1555
+  _globals['_SPECDECODESTATS']._serialized_start=1558
+  _globals['_SPECDECODESTATS']._serialized_end=1770
 # @@protoc_insertion_point(module_scope)

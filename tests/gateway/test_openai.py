@@ -203,13 +203,8 @@ def _chat(**fields) -> str:
 NOT_IMPLEMENTED = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "required"),
-    ("logit_bias", {"42": -100}),
-    ("min_tokens", 40),
-    ("repetition_penalty", 1.2),
-    ("repetition_penalty", -3),
     ("guided_whitespace_pattern", " *"),
     ("structured_outputs", {"regex": "a+", "whitespace_pattern": " *"}),
-    ("best_of", 2),
     ("skip_special_tokens", False),
     ("include_stop_str_in_output", True),
 ]
@@ -233,7 +228,7 @@ BAD = [
     (json.dumps({"messages": [{"role": "user", "content": "x"}],
                  "speculative": {"num_speculative_tokens": 99}}), "num_speculative_tokens"),
     (json.dumps({"messages": [{"role": "user", "content": "word " * 600}]}), "messages"),
-    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}), "n"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 0}), "n"),
     (json.dumps({"messages": [{"role": "robot", "content": "x"}]}), "role"),
     (json.dumps({"messages": []}), "messages"),
     # Structured outputs: a bad grammar, two at once, an unknown form.
@@ -246,6 +241,13 @@ BAD = [
     (_chat(guided_json={"type": "object"}, guided_regex="a+"), "one structured output"),
     (_chat(response_format={"type": "yaml"}), "response_format.type"),
     (_chat(guided_grammar="root ::= "), "guided_grammar"),
+    # Logits processors out of range.
+    (_chat(repetition_penalty=-3), "repetition_penalty"),
+    (_chat(presence_penalty=3), "presence_penalty"),
+    (_chat(logit_bias={"x": 1}), "logit_bias"),
+    (_chat(logit_bias={"999999999": 1}), "logit_bias"),
+    (_chat(min_tokens=40, max_tokens=10), "min_tokens"),
+    (_chat(allowed_token_ids=[-1]), "allowed_token_ids"),
     (_chat(response_format={"type": "json_object"}, ignore_eos=True), "ignore_eos"),
 ]
 

@@ -25,8 +25,10 @@ import torch
 
 from bench.stats import chi_square_p_value
 from specdec.models import LlamaForCausalLM, PagedKVCache
+from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingParams
 from tests.tiny import tiny_llama
+from tests.verifier.test_processors import by_hand
 from tests.verifier.test_rejection import filtered_table
 from verifier.engine import Engine, EngineConfig, Proposal, Proposer, Request
 
@@ -109,12 +111,17 @@ def next_token_logits(model: LlamaForCausalLM, contexts: list[list[int]]) -> tor
     return model(torch.tensor([t for c in contexts for t in c]), meta, cache).logits
 
 
-def target_law(model: LlamaForCausalLM, prompt: list[int], params: SamplingParams) -> torch.Tensor:
-    """[V, V, V] float64: p(x1, x2, x3 | prompt) after the request's filters."""
+def target_law(model: LlamaForCausalLM, prompt: list[int], params: SamplingParams,
+               processors: LogitsProcessors | None = None) -> torch.Tensor:
+    """[V, V, V] float64: p(x1, x2, x3 | prompt) after the request's logits processors
+    (each context's output so far is what it adds to the prompt) and filters."""
     v = range(VOCAB)
     contexts = [prompt] + [prompt + [a] for a in v] + [prompt + [a, b] for a in v for b in v]
-    table = filtered_table(next_token_logits(model, contexts), params.temperature, params.top_k,
-                           params.top_p, params.min_p)
+    logits = next_token_logits(model, contexts)
+    if processors is not None:
+        logits = torch.stack([by_hand(row, processors, prompt, c[len(prompt):], set())
+                              for row, c in zip(logits, contexts, strict=True)])
+    table = filtered_table(logits, params.temperature, params.top_k, params.top_p, params.min_p)
     p1, p2, p3 = table[0], table[1:1 + VOCAB], table[1 + VOCAB:].view(VOCAB, VOCAB, VOCAB)
     return p1[:, None, None] * p2[:, :, None] * p3
 
@@ -125,7 +132,7 @@ def cell_counts(prompt_index: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
     return torch.bincount(cell, minlength=NUM_PROMPTS * VOCAB**3).view(NUM_PROMPTS, -1)
 
 
-def run_engine(model, prompts, params: SamplingParams, with_probs: bool):
+def run_engine(model, prompts, params: SamplingParams, with_probs: bool, processors=None):
     """Returns prompt index [N], the first three tokens [N, 3], and the
     accepted counts seen in steps that verified K = 2 drafts."""
     engine = Engine(
@@ -136,7 +143,8 @@ def run_engine(model, prompts, params: SamplingParams, with_probs: bool):
     )
     for i in range(NUM_REQUESTS):
         engine.add_request(Request(f"r{i}", prompts[i % NUM_PROMPTS], NUM_TOKENS + 1, params,
-                                   ignore_eos=True, num_speculative_tokens=K))
+                                   ignore_eos=True, num_speculative_tokens=K,
+                                   processors=processors))
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(NUM_REQUESTS)}
     accepted_at_k2: set[int] = set()
     while engine.has_work():
@@ -166,6 +174,31 @@ def test_first_tokens_follow_the_target(model, prompts, name, with_probs):
     assert p_value > P_MIN, f"{name}: p-value {p_value:.2e}"
     # Both drafts accepted, the second rejected, the first rejected: all paths ran.
     assert accepted_at_k2 == {0, 1, 2}
+
+
+# Penalties that move every row by what the drafts before it add, a bias, and a mask.
+PROCESSORS = LogitsProcessors(presence_penalty=0.6, frequency_penalty=0.4,
+                              repetition_penalty=1.5, logit_bias=((3, 1.0),),
+                              allowed_token_ids=(0, 1, 2, 3, 4, 5, 7))
+
+
+@pytest.mark.parametrize("with_probs", [False, True], ids=["one_hot", "draft_probs"])
+def test_first_tokens_follow_the_processed_target(model, prompts, with_probs):
+    """Logits processors under speculation: row j counts drafts 1..j as output, so the
+    law of x2 and x3 is the processed target's given x1 (and x2), token 6 never comes."""
+    params = SAMPLING["t0.8_topk5"]
+    prompt_index, tokens, accepted_at_k2 = run_engine(model, prompts, params, with_probs,
+                                                      PROCESSORS)
+    law = torch.stack([target_law(model, p, params, PROCESSORS).reshape(-1) for p in prompts])
+    p_value = chi_square_p_value(cell_counts(prompt_index, tokens),
+                                 law * (NUM_REQUESTS // NUM_PROMPTS))
+    assert p_value > P_MIN, f"p-value {p_value:.2e}"
+    assert accepted_at_k2 == {0, 1, 2}
+    assert not (tokens == 6).any()
+    # The processors matter: the unprocessed law would fail the same check.
+    plain = torch.stack([target_law(model, p, params).reshape(-1) for p in prompts])
+    assert chi_square_p_value(cell_counts(prompt_index, tokens),
+                              plain * (NUM_REQUESTS // NUM_PROMPTS)) < P_MIN
 
 
 @pytest.mark.gpu

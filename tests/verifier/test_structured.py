@@ -141,30 +141,6 @@ def test_drafts_the_grammar_forbids_never_reach_the_forward(model, grammars, tok
     assert sum(rows[1:]) <= 2 * len(rows[1:])  # without the cut: 9 rows a step
 
 
-def test_seeded_sampling_under_a_grammar_is_the_same_with_and_without_drafts(
-        model, grammars, tokenizer):
-    structured = CASES["json_object"]
-    prompt = tokenizer.encode("JSON please:")
-
-    def sample(k: int, error_rate: float) -> list[int]:
-        r = Request("s", prompt, 20, SamplingParams(temperature=0.8, seed=7),
-                    num_speculative_tokens=k,
-                    grammar=grammars.matcher(grammars.compile(structured)))
-        plain = reference(model, grammars, structured, prompt, 20, tokenizer.eos_token_ids)
-        proposer = ScriptedProposer({0: prompt + plain}, error_rate, seed=1) if k else None
-        engine = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=256,
-                                            max_num_speculative_tokens=8),
-                        proposer, tokenizer.eos_token_ids)
-        return run(engine, [r])["s"]
-
-    base = sample(0, 0.0)
-    text = tokenizer.decode([t for t in base if t not in tokenizer.eos_token_ids])
-    assert text.lstrip().startswith("{")
-    # A seeded request draws the same uniforms at the same positions whatever K is.
-    assert sample(4, 0.5) == base
-    assert sample(4, 0.0) == base
-
-
 @pytest.mark.parametrize("structured, field", [
     (spec(json_schema="{not json"), "structured_output.json_schema"),
     (spec(json_schema='{"type": "nope"}'), "structured_output.json_schema"),
@@ -177,3 +153,78 @@ def test_seeded_sampling_under_a_grammar_is_the_same_with_and_without_drafts(
 def test_bad_grammars_name_their_field(grammars, structured, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):
         grammars.compile(structured)
+
+
+class SilentProposer(ScriptedProposer):
+    """A drafter that never proposes anything."""
+
+    def __init__(self):
+        super().__init__({}, 0.0)
+
+    def propose(self, wanted, tokens):
+        return {}
+
+
+def test_text_the_grammar_forces_is_free_drafts(model, grammars, tokenizer):
+    """With no drafter proposal at all, the grammar's forced text (a key's rest after
+    its first token, quotes, colons) is drafted; the output stays exact."""
+    schema = {"type": "object", "properties": {
+        "a_rather_long_property_name": {"type": "integer"}},
+        "required": ["a_rather_long_property_name"], "additionalProperties": False}
+    structured = spec(json_schema=json.dumps(schema))
+    prompt = tokenizer.encode("JSON:")
+    eos = tokenizer.eos_token_ids
+    ref = reference(model, grammars, structured, prompt, 48, eos)
+    engine = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=256,
+                                        max_num_speculative_tokens=8), SilentProposer(), eos)
+    stats: dict = {}
+    assert run(engine, [request(grammars, structured, prompt, 48, k=8)], stats)["r0"] == ref
+    assert stats["drafted"] > 0
+
+
+def test_forced_text_is_drafted_as_the_tokenizer_writes_it(grammars, tokenizer):
+    schema = {"type": "object", "properties": {"a_rather_long_property_name": {"type": "integer"}},
+              "required": ["a_rather_long_property_name"], "additionalProperties": False}
+    g = grammars.matcher(grammars.compile(spec(json_schema=json.dumps(schema))))
+    head = tokenizer.encode('{"a')
+    g.accept(head)
+    want = tokenizer.encode('_rather_long_property_name"')
+    assert g.forced_tokens([], 64) == want
+    assert g.forced_tokens([], 3) == want[:3]
+    # After drafts of its own the forced text continues from there; nothing is kept.
+    assert g.forced_tokens(want[:2], 64) == tokenizer.encode(
+        tokenizer.decode(want[2:]))
+    assert g.allowed_drafts(want) == len(want)
+
+
+@pytest.mark.slow
+def test_free_drafts_on_the_real_model_cut_the_steps(smollm2_dir, grammars, tokenizer):
+    """SmolLM2 writes JSON keys as its tokenizer does, so it accepts the grammar's
+    drafts: the same reply in far fewer steps, with no drafter."""
+    from specdec.models import load_model
+
+    real = load_model(smollm2_dir, dtype="float32", device="cpu")
+    schema = {"type": "object", "properties": {
+        "name_of_the_city": {"type": "string", "maxLength": 12},
+        "population_in_millions": {"type": "integer"},
+        "is_a_capital_city": {"type": "boolean"}},
+        "required": ["name_of_the_city", "population_in_millions", "is_a_capital_city"],
+        "additionalProperties": False}
+    structured = spec(json_schema=json.dumps(schema))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Describe Paris as JSON."}])
+    eos = tokenizer.eos_token_ids
+
+    def go(k: int) -> tuple[list[int], int]:
+        engine = Engine(real, EngineConfig(max_num_seqs=2, max_model_len=1024,
+                                           max_num_speculative_tokens=8),
+                        SilentProposer(), eos)
+        stats: dict = {}
+        out = run(engine, [request(grammars, structured, prompt, 80, k=k)], stats)["r0"]
+        return out, stats["steps"]
+
+    plain, plain_steps = go(0)
+    free, free_steps = go(8)
+    assert free == plain
+    json.loads(tokenizer.decode([t for t in plain if t not in eos]))
+    assert free_steps < 0.75 * plain_steps, (free_steps, plain_steps)

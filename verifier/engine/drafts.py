@@ -4,7 +4,9 @@ A drafter may only lower a sequence's K. Out-of-vocabulary ids end a draft,
 a malformed draft distribution drops it (K = 0 this step), and a token tree
 is verified as a tree only for greedy requests without a sliding window;
 anywhere else it keeps its chain of first children (specdec/tree.py). Under a
-grammar (specdec/structured.py) a draft ends at the first token the grammar forbids.
+grammar (specdec/structured.py) a draft ends at the first token the grammar forbids,
+and the text the grammar then forces (tokenized) joins it as free drafts, even when
+the drafter proposed nothing.
 """
 
 from __future__ import annotations
@@ -46,32 +48,45 @@ def collect_drafts(proposer: Proposer | None, batch: list[Scheduled],
     greedy = {item.seq.seq_id: item.seq.request.sampling.is_greedy for item in batch}
     grammars = {item.seq.seq_id: item.seq.request.grammar for item in batch
                 if item.seq.request.grammar is not None}
+    # Logits processors read the drafts before each row as output: one path.
+    chain_only = {item.seq.seq_id for item in batch if item.seq.request.processors is not None}
     for seq_id, k in wanted.items():
         p = proposals.get(seq_id)
+        grammar = grammars.get(seq_id)
         if p is None:
+            if grammar is not None and (forced := grammar.forced_tokens([], k)):
+                drafts.token_ids[seq_id] = forced
             continue
         # A drafter can only lower K; out-of-vocabulary ids end the draft (a
         # tree's prefix is a tree: parents come first).
         ids = list(itertools.takewhile(lambda t: 0 <= t < vocab, p.token_ids[:k]))
-        grammar = grammars.get(seq_id)
         if p.parents is not None and not token_tree.is_chain(p.parents[: len(ids)]):
             if p.probs is not None:
                 continue  # trees carry one-hot drafts only: run K = 0
             parents = p.parents[: len(ids)]
             # Trees are verified for greedy requests only; a sampled request, a
             # sliding window (it would count a tree token's slot rather than its
-            # position) or a grammar (its masks follow one path) keeps the chain
-            # of first children.
-            if greedy[seq_id] and model_config.sliding_window is None and grammar is None:
+            # position), a grammar or logits processors (they follow one path)
+            # keep the chain of first children.
+            if (greedy[seq_id] and model_config.sliding_window is None and grammar is None
+                    and seq_id not in chain_only):
                 drafts.trees[seq_id] = parents
             else:
                 ids = [ids[i] for i in token_tree.first_child_chain(parents)]
+        forced: list[int] = []
         if grammar is not None:
-            # A draft the grammar forbids can never be accepted: cut it, and the rest.
+            # A draft the grammar forbids can never be accepted: cut it, and the rest;
+            # then the text the grammar forces after the drafts joins them, free.
             ids = ids[: grammar.allowed_drafts(ids)]
+            forced = grammar.forced_tokens(ids, k - len(ids))
         if p.probs is not None and ids:
             if p.probs.dim() != 2 or p.probs.shape[0] < len(ids) or p.probs.shape[1] != vocab:
                 continue  # a malformed q can't be verified exactly: run K = 0
-            drafts.probs[seq_id] = p.probs[: len(ids)]
+            q = p.probs[: len(ids)]  # [K_i, V]
+            if forced:  # a deterministic proposal: one-hot q
+                q = torch.cat([q, torch.nn.functional.one_hot(
+                    torch.tensor(forced), vocab).to(q.dtype)])
+            drafts.probs[seq_id] = q
+        ids = ids + forced
         drafts.token_ids[seq_id] = ids
     return drafts

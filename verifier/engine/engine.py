@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.models import LlamaForCausalLM
+from specdec.processors import apply_block
 from specdec.sampling import SamplingMetadata
 from specdec.structured import allowed_tokens
 from verifier.engine.drafts import collect_drafts
@@ -287,9 +288,37 @@ class Engine:
         metadata = SamplingMetadata.from_params(
             [s.request.sampling for s in seqs], [s.generator for s in seqs], self.shared_generator,
             device=dev)
-        logits = _grammar_masked(chains, seqs)
+        logits = self._processed(chains, seqs)
         out_ids, num_accepted = rejection_sample(logits, draft_ids, q, num_drafts, metadata)
         return out_ids.tolist(), num_accepted.tolist()
+
+    def _processed(self, chains: Chains, seqs: list[Sequence]) -> torch.Tensor:
+        """chains.logits [N, V] as each request's logits processors and grammar leave
+        them, row j of a sequence's block seeing its drafts 1..j as output: the target
+        distribution plain decoding would sample from, at every position verified. The
+        raw rows stay in chains.logits for logprobs."""
+        if all(s.request.grammar is None and s.request.processors is None for s in seqs):
+            return chains.logits
+        logits = chains.logits.clone()
+        bitmask = None
+        row = 0
+        for seq, chain in zip(seqs, chains.drafts, strict=True):
+            rows = slice(row, row + len(chain) + 1)
+            req = seq.request
+            if req.processors is not None:
+                stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos
+                                                      else set(self.eos_token_ids))
+                apply_block(logits[rows], req.processors, req.prompt_token_ids,
+                            seq.output_ids, chain, stop_ids)
+            if req.grammar is not None:
+                if bitmask is None:
+                    bitmask = req.grammar.new_bitmask(logits.shape[0])  # [N, ceil(V / 32)]
+                req.grammar.fill_masks(chain, bitmask, row)
+            row = rows.stop
+        if bitmask is not None:
+            allowed = allowed_tokens(bitmask, logits.shape[-1]).to(logits.device)  # [N, V]
+            logits.masked_fill_(~allowed, float("-inf"))
+        return logits
 
     def _postprocess(self, out: RunnerOutput, chains: Chains, token_ids: list[list[int]],
                      num_accepted: list[int]) -> list[StepOutput]:
@@ -401,22 +430,3 @@ def _logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[
                                    top_ids.tolist(), top_lp.tolist(), strict=True)
     ]
 
-
-def _grammar_masked(chains: Chains, seqs: list[Sequence]) -> torch.Tensor:
-    """chains.logits [N, V], with the rows of sequences under a grammar masked to what
-    it allows after each prefix of their drafts (forbidden tokens -> -inf): the target
-    distribution plain decoding under the grammar would sample from, at every position
-    verified. The raw rows stay in chains.logits for logprobs."""
-    if all(s.request.grammar is None for s in seqs):
-        return chains.logits
-    bitmask = None
-    row = 0
-    for seq, chain in zip(seqs, chains.drafts, strict=True):
-        grammar = seq.request.grammar
-        if grammar is not None:
-            if bitmask is None:
-                bitmask = grammar.new_bitmask(chains.logits.shape[0])  # [N, ceil(V / 32)]
-            grammar.fill_masks(chain, bitmask, row)
-        row += len(chain) + 1
-    allowed = allowed_tokens(bitmask, chains.logits.shape[-1]).to(chains.logits.device)  # [N, V]
-    return chains.logits.masked_fill(~allowed, float("-inf"))

@@ -30,6 +30,8 @@ class Request:
     num_logprobs: int = 0  # > 0: return each token's logprob and this many top alternatives
     # The output's grammar (specdec.structured.GrammarState), at the tokens emitted so far.
     grammar: object | None = None
+    # Logits processors (specdec.processors.LogitsProcessors); None when none is active.
+    processors: object | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
