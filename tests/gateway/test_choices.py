@@ -7,22 +7,9 @@ from __future__ import annotations
 import json
 
 import httpx2
-import openai
 import pytest
 
-from tests.gateway.stack import MODEL_NAME, GatewayStack
-
-
-@pytest.fixture(scope="module")
-def stack(loop, model, smollm2_dir):
-    s = GatewayStack(loop, model, smollm2_dir, default_method="none")
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+from tests.gateway.stack import MODEL_NAME
 
 
 def seeded(client, seed: int, n: int = 1, **kw):

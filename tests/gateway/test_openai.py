@@ -19,18 +19,6 @@ PROMPTS = ["Write a haiku about the sea.", "List three prime numbers.",
            "Explain what a compiler does in one sentence."]
 
 
-@pytest.fixture(scope="module")
-def stack(loop, model, smollm2_dir):
-    s = GatewayStack(loop, model, smollm2_dir, default_method="none")
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
-
-
 SPEC_CASES = [
     None,
     {"method": "none"},

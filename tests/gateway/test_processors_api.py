@@ -3,25 +3,12 @@ speculation (the text of plain greedy decoding under the same processors)."""
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from specdec.client import Client
 from specdec.processors import LogitsProcessors
-from tests.gateway.stack import MODEL_NAME, GatewayStack
+from tests.gateway.stack import MODEL_NAME
 from tests.verifier.test_processors import reference
-
-
-@pytest.fixture(scope="module")
-def stack(loop, model, smollm2_dir):
-    s = GatewayStack(loop, model, smollm2_dir, default_method="none")
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
 
 
 def text_of(stack, ids):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import re
 
-import openai
 import pytest
 
 from specdec.client import Client, InvalidRequestError
 from specdec.pb import common_pb2
-from tests.gateway.stack import MODEL_NAME, GatewayStack
+from tests.gateway.stack import MODEL_NAME
 from tests.verifier.test_structured import reference
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
@@ -38,18 +37,6 @@ FORMS = {
         {"structured_outputs": {"grammar": 'root ::= "a" | "b" root'}},
         common_pb2.StructuredOutput(grammar='root ::= "a" | "b" root'), "b*a"),
 }
-
-
-@pytest.fixture(scope="module")
-def stack(loop, model, smollm2_dir):
-    s = GatewayStack(loop, model, smollm2_dir, default_method="none")
-    yield s
-    s.close()
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
 
 
 def want(stack, structured, content, max_tokens=32):
