@@ -17,10 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from specdec.pb import common_pb2
-from specdec.structured import KINDS, StructuredOutputError, from_kind, schema_text
+from specdec.structured import StructuredOutputError, from_kind, from_kinds, schema_text
 
-FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
-          "guided_choice", "guided_grammar", "guided_decoding_backend")
 _BACKENDS = (None, "", "auto", "xgrammar")
 # structured_outputs keys that would shape the grammar in ways this server does not
 # implement (refused, never ignored).
@@ -57,19 +55,10 @@ def _from_structured_outputs(so: Any) -> common_pb2.StructuredOutput | None:
             raise StructuredOutputError(f"{where}.{key}: not supported by this server (it "
                                         f"would change the output, so it is refused rather "
                                         f"than ignored)", f"{where}.{key}")
-    given = [k for k in KINDS if so.get(k) not in (None, False)]
-    unknown = sorted(set(so) - set(KINDS) - set(_UNSUPPORTED_OPTIONS) - {"backend"})
-    if unknown:
-        raise StructuredOutputError(f"{where}.{unknown[0]}: unknown field", f"{where}.{unknown[0]}")
     if so.get("backend") not in _BACKENDS:
         raise StructuredOutputError(f"{where}.backend: this server uses xgrammar",
                                     f"{where}.backend")
-    if not given:
-        return None
-    if len(given) > 1:
-        raise StructuredOutputError(f"{where}: give one of {', '.join(KINDS)} (got "
-                                    f"{', '.join(given)})", where)
-    return from_kind(given[0], so[given[0]], f"{where}.{given[0]}")
+    return from_kinds(so, where, (*_UNSUPPORTED_OPTIONS, "backend"))
 
 
 def from_openai(extra: dict[str, Any]) -> tuple[common_pb2.StructuredOutput | None, str | None]:

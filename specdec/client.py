@@ -27,7 +27,7 @@ import grpc
 from specdec.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specdec.server import GRPC_OPTIONS
 from specdec.speculation import FINISH_REASONS, method_name, method_to_proto, reason_name
-from specdec.structured import KINDS, from_kind
+from specdec.structured import KINDS, from_kinds
 
 # -- errors -------------------------------------------------------------------------
 
@@ -183,15 +183,13 @@ def _sampling(max_tokens: int = 0, temperature: float | None = None, top_p: floa
         s.repetition_penalty = repetition_penalty
     if structured_output:
         # vLLM's structured_outputs form: one of json, json_object, regex, choice, grammar.
-        given = [k for k in KINDS if structured_output.get(k) not in (None, False)]
-        unknown = sorted(set(structured_output) - set(KINDS))
-        if unknown or len(given) != 1:
-            raise InvalidRequestError(f"structured_output: exactly one of {', '.join(KINDS)}")
         try:
-            s.structured_output.CopyFrom(from_kind(given[0], structured_output[given[0]],
-                                                   f"structured_output.{given[0]}"))
+            spec = from_kinds(structured_output, "structured_output")
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
+        if spec is None:
+            raise InvalidRequestError(f"structured_output: exactly one of {', '.join(KINDS)}")
+        s.structured_output.CopyFrom(spec)
     if temperature is not None:
         s.temperature = temperature
     if top_p is not None:

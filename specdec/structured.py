@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from specdec.pb import common_pb2
@@ -79,12 +78,20 @@ def from_kind(kind: str, value: Any, where: str) -> common_pb2.StructuredOutput:
     return common_pb2.StructuredOutput(**{kind: _text(value, where)})
 
 
-def kind(spec: common_pb2.StructuredOutput | None) -> str | None:
-    """Which grammar `spec` asks for ("json_schema", "json_object", "regex", "choice",
-    "grammar"), or None for no constraint."""
-    if spec is None:
-        return None
-    return spec.WhichOneof("kind")
+def from_kinds(fields: Mapping[str, Any], where: str,
+               other_keys: Collection[str] = ()) -> common_pb2.StructuredOutput | None:
+    """vLLM's `structured_outputs` object: at most one of KINDS set (None: none is);
+    `other_keys` are keys the caller handles itself. StructuredOutputError naming the
+    field."""
+    unknown = sorted(set(fields) - set(KINDS) - set(other_keys))
+    if unknown:
+        raise StructuredOutputError(f"{where}.{unknown[0]}: unknown field",
+                                    f"{where}.{unknown[0]}")
+    given = [k for k in KINDS if fields.get(k) not in (None, False)]
+    if len(given) > 1:
+        raise StructuredOutputError(f"{where}: exactly one of {', '.join(KINDS)} (got "
+                                    f"{', '.join(given)})", where)
+    return from_kind(given[0], fields[given[0]], f"{where}.{given[0]}") if given else None
 
 
 def _regex_escape(text: str) -> str:
@@ -95,14 +102,14 @@ def _regex_escape(text: str) -> str:
 class Grammars:
     """Compiles StructuredOutput specs for one tokenizer; thread-safe, with a cache.
 
-    `tokenizer` is a Hugging Face tokenizer (or a directory holding one); `vocab_size`
+    `tokenizer` is a Hugging Face tokenizer; `vocab_size`
     the model's (it may exceed the tokenizer's: padded rows are never allowed);
     `stop_token_ids` the ids that end a sequence, which the grammar allows once it is
     complete.
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int]):
-        self._tokenizer = tokenizer
+        self._hf = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(set(stop_token_ids))
         self._compiler = None  # built on first use: it reads the whole vocabulary
@@ -112,21 +119,15 @@ class Grammars:
         import xgrammar as xgr  # noqa: PLC0415 (a native library, loaded on first use)
 
         if self._compiler is None:
-            tokenizer = self._tokenizer
-            if isinstance(tokenizer, (str, Path)):
-                from transformers import AutoTokenizer  # noqa: PLC0415
-
-                tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
             info = xgr.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
-            self._hf = tokenizer
+                self._hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
             self._xgr = xgr
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         return self._compiler
 
     def compile(self, spec: common_pb2.StructuredOutput, field: str = "structured_output"):
         """The compiled grammar; ValueError naming `field`.<kind> for a bad one."""
-        which = kind(spec)
+        which = spec.WhichOneof("kind")
         if which is None:
             raise ValueError(f"{field}: names no grammar (json_schema, json_object, regex, "
                              f"choice or grammar)")

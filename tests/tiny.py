@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.models import LlamaForCausalLM, ModelConfig
+from specdec.models import LlamaForCausalLM, ModelConfig, PagedKVCache
 
 
 def tiny_llama(vocab_size: int, seed: int, *, hidden_size: int = 64, head_dim: int = 16,
@@ -20,3 +20,14 @@ def tiny_llama(vocab_size: int, seed: int, *, hidden_size: int = 64, head_dim: i
     with torch.no_grad():
         m.lm_head.weight.mul_(logit_scale)
     return m
+
+
+def next_token_logits(model: LlamaForCausalLM, contexts: list[list[int]]) -> torch.Tensor:
+    """[n, V] float64 logits after each context, in one ragged forward."""
+    bs = 16
+    cache = PagedKVCache.for_model(model.config, sum(-(-len(c) // bs) for c in contexts), bs,
+                                   model.dtype)
+    for i in range(len(contexts)):
+        cache.add(i)
+    meta = cache.plan([(i, len(c)) for i, c in enumerate(contexts)])
+    return model(torch.tensor([t for c in contexts for t in c]), meta, cache).logits

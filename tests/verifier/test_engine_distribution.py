@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from bench.stats import chi_square_p_value
-from specdec.models import LlamaForCausalLM, PagedKVCache
+from specdec.models import LlamaForCausalLM
 from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingParams
-from tests.tiny import tiny_llama
+from tests.tiny import next_token_logits, tiny_llama
 from tests.verifier.test_processors import by_hand
 from tests.verifier.test_rejection import filtered_table
 from verifier.engine import Engine, EngineConfig, Proposal, Proposer, Request
@@ -98,17 +98,6 @@ class MarkovDrafter(Proposer):
 
     def free(self, seq_id):
         pass
-
-
-def next_token_logits(model: LlamaForCausalLM, contexts: list[list[int]]) -> torch.Tensor:
-    """[n, V] float64 logits after each context, in one ragged forward."""
-    bs = 16
-    cache = PagedKVCache.for_model(model.config, sum(-(-len(c) // bs) for c in contexts), bs,
-                                   model.dtype)
-    for i in range(len(contexts)):
-        cache.add(i)
-    meta = cache.plan([(i, len(c)) for i, c in enumerate(contexts)])
-    return model(torch.tensor([t for c in contexts for t in c]), meta, cache).logits
 
 
 def target_law(model: LlamaForCausalLM, prompt: list[int], params: SamplingParams,

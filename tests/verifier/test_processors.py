@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.models import PagedKVCache
 from specdec.pb import common_pb2
 from specdec.processors import LogitsProcessors, apply_block
 from specdec.sampling import SamplingParams
-from tests.tiny import tiny_llama
+from tests.tiny import next_token_logits, tiny_llama
 from tests.verifier.test_engine import ScriptedProposer, run
 from verifier.engine import Engine, EngineConfig, Request
 
@@ -79,11 +78,8 @@ def reference(model, p: LogitsProcessors, prompt: list[int], max_tokens: int,
     """Plain greedy decoding under the processors: a full forward per token."""
     ids, out = list(prompt), []
     for _ in range(max_tokens):
-        cache = PagedKVCache.for_model(model.config, -(-len(ids) // 16), 16, model.dtype,
-                                       model.device)
-        cache.add(0)
         with torch.no_grad():
-            logits = model(torch.tensor(ids), cache.plan([(0, len(ids))]), cache).logits[-1]
+            logits = next_token_logits(model, [ids])[0]  # [V]
         t = int(by_hand(logits, p, prompt, out, set(eos)).argmax())
         out.append(t)
         ids.append(t)

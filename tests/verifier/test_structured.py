@@ -10,12 +10,11 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from specdec.models import PagedKVCache
 from specdec.pb import common_pb2
 from specdec.sampling import SamplingParams
 from specdec.structured import Grammars, allowed_tokens
 from specdec.tokenizer import Tokenizer
-from tests.tiny import tiny_llama
+from tests.tiny import next_token_logits, tiny_llama
 from tests.verifier.test_engine import ScriptedProposer, run
 from verifier.engine import Engine, EngineConfig, Request
 
@@ -47,20 +46,16 @@ def spec(**kind) -> common_pb2.StructuredOutput:
     return common_pb2.StructuredOutput(**kind)
 
 
-def reference(model, grammars, structured, prompt, max_tokens, eos, sampling=None):
-    """Plain decoding under the grammar, written independently of the engine: a full
-    forward per token, xgrammar's own matcher and mask, argmax (or the seeded draw)."""
+def reference(model, grammars, structured, prompt, max_tokens, eos):
+    """Plain greedy decoding under the grammar, written independently of the engine: a
+    full forward per token, xgrammar's own matcher and mask, argmax."""
     matcher = xgr.GrammarMatcher(grammars.compile(structured))
     bitmask = xgr.allocate_token_bitmask(1, model.config.vocab_size)
     ids, out = list(prompt), []
     for _ in range(max_tokens):
         # A fresh cache and a full forward per token: nothing of the engine's reuse.
-        cache = PagedKVCache.for_model(model.config, -(-len(ids) // 16), 16, model.dtype,
-                                       model.device)
-        cache.add(0)
         with torch.no_grad():
-            logits = model(torch.tensor(ids), cache.plan([(0, len(ids))]), cache).logits[-1]
-        logits = logits.clone()  # [V]
+            logits = next_token_logits(model, [ids])[0].clone()  # [V], masked below
         matcher.fill_next_token_bitmask(bitmask, 0)
         allowed = allowed_tokens(bitmask, logits.shape[-1])[0]
         logits[~allowed] = float("-inf")
