@@ -119,6 +119,7 @@ class Reply:
     ttft_s: float
     chunk_gaps_s: list[float] = field(default_factory=list)  # between content chunks
     acceptance_length: float | None = None
+    draft_size: float | None = None  # draft tokens per drafting step (K as dynamic K set it)
 
 
 async def stream_one(client: openai.AsyncOpenAI, messages: list[dict], max_tokens: int,
@@ -129,7 +130,7 @@ async def stream_one(client: openai.AsyncOpenAI, messages: list[dict], max_token
     gaps: list[float] = []
     text: list[str] = []
     tokens = 0
-    al = None
+    al = size = None
     stream = await client.chat.completions.create(
         model=SERVED_NAME, messages=messages, temperature=0, max_tokens=max_tokens,
         stream=True, stream_options={"include_usage": True}, extra_body=extra_body)
@@ -144,8 +145,11 @@ async def stream_one(client: openai.AsyncOpenAI, messages: list[dict], max_token
             text.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-            al = ((chunk.model_extra or {}).get("spec_decode") or {}).get("acceptance_length")
-    return Reply("".join(text), tokens, ttft or 0.0, gaps, al or None)
+            spec = (chunk.model_extra or {}).get("spec_decode") or {}
+            al = spec.get("acceptance_length")
+            if spec.get("num_drafts"):
+                size = spec["num_draft_tokens"] / spec["num_drafts"]
+    return Reply("".join(text), tokens, ttft or 0.0, gaps, al or None, size)
 
 
 async def run_cell(client, requests: list[Prompt], concurrency: int, max_tokens: int,
@@ -168,11 +172,13 @@ def cell_stats(replies: list[Reply], wall_s: float) -> dict:
     ttfts = [1e3 * r.ttft_s for r in replies]
     gaps = [1e3 * g for r in replies for g in r.chunk_gaps_s]
     als = [r.acceptance_length for r in replies if r.acceptance_length]
+    sizes = [r.draft_size for r in replies if r.draft_size]
     return {"wall_s": wall_s, "tokens": sum(r.tokens for r in replies),
             "tok_s": sum(r.tokens for r in replies) / wall_s,
             "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p99": percentile(ttfts, 99),
             "itl_ms_p50": percentile(gaps, 50), "itl_ms_p99": percentile(gaps, 99),
             "acceptance_length": statistics.mean(als) if als else None,
+            "draft_size": statistics.mean(sizes) if sizes else None,
             "texts": [r.text for r in replies]}
 
 
@@ -199,10 +205,11 @@ async def drive(base: str, configs: dict[str, dict | None], prompts: list[Prompt
                                           args.max_tokens, _body(configs[name]))
                     cell["breakdown"] = probe.breakdown(before, probe.snapshot(), cell["wall_s"])
                     cells[name].setdefault(str(c), []).append(cell)
-                    al = cell["acceptance_length"]
+                    al, size = cell["acceptance_length"], cell["draft_size"]
                     print(f"  {label} {name:10s} C={c:3d} {cell['tok_s']:7.1f} tok/s  TTFT p50 "
                           f"{cell['ttft_ms_p50']:6.0f} ms  ITL p50 {cell['itl_ms_p50'] or 0:5.1f} ms"
-                          + (f"  AL {al:.2f}" if al else ""), flush=True)
+                          + (f"  AL {al:.2f}" if al else "")
+                          + (f"  drafts/step {size:.2f}" if size else ""), flush=True)
                 if after is not None:
                     after(c)
     return cells
@@ -362,7 +369,8 @@ def run_ours(args, model_dir: Path, prompts: list[Prompt], log_dir: Path,
         startup = time.perf_counter() - t0
         base = f"http://127.0.0.1:{ports[8000]}/v1"
         probe = Probe({n: p.pid for n, p in stack.procs.items()}, f"127.0.0.1:{ports[50051]}")
-        return asyncio.run(drive(base, OURS, prompts, args, "ours", probe, after)), startup
+        configs = {n: spec for n, spec in OURS.items() if args.ours is None or n in args.ours}
+        return asyncio.run(drive(base, configs, prompts, args, "ours", probe, after)), startup
     finally:
         stop.set()
         stack.stop()
@@ -550,27 +558,29 @@ def render(result: dict) -> str:
         f"{result['wall_s'] / 60:.1f} min.",
         "",
         "tok/s = output tokens over the cell's wall time; TTFT and ITL (time between streamed "
-        "chunks) p50/p99 in ms; AL = acceptance length; same = replies equal to ours without "
+        "chunks) p50/p99 in ms; AL = acceptance length; drafts = draft tokens per drafting "
+        "step (the K dynamic K chose, on average); same = replies equal to ours without "
         "speculation.",
         "",
     ]
     for c in cs:
         lines += [f"C={c}:", "",
-                  "| system | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | AL | same |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| system | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | AL | drafts | "
+                  "same |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for name in [f"ours {n}" for n in OURS] + [f"vllm {m}" for m in VLLM]:
             x = s.get(name, {}).get(c)
             if x is None:
                 why = result["unavailable"].get(name)
                 if why:
-                    lines.append(f"| {name} | unavailable: {why.replace('|', '/')} ||||||| ")
+                    lines.append(f"| {name} | unavailable: {why.replace('|', '/')} |||||||| ")
                 continue
             same = f"{x['identical']}/{x['requests']}" if x["identical"] is not None else "-"
             lines.append(
                 f"| {name} | {x['tok_s']:.1f} | {_fmt(x['ttft_ms_p50'])} | "
                 f"{_fmt(x['ttft_ms_p99'])} | {_fmt(x['itl_ms_p50'], '.1f')} | "
                 f"{_fmt(x['itl_ms_p99'], '.1f')} | {_fmt(x['acceptance_length'], '.2f')} | "
-                f"{same} |")
+                f"{_fmt(x.get('draft_size'), '.2f')} | {same} |")
         lines.append("")
     lines += ["Ratios (tok/s, same C):", "",
               "| ratio | " + " | ".join(f"C={c}" for c in cs) + " |",
@@ -679,6 +689,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--systems", default="ours,vllm,engine")
+    ap.add_argument("--ours", type=lambda s: s.split(","), default=None,
+                    help="comma-separated configurations of ours to run (default: all of "
+                         + ", ".join(OURS) + ")")
     ap.add_argument("--peers-python", default=str(PEERS_PYTHON))
     ap.add_argument("--vllm-timeout-s", type=float, default=600.0, help="per server start")
     ap.add_argument("--quick", action="store_true",
@@ -688,6 +701,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.concurrency, args.requests, args.max_tokens = [1, 4], 2, 8
     systems = set(args.systems.split(","))
+    unknown = [n for n in args.ours or () if n not in OURS]
+    if unknown:
+        ap.error(f"--ours: unknown configuration(s) {', '.join(unknown)}")
 
     t_start = time.perf_counter()
     load0 = round(os.getloadavg()[0], 2)

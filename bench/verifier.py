@@ -58,6 +58,11 @@ TARGET = {"batch": 1, "k": 4, "max_ratio": 1.3}  # the issue's CPU target
 GRAPHS_TARGET = {"batch": 1, "min_speedup": 1.5}  # the GPU target: eager / graphs step time
 SAMPLER_TARGET = {"min_speedup": 10.0}  # the GPU target: torch / Triton sampler time
 BLOCK_SIZE = 16
+# Peak memory bandwidth of the GPUs we are lent, GB/s (vendor data sheets), by a part of
+# the name torch reports: a decode step reads every weight once, so weight bytes over
+# this is the step's floor.
+GPU_BANDWIDTH_GBPS = {"H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0,
+                      "A100-SXM4-80GB": 2039.0, "A100-SXM4-40GB": 1555.0}
 # Random-weight targets by name (--model), for shapes no prepared model has.
 RANDOM_MODELS = {
     # TinyLlama-1.1B's layout with 8 KV heads: 1.1B parameters.
@@ -360,6 +365,7 @@ def render_table(result: dict) -> str:
         ]
         for r in result["graphs_speedup"]:
             lines.append(f"| {r['batch']} | {r['k']} | {r['decode']:.2f}x | {r['verify']:.2f}x |")
+    lines += bandwidth_floor_lines(result)
     s = result["sampler"]
     lines += [
         "",
@@ -391,6 +397,31 @@ def render_table(result: dict) -> str:
             kernels = f"{r['core_kernels']:.1f}x" if r.get("core_kernels") else "-"
             lines.append(f"| {r['case']} | {r['core']:.1f}x | {kernels} | {r['step']:.2f}x |")
     return "\n".join(lines) + "\n"
+
+
+def bandwidth_floor_ms(result: dict) -> float | None:
+    """Weight bytes over the GPU's peak bandwidth in ms; None off a known GPU."""
+    gbps = next((v for k, v in GPU_BANDWIDTH_GBPS.items() if k in result["device_name"]), None)
+    if result["device"] != "cuda" or gbps is None or "num_parameters" not in result:
+        return None
+    weight_bytes = result["num_parameters"] * parse_dtype(result["dtype"]).itemsize
+    return weight_bytes / (gbps * 1e9) * 1e3
+
+
+def bandwidth_floor_lines(result: dict) -> list[str]:
+    """Each batch's fastest decode step against the weight-bandwidth floor."""
+    floor = bandwidth_floor_ms(result)
+    if floor is None:
+        return []
+    best: dict[int, float] = {}
+    for r in result["forward"]:
+        best[r["batch"]] = min(best.get(r["batch"], float("inf")), r["decode_median_ms"])
+    lines = ["", f"Weight-bandwidth floor: {result['num_parameters'] / 1e9:.2f}B parameters in "
+             f"{result['dtype']} read once per step at the {result['device_name']}'s peak "
+             f"bandwidth = {floor:.2f} ms (weights alone: the KV cache read at each step adds to it)", "",
+             "| batch | decode ms (fastest mode) | floor ms | decode / floor |", "|---|---|---|---|"]
+    lines += [f"| {b} | {ms:.2f} | {floor:.2f} | {ms / floor:.1f}x |" for b, ms in best.items()]
+    return lines
 
 
 def device_name(device: torch.device) -> str:

@@ -87,14 +87,14 @@ def test_render_names_a_missing_vllm_and_the_ratios():
         "config": {"concurrency": [1], "requests": 2, "max_tokens": 8, "repeats": 1,
                    "prompts": ["a", "b"]},
         "load_average_1min": [0.1, 0.2], "wall_s": 60.0,
-        "summary": {"ours plain": {"1": cell(10.0)}, "ours ngram K=4": {"1": cell(15.0)},
+        "summary": {"ours plain": {"1": cell(10.0)}, "ours ngram K=4": {"1": cell(15.0, draft_size=3.5)},
                     "engine plain": {"1": cell(12.5, step_ms_p50=50.0)}},
         "unavailable": {"vllm plain": "no peers venv", "vllm ngram K=4": "no peers venv"},
         "notes": ["a note"],
     }
     text = serving.render(result)
     assert "| vllm plain | unavailable: no peers venv" in text
-    assert "| ours ngram K=4 | 15.0 | 100 | 150 | 20.0 | 40.0 | - | 2/2 |" in text
+    assert "| ours ngram K=4 | 15.0 | 100 | 150 | 20.0 | 40.0 | - | 3.50 | 2/2 |" in text
     assert "| `make run` plain / engine | 0.80 |" in text
     assert "| ours best / vLLM best | - |" in text
 
