@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hmac
+import uuid
 
 import grpc
 
+from gateway.choices import MAX_CHOICES, choices, merged
 from gateway.core import Delta, Gateway, GatewayError, GenerationRequest, InvalidRequest
 from gateway.policy.request import SpeculativeRequest
 from specdec.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -36,9 +38,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or invalid API key (metadata authorization: Bearer <key>)")
 
-    def _request(self, model: str, prompt: list[int], sampling: common_pb2.SamplingParams,
-                 stop, speculation: common_pb2.SpeculationPolicy, request_id: str,
-                 prompt_field: str) -> GenerationRequest:
+    def _requests(self, model: str, prompt: list[int], sampling: common_pb2.SamplingParams,
+                  stop, speculation: common_pb2.SpeculationPolicy, request_id: str,
+                  prompt_field: str, n: int) -> list[GenerationRequest]:
+        """The request's choices, checked."""
         self.gw.check_model(model)
         limit = self.gw.config.limits.max_tokens
         if limit and sampling.max_tokens > limit:
@@ -48,38 +51,56 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidRequest("sampling.temperature: must be >= 0")
         if sampling.HasField("top_p") and not 0 < sampling.top_p <= 1:
             raise InvalidRequest("sampling.top_p: must be in (0, 1]")
-        return GenerationRequest(tuple(prompt), sampling, tuple(stop),
-                                 speculative_from_proto(speculation), request_id,
-                                 prompt_field=prompt_field)
+        if n > MAX_CHOICES:
+            raise InvalidRequest(f"n: at most {MAX_CHOICES}, got {n}")
+        # Choices need an id to suffix; the same form the gateway would make up.
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        req = GenerationRequest(tuple(prompt), sampling, tuple(stop),
+                                speculative_from_proto(speculation), request_id,
+                                prompt_field=prompt_field)
+        return choices([req], max(n, 1))
 
-    async def _run(self, req: GenerationRequest, stream: bool, context, make):
+    async def _run(self, reqs: list[GenerationRequest], stream: bool, context, make):
+        """Every choice admitted before any runs; then streamed deltas, each tagged with
+        its choice, or one whole message per choice in index order."""
         try:
-            generation = await self.gw.open(req)
+            generations = [await self.gw.open(r) for r in reqs]
+            ids = [g.request_id for g in generations]
             if stream:
-                async for delta in generation.deltas():
+                async for i, delta in merged([g.deltas() for g in generations]):
                     if delta.text or delta.token_ids or delta.finish:
-                        yield make(generation.request_id, delta)
+                        yield make(ids[i], i, delta)
                 return
-            whole = Delta()
-            async for delta in generation.deltas():
+            wholes = [Delta() for _ in generations]
+            async for i, delta in merged([g.deltas() for g in generations]):
+                whole = wholes[i]
                 whole.text += delta.text
                 whole.token_ids += delta.token_ids
                 whole.logprobs += delta.logprobs
                 whole.finish, whole.usage, whole.spec_decode = (delta.finish, delta.usage,
                                                                 delta.spec_decode)
-            yield make(generation.request_id, whole)
+            for i, whole in enumerate(wholes):
+                yield make(ids[i], i, whole)
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
 
     def _fill(self, msg, delta: Delta):
         msg.token_ids.extend(delta.token_ids)
-        msg.logprobs.extend(delta.logprobs)
+        for lp in delta.logprobs:
+            out = msg.logprobs.add()
+            out.CopyFrom(lp)
+            out.token = self._token_text(lp.token_id)
+            for top in out.top_logprobs:
+                top.token = self._token_text(top.token_id)
         msg.model = self.gw.config.model_name
         if delta.finish:
             msg.finish_reason = delta.finish
             msg.usage.CopyFrom(delta.usage)
             msg.spec_decode.CopyFrom(delta.spec_decode.to_proto())
         return msg
+
+    def _token_text(self, token_id: int) -> str:
+        return self.gw.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def Generate(self, request: gateway_pb2.GatewayGenerateRequest, context):
         await self._check_auth(context)
@@ -91,16 +112,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 prompt = list(request.token_ids.ids)
             else:
                 raise InvalidRequest("prompt: set text or token_ids")
-            req = self._request(request.model, prompt, request.sampling, request.stop,
-                                request.speculation, request.request_id, kind or "prompt")
+            reqs = self._requests(request.model, prompt, request.sampling, request.stop,
+                                  request.speculation, request.request_id, kind or "prompt",
+                                  request.n)
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
 
-        def make(rid: str, delta: Delta) -> gateway_pb2.GatewayGenerateResponse:
-            return self._fill(gateway_pb2.GatewayGenerateResponse(request_id=rid, text=delta.text),
-                              delta)
+        def make(rid: str, index: int, delta: Delta) -> gateway_pb2.GatewayGenerateResponse:
+            return self._fill(gateway_pb2.GatewayGenerateResponse(
+                request_id=rid, text=delta.text, index=index), delta)
 
-        async for msg in self._run(req, request.stream, context, make):
+        async for msg in self._run(reqs, request.stream, context, make):
             yield msg
 
     async def Chat(self, request: gateway_pb2.ChatRequest, context):
@@ -113,13 +135,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                          f"assistant, got {m.role!r}")
                 messages.append({"role": m.role, "content": m.content})
             prompt = self.gw.chat_prompt(messages)
-            req = self._request(request.model, prompt, request.sampling, request.stop,
-                                request.speculation, request.request_id, "messages")
+            reqs = self._requests(request.model, prompt, request.sampling, request.stop,
+                                  request.speculation, request.request_id, "messages",
+                                  request.n)
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
 
-        def make(rid: str, delta: Delta) -> gateway_pb2.ChatResponse:
-            return self._fill(gateway_pb2.ChatResponse(request_id=rid, content=delta.text), delta)
+        def make(rid: str, index: int, delta: Delta) -> gateway_pb2.ChatResponse:
+            return self._fill(gateway_pb2.ChatResponse(request_id=rid, content=delta.text,
+                                                       index=index), delta)
 
-        async for msg in self._run(req, request.stream, context, make):
+        async for msg in self._run(reqs, request.stream, context, make):
             yield msg

@@ -97,18 +97,44 @@ class Usage:
     completion_tokens: int
 
 
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A generated token's log-probability (natural log) and its rank among all tokens,
+    with the `logprobs` most likely tokens at its position, most likely first."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+    top_logprobs: list[TopLogprob]
+
+    @classmethod
+    def from_proto(cls, p: common_pb2.TokenLogprob) -> Logprob:
+        return cls(p.token_id, p.token, p.logprob, p.rank,
+                   [TopLogprob(t.token_id, t.token, t.logprob) for t in p.top_logprobs])
+
+
 @dataclass
 class Chunk:
-    """One streamed message: text and token ids added since the previous one."""
+    """One streamed message: text and token ids added since the previous one, of choice
+    `index` (0 unless the request asked for n > 1)."""
 
     request_id: str
     text: str
     token_ids: list[int]
-    logprobs: list[common_pb2.TokenLogprob]
-    # Last chunk only:
+    logprobs: list[Logprob]
+    # Last chunk of its choice only:
     finish_reason: str | None = None
     usage: Usage | None = None
     spec_decode: SpecDecode | None = None
+    index: int = 0
 
 
 @dataclass
@@ -119,23 +145,34 @@ class Completion:
     finish_reason: str | None
     usage: Usage | None
     spec_decode: SpecDecode | None
-    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    index: int = 0
 
 
 def _chunk(msg: Any) -> Chunk:
     text = msg.content if isinstance(msg, gateway_pb2.ChatResponse) else msg.text
     last = msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-    return Chunk(msg.request_id, text, list(msg.token_ids), list(msg.logprobs),
+    return Chunk(msg.request_id, text, list(msg.token_ids),
+                 [Logprob.from_proto(lp) for lp in msg.logprobs],
                  FINISH_REASONS.get(msg.finish_reason) if last else None,
                  Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if last else None,
-                 SpecDecode.from_proto(msg.spec_decode) if last else None)
+                 SpecDecode.from_proto(msg.spec_decode) if last else None, msg.index)
 
 
-def _completion(chunks: Sequence[Chunk]) -> Completion:
-    last = chunks[-1]
-    return Completion(last.request_id, "".join(c.text for c in chunks),
-                      [t for c in chunks for t in c.token_ids], last.finish_reason, last.usage,
-                      last.spec_decode, [lp for c in chunks for lp in c.logprobs])
+def _completions(chunks: Sequence[Chunk], n: int) -> Completion | list[Completion]:
+    """The whole reply: a Completion, or with n > 1 one per choice in index order."""
+    by_index: dict[int, list[Chunk]] = {}
+    for c in chunks:
+        by_index.setdefault(c.index, []).append(c)
+    out = []
+    for index in sorted(by_index):
+        got = by_index[index]
+        last = got[-1]
+        out.append(Completion(last.request_id, "".join(c.text for c in got),
+                              [t for c in got for t in c.token_ids], last.finish_reason,
+                              last.usage, last.spec_decode,
+                              [lp for c in got for lp in c.logprobs], index))
+    return out if n > 1 else out[0]
 
 
 # -- requests -----------------------------------------------------------------------
@@ -199,12 +236,20 @@ def _sampling(max_tokens: int = 0, temperature: float | None = None, top_p: floa
     return s
 
 
+def _check_n(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidRequestError(f"n: a positive integer, got {n!r}")
+    return n
+
+
 def generate_request(prompt: str | Sequence[int], *, model: str = "", stop: Sequence[str] = (),
                      speculative: Mapping[str, Any] | None = None, stream: bool = False,
-                     request_id: str = "", **sampling: Any) -> gateway_pb2.GatewayGenerateRequest:
+                     request_id: str = "", n: int = 1,
+                     **sampling: Any) -> gateway_pb2.GatewayGenerateRequest:
     req = gateway_pb2.GatewayGenerateRequest(
         model=model, sampling=_sampling(**sampling), stop=list(stop),
-        speculation=_speculation(speculative), stream=stream, request_id=request_id)
+        speculation=_speculation(speculative), stream=stream, request_id=request_id,
+        n=_check_n(n))
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -214,13 +259,13 @@ def generate_request(prompt: str | Sequence[int], *, model: str = "", stop: Sequ
 
 def chat_request(messages: Sequence[Mapping[str, str]], *, model: str = "",
                  stop: Sequence[str] = (), speculative: Mapping[str, Any] | None = None,
-                 stream: bool = False, request_id: str = "", **sampling: Any
+                 stream: bool = False, request_id: str = "", n: int = 1, **sampling: Any
                  ) -> gateway_pb2.ChatRequest:
     return gateway_pb2.ChatRequest(
         model=model, messages=[gateway_pb2.ChatMessage(role=m["role"], content=m["content"])
                                for m in messages],
         sampling=_sampling(**sampling), stop=list(stop), speculation=_speculation(speculative),
-        stream=stream, request_id=request_id)
+        stream=stream, request_id=request_id, n=_check_n(n))
 
 
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
@@ -230,8 +275,9 @@ def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
 # -- clients ------------------------------------------------------------------------
 
 class Client:
-    """Blocking client. `generate` / `chat` return a Completion, or with stream=True an
-    iterator of Chunks."""
+    """Blocking client. `generate` / `chat` return a Completion (with n > 1 a list of
+    them, one per choice), or with stream=True an iterator of Chunks (`index` says
+    whose choice)."""
 
     def __init__(self, address: str = "127.0.0.1:50050", *, api_key: str | None = None,
                  timeout_s: float | None = None, max_retries: int = 3,
@@ -253,7 +299,7 @@ class Client:
 
     def _call(self, rpc, req, stream: bool):
         chunks = self._stream(rpc, req)
-        return chunks if stream else _completion(list(chunks))
+        return chunks if stream else _completions(list(chunks), req.n)
 
     def _stream(self, rpc, req) -> Iterator[Chunk]:
         attempt = 0
@@ -285,8 +331,9 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client: `await generate(...)` / `await chat(...)` return a Completion, or
-    with stream=True an async iterator of Chunks. Create it inside the event loop."""
+    """asyncio client: `await generate(...)` / `await chat(...)` return what Client's
+    do, or with stream=True an async iterator of Chunks. Create it inside the event
+    loop."""
 
     def __init__(self, address: str = "127.0.0.1:50050", *, api_key: str | None = None,
                  timeout_s: float | None = None, max_retries: int = 3,
@@ -311,7 +358,7 @@ class AsyncClient:
         chunks = self._stream(rpc, req)
         if stream:
             return chunks
-        return _completion([c async for c in chunks])
+        return _completions([c async for c in chunks], req.n)
 
     async def _stream(self, rpc, req) -> AsyncIterator[Chunk]:
         attempt = 0

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.pb import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/gateway.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x80\x02\n\x16GatewayGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x12\x12\n\nrequest_id\x18\x08 \x01(\tB\x08\n\x06prompt\"\x8e\x02\n\x17GatewayGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x30\n\x0bspec_decode\x18\x07 \x01(\x0b\x32\x1b.specdec.v1.SpecDecodeStats\x12\r\n\x05model\x18\x08 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdb\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\x86\x02\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x30\n\x0bspec_decode\x18\x07 \x01(\x0b\x32\x1b.specdec.v1.SpecDecodeStats\x12\r\n\x05model\x18\x08 \x01(\t2\x9d\x01\n\x07Gateway\x12U\n\x08Generate\x12\".specdec.v1.GatewayGenerateRequest\x1a#.specdec.v1.GatewayGenerateResponse0\x01\x12;\n\x04\x43hat\x12\x17.specdec.v1.ChatRequest\x1a\x18.specdec.v1.ChatResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/gateway.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x8b\x02\n\x16GatewayGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\t\n\x01n\x18\t \x01(\rB\x08\n\x06prompt\"\x9d\x02\n\x17GatewayGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x30\n\x0bspec_decode\x18\x07 \x01(\x0b\x32\x1b.specdec.v1.SpecDecodeStats\x12\r\n\x05model\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe6\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\r\"\x95\x02\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x30\n\x0bspec_decode\x18\x07 \x01(\x0b\x32\x1b.specdec.v1.SpecDecodeStats\x12\r\n\x05model\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\r2\x9d\x01\n\x07Gateway\x12U\n\x08Generate\x12\".specdec.v1.GatewayGenerateRequest\x1a#.specdec.v1.GatewayGenerateResponse0\x01\x12;\n\x04\x43hat\x12\x17.specdec.v1.ChatRequest\x1a\x18.specdec.v1.ChatResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.gateway_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GATEWAYGENERATEREQUEST']._serialized_start=66
-  _globals['_GATEWAYGENERATEREQUEST']._serialized_end=322
-  _globals['_GATEWAYGENERATERESPONSE']._serialized_start=325
-  _globals['_GATEWAYGENERATERESPONSE']._serialized_end=595
-  _globals['_CHATMESSAGE']._serialized_start=597
-  _globals['_CHATMESSAGE']._serialized_end=641
-  _globals['_CHATREQUEST']._serialized_start=644
-  _globals['_CHATREQUEST']._serialized_end=863
-  _globals['_CHATRESPONSE']._serialized_start=866
-  _globals['_CHATRESPONSE']._serialized_end=1128
-  _globals['_GATEWAY']._serialized_start=1131
-  _globals['_GATEWAY']._serialized_end=1288
+  _globals['_GATEWAYGENERATEREQUEST']._serialized_end=333
+  _globals['_GATEWAYGENERATERESPONSE']._serialized_start=336
+  _globals['_GATEWAYGENERATERESPONSE']._serialized_end=621
+  _globals['_CHATMESSAGE']._serialized_start=623
+  _globals['_CHATMESSAGE']._serialized_end=667
+  _globals['_CHATREQUEST']._serialized_start=670
+  _globals['_CHATREQUEST']._serialized_end=900
+  _globals['_CHATRESPONSE']._serialized_start=903
+  _globals['_CHATRESPONSE']._serialized_end=1180
+  _globals['_GATEWAY']._serialized_start=1183
+  _globals['_GATEWAY']._serialized_end=1340
 # @@protoc_insertion_point(module_scope)

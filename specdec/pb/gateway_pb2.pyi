@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GatewayGenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "token_ids", "sampling", "stop", "speculation", "stream", "request_id")
+    __slots__ = ("model", "text", "token_ids", "sampling", "stop", "speculation", "stream", "request_id", "n")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class GatewayGenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     token_ids: _common_pb2.TokenIds
@@ -25,10 +26,11 @@ class GatewayGenerateRequest(_message.Message):
     speculation: _common_pb2.SpeculationPolicy
     stream: bool
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., stream: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    n: int
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., stream: _Optional[bool] = ..., request_id: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class GatewayGenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage", "spec_decode", "model")
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage", "spec_decode", "model", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +39,7 @@ class GatewayGenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -45,7 +48,8 @@ class GatewayGenerateResponse(_message.Message):
     usage: _common_pb2.Usage
     spec_decode: _common_pb2.SpecDecodeStats
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., spec_decode: _Optional[_Union[_common_pb2.SpecDecodeStats, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., spec_decode: _Optional[_Union[_common_pb2.SpecDecodeStats, _Mapping]] = ..., model: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -56,7 +60,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "sampling", "stop", "speculation", "stream", "request_id")
+    __slots__ = ("model", "messages", "sampling", "stop", "speculation", "stream", "request_id", "n")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +68,7 @@ class ChatRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: _common_pb2.SamplingParams
@@ -71,10 +76,11 @@ class ChatRequest(_message.Message):
     speculation: _common_pb2.SpeculationPolicy
     stream: bool
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., stream: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    n: int
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., stream: _Optional[bool] = ..., request_id: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class ChatResponse(_message.Message):
-    __slots__ = ("request_id", "content", "token_ids", "logprobs", "finish_reason", "usage", "spec_decode", "model")
+    __slots__ = ("request_id", "content", "token_ids", "logprobs", "finish_reason", "usage", "spec_decode", "model", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +89,7 @@ class ChatResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     content: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -91,4 +98,5 @@ class ChatResponse(_message.Message):
     usage: _common_pb2.Usage
     spec_decode: _common_pb2.SpecDecodeStats
     model: str
-    def __init__(self, request_id: _Optional[str] = ..., content: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., spec_decode: _Optional[_Union[_common_pb2.SpecDecodeStats, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., content: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., spec_decode: _Optional[_Union[_common_pb2.SpecDecodeStats, _Mapping]] = ..., model: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...

@@ -114,3 +114,43 @@ def test_retry_on_unavailable_before_first_token(stack, loop, smollm2_dir):
         t.join(30)
         for s in started:
             s.close()
+
+
+def test_n_choices_are_seeded_seed_plus_index(stack):
+    with Client(stack.grpc_address) as client:
+        kw = {"max_tokens": 12, "temperature": 1.0, "speculative": {"method": "ngram"}}
+        many = client.generate("Once upon a time", n=3, seed=40, **kw)
+        assert [c.index for c in many] == [0, 1, 2]
+        # Choice i is the single request seeded 40 + i, as over REST and in vLLM.
+        singles = [client.generate("Once upon a time", seed=40 + i, **kw) for i in range(3)]
+        assert [c.text for c in many] == [s.text for s in singles]
+        assert [c.token_ids for c in many] == [s.token_ids for s in singles]
+        assert len({c.text for c in many}) > 1
+        assert all(c.finish_reason and c.usage.completion_tokens == len(c.token_ids)
+                   for c in many)
+        # Streamed, the chunks of each choice carry its index and reassemble to it.
+        chunks = list(client.chat([{"role": "user", "content": "Hi"}], n=2, seed=5,
+                                  stream=True, **kw))
+        streamed = ["".join(c.text for c in chunks if c.index == i) for i in range(2)]
+        whole = client.chat([{"role": "user", "content": "Hi"}], n=2, seed=5, **kw)
+        assert streamed == [c.text for c in whole]
+        assert sum(c.finish_reason is not None for c in chunks) == 2
+        with pytest.raises(InvalidRequestError, match="n: at most 64"):
+            client.generate("x", n=65, max_tokens=2)
+        with pytest.raises(InvalidRequestError, match="n: a positive integer"):
+            client.generate("x", n=0, max_tokens=2)
+
+
+def test_logprobs_carry_token_text(stack):
+    with Client(stack.grpc_address) as client:
+        out = client.generate("A list of colours: red, green,", max_tokens=6, temperature=0,
+                              logprobs=3)
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    for lp in out.logprobs:
+        assert lp.token == stack.tokenizer.decode([lp.token_id], skip_special_tokens=False)
+        assert len(lp.top_logprobs) == 3 and lp.rank == 1  # greedy: the most likely token
+        assert lp.top_logprobs[0].token_id == lp.token_id
+        assert lp.top_logprobs[0].logprob == pytest.approx(lp.logprob)
+        assert all(t.token == stack.tokenizer.decode([t.token_id], skip_special_tokens=False)
+                   for t in lp.top_logprobs)
+    assert "".join(lp.token for lp in out.logprobs) == out.text
