@@ -45,6 +45,8 @@ SECTIONS = [
      "python -m bench.drafters --methods eagle3,eagle3_tree,eagle3_lookup --ks 2,4 "
      "--no-pipelining --out bench/results/drafters_eagle3.json"),
     ("suffix.md", "Suffix decoding against n-gram lookup", "python -m bench.suffix"),
+    ("structured.md", "Structured outputs: grammar text as free drafts",
+     "python -m bench.structured"),
     ("gateway.md", "Static against dynamic K under concurrency", "python -m bench.gateway"),
     ("peers.md", "Against peers", "make bench-peers"),
 ]
