@@ -121,9 +121,11 @@ def cell_counts(prompt_index: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
     return torch.bincount(cell, minlength=NUM_PROMPTS * VOCAB**3).view(NUM_PROMPTS, -1)
 
 
-def run_engine(model, prompts, params: SamplingParams, with_probs: bool, processors=None):
+def run_engine(model, prompts, params: SamplingParams, with_probs: bool, processors=None,
+               grammar=None):
     """Returns prompt index [N], the first three tokens [N, 3], and the
-    accepted counts seen in steps that verified K = 2 drafts."""
+    accepted counts seen in steps that verified K = 2 drafts. grammar: a callable
+    giving each request a fresh GrammarState."""
     engine = Engine(
         model,
         EngineConfig(max_num_seqs=512, max_model_len=32, block_size=16, num_kv_blocks=1024,
@@ -133,7 +135,8 @@ def run_engine(model, prompts, params: SamplingParams, with_probs: bool, process
     for i in range(NUM_REQUESTS):
         engine.add_request(Request(f"r{i}", prompts[i % NUM_PROMPTS], NUM_TOKENS + 1, params,
                                    ignore_eos=True, num_speculative_tokens=K,
-                                   processors=processors))
+                                   processors=processors,
+                                   grammar=grammar() if grammar is not None else None))
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(NUM_REQUESTS)}
     accepted_at_k2: set[int] = set()
     while engine.has_work():
@@ -223,3 +226,66 @@ def test_the_check_rejects_a_wrong_law(model, prompts):
     x3 = torch.multinomial(q[x2], 1, generator=gen)[:, 0]
     all_accepted = torch.stack([exact[:, 0], x2, x3], dim=1)
     assert chi_square_p_value(cell_counts(prompt_index, all_accepted), law * n) < P_MIN
+
+
+# A grammar over the tokens a..h (ids 0..7) whose mask at x2 depends on x1 and at x3
+# cuts half the vocabulary; after "h" it allows "e" alone, which the verifier then
+# drafts itself (grammar text as free drafts) after the drafter's cut drafts.
+GRAMMAR_REGEX = r"([a-d][e-h]|[e-g][a-d]|he)[aceg][a-h]"
+
+
+def grammar_allowed(output: list[int]) -> list[int]:
+    """The tokens GRAMMAR_REGEX allows after `output`, written out by hand."""
+    if not output:
+        return list(range(VOCAB))
+    if len(output) == 1:
+        x1 = output[0]
+        return [4] if x1 == 7 else list(range(4, 8)) if x1 < 4 else list(range(4))
+    if len(output) == 2:
+        return [0, 2, 4, 6]
+    return list(range(VOCAB))
+
+
+def masked_law(model: LlamaForCausalLM, prompt: list[int], params: SamplingParams
+               ) -> torch.Tensor:
+    """[V, V, V] float64: p(x1, x2, x3 | prompt) with each row masked to what the
+    grammar allows after its context's output, then filtered."""
+    v = range(VOCAB)
+    outputs = [[]] + [[a] for a in v] + [[a, b] for a in v for b in v]
+    logits = next_token_logits(model, [prompt + o for o in outputs]).clone()
+    for row, out in zip(logits, outputs, strict=True):
+        keep = torch.zeros(VOCAB, dtype=torch.bool)
+        keep[grammar_allowed(out)] = True
+        row[~keep] = float("-inf")
+    table = filtered_table(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+    p1, p2, p3 = table[0], table[1:1 + VOCAB], table[1 + VOCAB:].view(VOCAB, VOCAB, VOCAB)
+    return (p1[:, None, None] * p2[:, :, None] * p3).nan_to_num(0.0)
+
+
+@pytest.mark.parametrize("with_probs", [False, True], ids=["one_hot", "draft_probs"])
+def test_first_tokens_follow_the_target_under_a_grammar_mask(model, prompts, with_probs):
+    """A grammar under speculation: drafts it forbids are cut, row j is masked to the
+    grammar's state after drafts 1..j, its forced text joins as drafts; the law of
+    x1..x3 is the masked target's."""
+    import xgrammar as xgr
+
+    from specdec.structured import GrammarState
+
+    info = xgr.TokenizerInfo([chr(ord("a") + i) for i in range(VOCAB)])
+    compiled = xgr.GrammarCompiler(info).compile_regex(GRAMMAR_REGEX)
+
+    def grammar() -> GrammarState:
+        return GrammarState(xgr, compiled, VOCAB, encode=lambda text: [ord(c) - ord("a")
+                                                                        for c in text])
+
+    params = SAMPLING["t0.8_topk5"]
+    prompt_index, tokens, _ = run_engine(model, prompts, params, with_probs, grammar=grammar)
+    law = torch.stack([masked_law(model, p, params).reshape(-1) for p in prompts])
+    counts = cell_counts(prompt_index, tokens)
+    p_value = chi_square_p_value(counts, law * (NUM_REQUESTS // NUM_PROMPTS))
+    assert p_value > P_MIN, f"p-value {p_value:.2e}"
+    assert all(int(t[1]) in grammar_allowed([int(t[0])]) for t in tokens)
+    assert not ((tokens[:, 2] % 2) == 1).any()  # x3 in a, c, e, g
+    # The mask matters: the unmasked law fails the same check.
+    plain = torch.stack([target_law(model, p, params).reshape(-1) for p in prompts])
+    assert chi_square_p_value(counts, plain * (NUM_REQUESTS // NUM_PROMPTS)) < P_MIN

@@ -18,6 +18,7 @@ import torch
 
 from specdec import tree as token_tree
 from specdec.models import ModelConfig
+from specdec.structured import GrammarState, allowed_tokens
 from verifier.engine.proposer import Proposer
 from verifier.engine.scheduler import Scheduled
 
@@ -83,6 +84,10 @@ def collect_drafts(proposer: Proposer | None, batch: list[Scheduled],
             if p.probs.dim() != 2 or p.probs.shape[0] < len(ids) or p.probs.shape[1] != vocab:
                 continue  # a malformed q can't be verified exactly: run K = 0
             q = p.probs[: len(ids)]  # [K_i, V]
+            if grammar is not None:
+                q = _within_grammar(q, grammar, ids, vocab)
+                if q is None:
+                    continue  # q gave a kept draft no mass: run K = 0
             if forced:  # a deterministic proposal: one-hot q
                 q = torch.cat([q, torch.nn.functional.one_hot(
                     torch.tensor(forced), vocab).to(q.dtype)])
@@ -90,3 +95,24 @@ def collect_drafts(proposer: Proposer | None, batch: list[Scheduled],
         ids = ids + forced
         drafts.token_ids[seq_id] = ids
     return drafts
+
+
+def _within_grammar(q: torch.Tensor, grammar: GrammarState, ids: list[int],
+                    vocab: int) -> torch.Tensor | None:
+    """q [K, V] of drafts the grammar allows, each row renormalised over what the grammar
+    allows after the drafts before it; None where a row keeps no mass.
+
+    Cutting a chain at its first forbidden draft makes a kept draft j a sample of
+    q_j restricted to the allowed set S_j, not of q_j: verified against q_j itself,
+    its acceptance min(1, p/q_j) and residual would be those of another proposal, and
+    the output law would drift from p (measured: the chi-square test under a grammar
+    mask fails). Against q_j restricted to S_j and renormalised, the kept branch is
+    exact, and so is the cut one, whose position is sampled from p."""
+    bitmask = grammar.new_bitmask(len(ids) + 1)  # [K + 1, ceil(V / 32)]
+    grammar.fill_masks(ids, bitmask, 0)
+    allowed = allowed_tokens(bitmask, vocab)[: len(ids)].to(q.device)  # [K, V]
+    q = q * allowed
+    mass = q.sum(-1, keepdim=True)  # [K, 1]
+    if not bool((mass > 0).all()):
+        return None
+    return q / mass
