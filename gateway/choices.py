@@ -15,7 +15,7 @@ from specdec.pb import common_pb2
 MAX_CHOICES = 64
 
 
-def choices(requests: list[GenerationRequest], n: int) -> list[GenerationRequest]:
+def choice_requests(requests: list[GenerationRequest], n: int) -> list[GenerationRequest]:
     """n choices of each request, in order. Choice i of a seeded request draws from
     seed + i (as vLLM seeds them), so choices differ yet each is reproducible; its
     request id gets "-i" (the first keeps the id when n is 1)."""

@@ -118,11 +118,11 @@ class Gateway:
             raise ModelNotFound(f"The model `{model}` does not exist; this server serves "
                                 f"`{self.config.model_name}`", param="model")
 
-    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
+    def chat_prompt(self, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
         if not messages:
             raise InvalidRequest("messages: must contain at least one message", param="messages")
         try:
-            return self.tokenizer.apply_chat_template(list(messages))
+            return self.tokenizer.apply_chat_template(list(messages), tools=tools)
         except ValueError as e:
             raise InvalidRequest(f"messages: {e}", param="messages") from None
         except Exception as e:  # the template itself raised (e.g. unsupported role order)

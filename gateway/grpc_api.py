@@ -7,7 +7,7 @@ import uuid
 
 import grpc
 
-from gateway.choices import MAX_CHOICES, choices, merged
+from gateway.choices import MAX_CHOICES, choice_requests, merged
 from gateway.core import Delta, Gateway, GatewayError, GenerationRequest, InvalidRequest
 from gateway.policy.request import SpeculativeRequest
 from specdec.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -58,7 +58,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         req = GenerationRequest(tuple(prompt), sampling, tuple(stop),
                                 speculative_from_proto(speculation), request_id,
                                 prompt_field=prompt_field)
-        return choices([req], max(n, 1))
+        return choice_requests([req], max(n, 1))
 
     async def _run(self, reqs: list[GenerationRequest], stream: bool, context, make):
         """Every choice admitted before any runs; then streamed deltas, each tagged with

@@ -15,14 +15,16 @@ import importlib.metadata
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import replace
+from collections.abc import AsyncIterator, Collection
+from functools import cached_property
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from gateway import tools
+from gateway.choices import MAX_CHOICES, choice_requests, merged
 from gateway.core import (
     Delta,
     Gateway,
@@ -32,6 +34,7 @@ from gateway.core import (
 )
 from gateway.policy.request import SpeculativeRequest
 from gateway.structured import StructuredOutputError, from_openai
+from gateway.tools import ToolCall, ToolCallParser, ToolError, ToolRequest
 from gateway.types import SpecDecodeSummary
 from specdec.pb import common_pb2
 from specdec.processors import LogitsProcessors
@@ -39,16 +42,13 @@ from specdec.processors import LogitsProcessors
 MAX_TOP_LOGPROBS = 20
 # Largest integer the wire carries for counts (uint32 fields, signed-safe).
 _MAX_COUNT = 2**31 - 1
-# Choices one request may ask for (n, times the prompts of a completions list): each is
-# a sequence in a verifier.
-MAX_CHOICES = 64
 
 # Fields of vLLM's and OpenAI's APIs that would change the output and that this server
 # does not implement yet, with the value that means "off". A request that sets one to
 # anything else is refused with 400 naming it, never served as if it had not asked.
+# `functions` / `function_call` are OpenAI's deprecated forms of `tools` / `tool_choice`.
 _NOT_IMPLEMENTED: dict[str, object] = {
-    "guided_whitespace_pattern": None,
-    "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+    "guided_whitespace_pattern": None, "functions": None, "function_call": None,
     "logits_processors": None,
     "prompt_logprobs": None, "use_beam_search": False, "length_penalty": 1.0,
     "include_stop_str_in_output": False, "skip_special_tokens": True,
@@ -95,8 +95,10 @@ class _Body(BaseModel):
 class _Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
 
 class ChatBody(_Body):
@@ -104,6 +106,8 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(None, ge=1, le=_MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # The request's tools, checked once by chat_request (tools, tool_choice, ...).
+    _tools: ToolRequest | None = PrivateAttr(None)
 
 
 class TokenizeBody(BaseModel):
@@ -112,6 +116,7 @@ class TokenizeBody(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[_Message] | None = None
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -289,19 +294,56 @@ class OpenAIFrontend:
             num_logprobs = max(body.top_logprobs or 0, 1)
         elif body.top_logprobs:
             raise InvalidRequest("top_logprobs: needs logprobs=true", param="top_logprobs")
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": _text_content(m.content, i)} for i, m in enumerate(body.messages)]
-        prompt = self.gw.chat_prompt(messages)
+        body._tools = tool_request = _tool_request(body.model_extra or {})
+        prompt = self._chat_prompt(body.messages, tool_request)
         sampling = self._sampling(body, body.max_completion_tokens or body.max_tokens,
                                   num_logprobs)
+        structured_field = self._structured(body, sampling)
+        grammar = tool_request.grammar() if tool_request is not None else None
+        if grammar is not None:
+            # tool_choice required / a named function (or parallel_tool_calls false)
+            # constrains the output to tool calls through a grammar of its own.
+            source = tool_request.grammar_field()
+            if structured_field is not None:
+                raise InvalidRequest(f"{structured_field}: a structured output cannot be "
+                                     f"combined with {source}="
+                                     f"{json.dumps(body.model_extra.get(source))}, which "
+                                     f"constrains the output to tool calls itself",
+                                     param=structured_field)
+            sampling.structured_output.grammar = grammar
+            structured_field = source
         return GenerationRequest(tuple(prompt), sampling, stop, spec, prompt_field="messages",
-                                 structured_field=self._structured(body, sampling),
+                                 structured_field=structured_field,
                                  request_id=f"chatcmpl-{uuid.uuid4().hex}")
+
+    @cached_property
+    def _template_renders_tools(self) -> bool:
+        tok = self.gw.tokenizer
+        return tools.template_renders_tools(
+            lambda messages, fns: tok.render_chat(messages, tools=fns))
+
+    def _chat_prompt(self, messages: list[_Message], tool_request: ToolRequest | None
+                     ) -> list[int]:
+        """The conversation through the chat template, with the request's tools: given to
+        a template that renders them, else as a generic system prompt (gateway/tools.py)."""
+        dicts = [{"role": "system" if m.role == "developer" else m.role,
+                  "content": _text_content(m.content, i), "tool_calls": m.tool_calls,
+                  "tool_call_id": m.tool_call_id} for i, m in enumerate(messages)]
+        native = self._template_renders_tools
+        try:
+            dicts = tools.history(dicts, native)
+        except ToolError as e:
+            raise InvalidRequest(str(e), param=e.param) from None
+        if tool_request is None:
+            return self.gw.chat_prompt(dicts)
+        if native:
+            return self.gw.chat_prompt(dicts, tool_request.tools())
+        return self.gw.chat_prompt(tools.with_system_prompt(dicts, tool_request.functions))
 
     def chat_requests(self, body: ChatBody) -> list[GenerationRequest]:
         """The request's choices: n copies of its conversation."""
         _check_best_of(body)
-        return _choices([self.chat_request(body)], body.n)
+        return choice_requests([self.chat_request(body)], body.n)
 
     def completion_requests(self, body: CompletionBody) -> list[GenerationRequest]:
         """The request's choices: n per prompt of the list, in order (choice index =
@@ -332,7 +374,7 @@ class OpenAIFrontend:
                 prompt_field="prompt" if len(prompts) == 1 else f"prompt[{i}]",
                 structured_field=self._structured(body, sampling),
                 request_id=rid if len(prompts) == 1 else f"{rid}-p{i}"))
-        return _choices(reqs, body.n)
+        return choice_requests(reqs, body.n)
 
     # -- rendering ----------------------------------------------------------------
 
@@ -390,9 +432,12 @@ class OpenAIFrontend:
         body, generations = admitted
         rid = _response_id(generations)  # the id in every log and trace
         top = body.top_logprobs or 0
+        # Function names whose calls the output is parsed for (None: plain text).
+        names = body._tools.names if body._tools is not None and body._tools.parses else None
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return _sse(self._chat_chunks(generations, rid, body.logprobs, top, include_usage))
+            return _sse(self._chat_chunks(generations, rid, body.logprobs, top, include_usage,
+                                          names))
         try:
             wholes = await _collect(request, [g.deltas() for g in generations])
         except GatewayError as e:
@@ -402,10 +447,18 @@ class OpenAIFrontend:
         finals = [last for _, _, last in wholes]
         choices = []
         for i, (text, logprobs, last) in enumerate(wholes):
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+            finish = last.finish_reason
+            if names is not None:
+                content, calls = tools.parse(message["content"], names)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [c.to_json() for c in calls]}
+                    finish = tools.finish_reason(finish, len(calls))
             choices.append({
-                "index": i, "message": {"role": "assistant", "content": "".join(text)},
+                "index": i, "message": message,
                 "logprobs": self.chat_logprobs(logprobs, top) if body.logprobs else None,
-                "finish_reason": last.finish_reason})
+                "finish_reason": finish})
             if len(wholes) > 1:
                 choices[-1]["spec_decode"] = last.spec_decode.to_json()
         return JSONResponse({
@@ -414,9 +467,15 @@ class OpenAIFrontend:
             "spec_decode": _spec_decode([d.spec_decode for d in finals])})
 
     async def _chat_chunks(self, generations: list, rid: str, want_logprobs: bool,
-                           top: int, include_usage: bool) -> AsyncIterator[dict]:
+                           top: int, include_usage: bool,
+                           names: Collection[str] | None) -> AsyncIterator[dict]:
+        """Chunks as OpenAI streams them; with `names`, the output's tool calls as
+        tool-call deltas (a call's id, type and name, then its arguments), the text a call
+        might start held back until it is known (gateway/tools.py)."""
         created = int(time.time())
         n = len(generations)
+        parsers = [ToolCallParser(names) if names is not None else None for _ in range(n)]
+        calls_sent = [0] * n
 
         def chunk(index: int, delta: dict, finish: str | None = None,
                   logprobs: dict | None = None) -> dict:
@@ -428,16 +487,27 @@ class OpenAIFrontend:
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
         finals: list[Delta | None] = [None] * n
-        async for i, delta in _merged([g.deltas() for g in generations]):
+        async for i, delta in merged([g.deltas() for g in generations]):
             lp = self.chat_logprobs(delta.logprobs, top) if want_logprobs else None
+            parser = parsers[i]
+            if parser is None:
+                events: list[str | ToolCall] = [delta.text] if delta.text else []
+            else:
+                events = parser.feed(delta.text) + (parser.finish() if delta.finish else [])
+            pieces = _delta_pieces(events, calls_sent[i])
+            calls_sent[i] += sum(isinstance(e, ToolCall) for e in events)
+            # The last text rides on the final chunk, as without tools.
+            tail = pieces.pop() if delta.finish and pieces and "content" in pieces[-1] else {}
+            for k, piece in enumerate(pieces):
+                yield chunk(i, piece, None, lp if k == 0 else None)
             if delta.finish:
                 finals[i] = delta
-                out = chunk(i, {"content": delta.text} if delta.text else {},
-                            delta.finish_reason, lp)
+                finish = tools.finish_reason(delta.finish_reason, calls_sent[i])
+                out = chunk(i, tail, finish, None if pieces else lp)
                 out["spec_decode"] = delta.spec_decode.to_json()
                 yield out
-            elif delta.text or lp:
-                yield chunk(i, {"content": delta.text}, None, lp)
+            elif lp and not pieces:
+                yield chunk(i, {"content": ""}, None, lp)
         if include_usage and all(finals):
             yield {"id": rid, "object": "chat.completion.chunk", "created": created,
                    "model": self.model, "choices": [], "usage": _usage(finals, 1),
@@ -498,7 +568,7 @@ class OpenAIFrontend:
         for i, text in enumerate(echo):
             if text:
                 yield chunk(i, text, None, None)
-        async for i, delta in _merged([g.deltas() for g in generations]):
+        async for i, delta in merged([g.deltas() for g in generations]):
             if not (delta.text or delta.finish or (want_logprobs and delta.logprobs)):
                 continue
             lp = (self.completion_logprobs(delta.logprobs, top, offsets[i])
@@ -540,9 +610,7 @@ class OpenAIFrontend:
                 if not body.add_generation_prompt:
                     raise InvalidRequest("add_generation_prompt: only true is supported",
                                          param="add_generation_prompt")
-                ids = self.gw.chat_prompt([{"role": "system" if m.role == "developer" else m.role,
-                                            "content": _text_content(m.content, i)}
-                                           for i, m in enumerate(body.messages)])
+                ids = self._chat_prompt(body.messages, _tool_request({"tools": body.tools}))
             else:
                 ids = self.gw.tokenizer.encode(body.prompt,
                                                add_special_tokens=body.add_special_tokens)
@@ -615,7 +683,7 @@ async def _collect(request: Request, streams: list[AsyncIterator[Delta]]
     last: list[Delta | None] = [None] * n
 
     async def consume() -> None:
-        async for i, delta in _merged(streams):
+        async for i, delta in merged(streams):
             text[i].append(delta.text)
             logprobs[i].extend(delta.logprobs)
             last[i] = delta
@@ -700,6 +768,34 @@ def create_app(gateway: Gateway) -> FastAPI:
     return app
 
 
+def _tool_request(extra: dict[str, Any]) -> ToolRequest | None:
+    try:
+        return tools.from_openai(extra)
+    except ToolError as e:
+        raise InvalidRequest(str(e), param=e.param) from None
+
+
+def _delta_pieces(events: list[str | ToolCall], first_index: int) -> list[dict]:
+    """Stream deltas of a choice's parsed events: text runs as content; each tool call
+    (numbered from `first_index` in its choice) as OpenAI streams one, its id, type and
+    name first, then its arguments."""
+    pieces: list[dict] = []
+    index = first_index
+    for e in events:
+        if isinstance(e, str):
+            if pieces and "content" in pieces[-1]:
+                pieces[-1]["content"] += e
+            else:
+                pieces.append({"content": e})
+            continue
+        pieces.append({"tool_calls": [{"index": index, "id": e.id, "type": "function",
+                                       "function": {"name": e.name, "arguments": ""}}]})
+        pieces.append({"tool_calls": [{"index": index,
+                                       "function": {"arguments": e.arguments}}]})
+        index += 1
+    return pieces
+
+
 def _check_best_of(body: _Body) -> None:
     # best_of > n ranks extra samples by likelihood and returns the best: not implemented.
     if body.best_of is not None and body.best_of != body.n:
@@ -707,23 +803,6 @@ def _check_best_of(body: _Body) -> None:
                              f"{body.best_of}, n={body.n})", param="best_of")
     if body.n > MAX_CHOICES:
         raise InvalidRequest(f"n: at most {MAX_CHOICES}", param="n")
-
-
-def _choices(requests: list[GenerationRequest], n: int) -> list[GenerationRequest]:
-    """n choices of each request, in order. Choice i of a seeded request draws from
-    seed + i (as vLLM seeds them), so choices differ yet each is reproducible; its
-    request id gets "-i" (the first keeps the id when n is 1)."""
-    if n == 1:
-        return requests
-    out = []
-    for req in requests:
-        for i in range(n):
-            sampling = common_pb2.SamplingParams()
-            sampling.CopyFrom(req.sampling)
-            if sampling.HasField("seed"):
-                sampling.seed = (sampling.seed + i) % 2**64
-            out.append(replace(req, sampling=sampling, request_id=f"{req.request_id}-{i}"))
-    return out
 
 
 def _spec_decode(summaries: list) -> dict:
@@ -746,38 +825,3 @@ def _usage(finals: list[Delta], prompts: int) -> dict:
     completion = sum(d.usage.completion_tokens for d in finals)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion}
-
-
-async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """The deltas of several generations as they come, tagged with the choice index.
-    Closing this closes them all (their verifier streams are cancelled)."""
-    if len(streams) == 1:
-        async for d in streams[0]:
-            yield 0, d
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
-        try:
-            async for d in stream:
-                await queue.put((i, d, None))
-        except Exception as e:  # noqa: BLE001 (handed to the reader, which raises it)
-            await queue.put((i, None, e))
-            return
-        await queue.put((i, None, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(tasks)
-        while left:
-            i, d, err = await queue.get()
-            if err is not None:
-                raise err
-            if d is None:
-                left -= 1
-                continue
-            yield i, d
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

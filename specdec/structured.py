@@ -164,7 +164,7 @@ class Grammars:
                 return c.compile_grammar(spec.grammar)
         except RuntimeError as e:
             # xgrammar's parse errors: keep the message, drop its source location.
-            raise ValueError(f"{where}: {_short(e)}") from None
+            raise ValueError(f"{where}: {error_text(e)}") from None
 
     def matcher(self, compiled) -> GrammarState:
         """A fresh matcher at the grammar's start."""
@@ -179,7 +179,8 @@ def _check_size(where: str, text: str) -> None:
         raise ValueError(f"{where}: larger than {MAX_GRAMMAR_BYTES} bytes")
 
 
-def _short(e: Exception) -> str:
+def error_text(e: Exception) -> str:
+    """An xgrammar error's message without its source location."""
     # "[04:08:06] /project/cpp/regex_converter.cc:83: Regex parsing error ..." -> the error.
     text = str(e).strip()
     head, sep, rest = text.partition(": ")

@@ -77,21 +77,28 @@ class Tokenizer:
             clean_up_tokenization_spaces=False,
         )
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """`tools`: OpenAI-style function definitions, for templates with a tools section
+        (others ignore them)."""
         if not getattr(self._hf, "chat_template", None):
             raise ValueError(
                 "tokenizer has no chat template; send a plain prompt instead of messages"
             )
         return self._hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
         )
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self, messages: list[dict], add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         # Render then encode, as transformers does internally: the template already
         # writes BOS and the turn markers, so encoding must not add special tokens again.
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                tools=tools)
         return self.encode(text, add_special_tokens=False)
 
     def fingerprint(self) -> tuple[int, str]:

@@ -189,8 +189,8 @@ def _chat(**fields) -> str:
 
 # Fields that would change the output and are not implemented: refused, never ignored.
 NOT_IMPLEMENTED = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "required"),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("function_call", "auto"),
     ("guided_whitespace_pattern", " *"),
     ("structured_outputs", {"regex": "a+", "whitespace_pattern": " *"}),
     ("skip_special_tokens", False),
