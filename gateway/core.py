@@ -13,7 +13,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
+from gateway import tools
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.policy.admission import Decision, Deployment, decide
@@ -21,6 +23,7 @@ from gateway.policy.dynamic_k import PRIOR_STEPS, DynamicK, ProfileSource
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import OnlineProfile
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
+from gateway.tools import ToolError, ToolRequest
 from gateway.types import (
     Delta,
     GatewayError,
@@ -118,11 +121,31 @@ class Gateway:
             raise ModelNotFound(f"The model `{model}` does not exist; this server serves "
                                 f"`{self.config.model_name}`", param="model")
 
-    def chat_prompt(self, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
+    @cached_property
+    def template_renders_tools(self) -> bool:
+        """Whether the model's chat template has a tools section of its own."""
+        return tools.template_renders_tools(
+            lambda messages, fns: self.tokenizer.render_chat(messages, tools=fns))
+
+    def chat_prompt(self, messages: Sequence[dict], tool_request: ToolRequest | None = None
+                    ) -> list[int]:
+        """The conversation through the chat template. messages: {"role", "content": str,
+        "tool_calls"?, "tool_call_id"?}; with `tool_request` its tools go to a template
+        that renders them, else into a generic system prompt (gateway/tools.py)."""
         if not messages:
             raise InvalidRequest("messages: must contain at least one message", param="messages")
+        native = self.template_renders_tools
         try:
-            return self.tokenizer.apply_chat_template(list(messages), tools=tools)
+            messages = tools.history(messages, native)
+        except ToolError as e:
+            raise InvalidRequest(str(e), param=e.param) from None
+        fns = None
+        if tool_request is not None and native:
+            fns = tool_request.tools()
+        elif tool_request is not None:
+            messages = tools.with_system_prompt(messages, tool_request.functions)
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), tools=fns)
         except ValueError as e:
             raise InvalidRequest(f"messages: {e}", param="messages") from None
         except Exception as e:  # the template itself raised (e.g. unsupported role order)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hmac
+import json
 import uuid
 
 import grpc
 
+from gateway import tools
 from gateway.choices import MAX_CHOICES, choice_requests, merged
 from gateway.core import Delta, Gateway, GatewayError, GenerationRequest, InvalidRequest
 from gateway.policy.request import SpeculativeRequest
+from gateway.tools import ToolCall, ToolCallParser, ToolError, ToolRequest
 from specdec.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specdec.speculation import method_name
 
@@ -40,7 +43,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _requests(self, model: str, prompt: list[int], sampling: common_pb2.SamplingParams,
                   stop, speculation: common_pb2.SpeculationPolicy, request_id: str,
-                  prompt_field: str, n: int) -> list[GenerationRequest]:
+                  prompt_field: str, n: int, tool_request: ToolRequest | None = None
+                  ) -> list[GenerationRequest]:
         """The request's choices, checked."""
         self.gw.check_model(model)
         limit = self.gw.config.limits.max_tokens
@@ -53,23 +57,45 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidRequest("sampling.top_p: must be in (0, 1]")
         if n > MAX_CHOICES:
             raise InvalidRequest(f"n: at most {MAX_CHOICES}, got {n}")
+        structured_field = ("sampling.structured_output"
+                            if sampling.HasField("structured_output") else None)
+        if tool_request is not None:
+            sampling = _copy(sampling)
+            try:
+                structured_field = tools.constrain(tool_request, sampling, structured_field)
+            except ToolError as e:
+                raise InvalidRequest(str(e)) from None
         # Choices need an id to suffix; the same form the gateway would make up.
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         req = GenerationRequest(tuple(prompt), sampling, tuple(stop),
                                 speculative_from_proto(speculation), request_id,
-                                prompt_field=prompt_field)
+                                prompt_field=prompt_field, structured_field=structured_field)
         return choice_requests([req], max(n, 1))
 
-    async def _run(self, reqs: list[GenerationRequest], stream: bool, context, make):
+    async def _run(self, reqs: list[GenerationRequest], stream: bool, context, make,
+                   names: frozenset[str] | None = None):
         """Every choice admitted before any runs; then streamed deltas, each tagged with
-        its choice, or one whole message per choice in index order."""
+        its choice, or one whole message per choice in index order. With `names`, each
+        choice's text is parsed for calls of those functions: a call leaves the text
+        and comes whole in the message that completes it (make's last argument)."""
         try:
             generations = [await self.gw.open(r) for r in reqs]
             ids = [g.request_id for g in generations]
             if stream:
+                parsers = [ToolCallParser(names) if names is not None else None
+                           for _ in generations]
                 async for i, delta in merged([g.deltas() for g in generations]):
-                    if delta.text or delta.token_ids or delta.finish:
-                        yield make(ids[i], i, delta)
+                    calls: list[ToolCall] = []
+                    parser = parsers[i]
+                    if parser is not None:
+                        events = parser.feed(delta.text) + (parser.finish() if delta.finish
+                                                            else [])
+                        delta.text = "".join(e for e in events if isinstance(e, str))
+                        calls = [e for e in events if isinstance(e, ToolCall)]
+                        if delta.finish:
+                            delta.finish = _finish(delta, parser.calls)
+                    if delta.text or delta.token_ids or delta.finish or calls:
+                        yield make(ids[i], i, delta, calls)
                 return
             wholes = [Delta() for _ in generations]
             async for i, delta in merged([g.deltas() for g in generations]):
@@ -80,7 +106,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 whole.finish, whole.usage, whole.spec_decode = (delta.finish, delta.usage,
                                                                 delta.spec_decode)
             for i, whole in enumerate(wholes):
-                yield make(ids[i], i, whole)
+                calls = []
+                if names is not None:
+                    content, calls = tools.parse(whole.text, names)
+                    whole.text = content or ""
+                    whole.finish = _finish(whole, len(calls))
+                yield make(ids[i], i, whole, calls)
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
 
@@ -118,7 +149,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
 
-        def make(rid: str, index: int, delta: Delta) -> gateway_pb2.GatewayGenerateResponse:
+        def make(rid: str, index: int, delta: Delta, calls: list[ToolCall]
+                 ) -> gateway_pb2.GatewayGenerateResponse:
             return self._fill(gateway_pb2.GatewayGenerateResponse(
                 request_id=rid, text=delta.text, index=index), delta)
 
@@ -130,20 +162,73 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             messages = []
             for i, m in enumerate(request.messages):
-                if m.role not in ("system", "user", "assistant"):
-                    raise InvalidRequest(f"messages[{i}].role: must be system, user or "
-                                         f"assistant, got {m.role!r}")
-                messages.append({"role": m.role, "content": m.content})
-            prompt = self.gw.chat_prompt(messages)
+                if m.role not in ("system", "user", "assistant", "tool"):
+                    raise InvalidRequest(f"messages[{i}].role: must be system, user, assistant "
+                                         f"or tool, got {m.role!r}")
+                messages.append({
+                    "role": m.role, "content": m.content, "tool_call_id": m.tool_call_id or None,
+                    "tool_calls": [{"id": c.id, "type": "function",
+                                    "function": {"name": c.name, "arguments": c.arguments}}
+                                   for c in m.tool_calls] or None})
+            tool_request = _tool_request(request)
+            prompt = self.gw.chat_prompt(messages, tool_request)
             reqs = self._requests(request.model, prompt, request.sampling, request.stop,
                                   request.speculation, request.request_id, "messages",
-                                  request.n)
+                                  request.n, tool_request)
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
 
-        def make(rid: str, index: int, delta: Delta) -> gateway_pb2.ChatResponse:
-            return self._fill(gateway_pb2.ChatResponse(request_id=rid, content=delta.text,
-                                                       index=index), delta)
+        def make(rid: str, index: int, delta: Delta, calls: list[ToolCall]
+                 ) -> gateway_pb2.ChatResponse:
+            msg = gateway_pb2.ChatResponse(request_id=rid, content=delta.text, index=index)
+            msg.tool_calls.extend(gateway_pb2.ToolCall(id=c.id, name=c.name,
+                                                       arguments=c.arguments) for c in calls)
+            return self._fill(msg, delta)
 
-        async for msg in self._run(reqs, request.stream, context, make):
+        names = tool_request.names if tool_request is not None and tool_request.parses else None
+        async for msg in self._run(reqs, request.stream, context, make, names):
             yield msg
+
+
+def _copy(sampling: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+    out = common_pb2.SamplingParams()
+    out.CopyFrom(sampling)
+    return out
+
+
+def _finish(delta: Delta, calls: int) -> int:
+    """The proto finish reason, TOOL_CALLS where the reply ended on its own after calls
+    (as tools.finish_reason decides it for REST)."""
+    if tools.finish_reason(delta.finish_reason, calls) == "tool_calls":
+        return common_pb2.FINISH_REASON_TOOL_CALLS
+    return delta.finish
+
+
+def _tool_request(request: gateway_pb2.ChatRequest) -> ToolRequest | None:
+    """ChatRequest's tools, tool_choice and parallel_tool_calls, checked as REST's are."""
+    extra: dict = {}
+    if request.tools:
+        functions = []
+        for i, f in enumerate(request.tools):
+            fn: dict = {"name": f.name}
+            if f.description:
+                fn["description"] = f.description
+            if f.parameters_json:
+                try:
+                    fn["parameters"] = json.loads(f.parameters_json)
+                except json.JSONDecodeError as e:
+                    raise InvalidRequest(f"tools[{i}].parameters_json: not JSON ({e})") from None
+            functions.append({"type": "function", "function": fn})
+        extra["tools"] = functions
+    kind = request.tool_choice.WhichOneof("choice")
+    if kind == "mode":
+        extra["tool_choice"] = request.tool_choice.mode
+    elif kind == "function":
+        extra["tool_choice"] = {"type": "function",
+                                "function": {"name": request.tool_choice.function}}
+    if request.HasField("parallel_tool_calls"):
+        extra["parallel_tool_calls"] = request.parallel_tool_calls
+    try:
+        return tools.from_openai(extra)
+    except ToolError as e:
+        raise InvalidRequest(str(e)) from None

@@ -16,7 +16,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Collection
-from functools import cached_property
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -298,47 +297,21 @@ class OpenAIFrontend:
         prompt = self._chat_prompt(body.messages, tool_request)
         sampling = self._sampling(body, body.max_completion_tokens or body.max_tokens,
                                   num_logprobs)
-        structured_field = self._structured(body, sampling)
-        grammar = tool_request.grammar() if tool_request is not None else None
-        if grammar is not None:
-            # tool_choice required / a named function (or parallel_tool_calls false)
-            # constrains the output to tool calls through a grammar of its own.
-            source = tool_request.grammar_field()
-            if structured_field is not None:
-                raise InvalidRequest(f"{structured_field}: a structured output cannot be "
-                                     f"combined with {source}="
-                                     f"{json.dumps(body.model_extra.get(source))}, which "
-                                     f"constrains the output to tool calls itself",
-                                     param=structured_field)
-            sampling.structured_output.grammar = grammar
-            structured_field = source
+        try:
+            structured_field = tools.constrain(tool_request, sampling,
+                                               self._structured(body, sampling))
+        except ToolError as e:
+            raise InvalidRequest(str(e), param=e.param) from None
         return GenerationRequest(tuple(prompt), sampling, stop, spec, prompt_field="messages",
                                  structured_field=structured_field,
                                  request_id=f"chatcmpl-{uuid.uuid4().hex}")
 
-    @cached_property
-    def _template_renders_tools(self) -> bool:
-        tok = self.gw.tokenizer
-        return tools.template_renders_tools(
-            lambda messages, fns: tok.render_chat(messages, tools=fns))
-
     def _chat_prompt(self, messages: list[_Message], tool_request: ToolRequest | None
                      ) -> list[int]:
-        """The conversation through the chat template, with the request's tools: given to
-        a template that renders them, else as a generic system prompt (gateway/tools.py)."""
-        dicts = [{"role": "system" if m.role == "developer" else m.role,
-                  "content": _text_content(m.content, i), "tool_calls": m.tool_calls,
-                  "tool_call_id": m.tool_call_id} for i, m in enumerate(messages)]
-        native = self._template_renders_tools
-        try:
-            dicts = tools.history(dicts, native)
-        except ToolError as e:
-            raise InvalidRequest(str(e), param=e.param) from None
-        if tool_request is None:
-            return self.gw.chat_prompt(dicts)
-        if native:
-            return self.gw.chat_prompt(dicts, tool_request.tools())
-        return self.gw.chat_prompt(tools.with_system_prompt(dicts, tool_request.functions))
+        return self.gw.chat_prompt(
+            [{"role": "system" if m.role == "developer" else m.role,
+              "content": _text_content(m.content, i), "tool_calls": m.tool_calls,
+              "tool_call_id": m.tool_call_id} for i, m in enumerate(messages)], tool_request)
 
     def chat_requests(self, body: ChatBody) -> list[GenerationRequest]:
         """The request's choices: n copies of its conversation."""

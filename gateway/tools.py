@@ -121,6 +121,25 @@ class ToolRequest:
         return "tool_choice" if self.choice != "auto" else "parallel_tool_calls"
 
 
+def constrain(tool_request: ToolRequest | None, sampling, structured_field: str | None
+              ) -> str | None:
+    """Put the request's tool grammar (if its choice constrains the output) into
+    `sampling` (common.SamplingParams); returns the field the structured output now
+    comes from. ToolError where the request also asked for a structured output."""
+    grammar = tool_request.grammar() if tool_request is not None else None
+    if grammar is None:
+        return structured_field
+    source = tool_request.grammar_field()
+    if structured_field is not None:
+        what = {"named": f"a named function ({tool_request.named})",
+                "required": '"required"'}.get(tool_request.choice, "false")
+        raise ToolError(f"{structured_field}: a structured output cannot be combined with "
+                        f"{source} {what}, which constrains the output to tool calls itself",
+                        structured_field)
+    sampling.structured_output.grammar = grammar
+    return source
+
+
 def from_openai(extra: Mapping[str, Any]) -> ToolRequest | None:
     """The request's tools (None without any); ToolError naming the field."""
     tools = extra.get("tools")

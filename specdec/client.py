@@ -17,6 +17,7 @@ is not, since a retry would repeat it.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -121,6 +122,20 @@ class Logprob:
                    [TopLogprob(t.token_id, t.token, t.logprob) for t in p.top_logprobs])
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """A call the reply made: `arguments` is the JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict:
+        """The call as an assistant message's tool_calls entry, for the history."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
 @dataclass
 class Chunk:
     """One streamed message: text and token ids added since the previous one, of choice
@@ -135,6 +150,7 @@ class Chunk:
     usage: Usage | None = None
     spec_decode: SpecDecode | None = None
     index: int = 0
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls this chunk completes
 
 
 @dataclass
@@ -147,6 +163,7 @@ class Completion:
     spec_decode: SpecDecode | None
     logprobs: list[Logprob] = field(default_factory=list)
     index: int = 0
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 def _chunk(msg: Any) -> Chunk:
@@ -156,7 +173,9 @@ def _chunk(msg: Any) -> Chunk:
                  [Logprob.from_proto(lp) for lp in msg.logprobs],
                  FINISH_REASONS.get(msg.finish_reason) if last else None,
                  Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if last else None,
-                 SpecDecode.from_proto(msg.spec_decode) if last else None, msg.index)
+                 SpecDecode.from_proto(msg.spec_decode) if last else None, msg.index,
+                 [ToolCall(c.id, c.name, c.arguments)
+                  for c in getattr(msg, "tool_calls", ())])
 
 
 def _completions(chunks: Sequence[Chunk], n: int) -> Completion | list[Completion]:
@@ -171,7 +190,8 @@ def _completions(chunks: Sequence[Chunk], n: int) -> Completion | list[Completio
         out.append(Completion(last.request_id, "".join(c.text for c in got),
                               [t for c in got for t in c.token_ids], last.finish_reason,
                               last.usage, last.spec_decode,
-                              [lp for c in got for lp in c.logprobs], index))
+                              [lp for c in got for lp in c.logprobs], index,
+                              [t for c in got for t in c.tool_calls]))
     return out if n > 1 else out[0]
 
 
@@ -257,15 +277,58 @@ def generate_request(prompt: str | Sequence[int], *, model: str = "", stop: Sequ
     return req
 
 
-def chat_request(messages: Sequence[Mapping[str, str]], *, model: str = "",
+def chat_request(messages: Sequence[Mapping[str, Any]], *, model: str = "",
                  stop: Sequence[str] = (), speculative: Mapping[str, Any] | None = None,
-                 stream: bool = False, request_id: str = "", n: int = 1, **sampling: Any
+                 stream: bool = False, request_id: str = "", n: int = 1,
+                 tools: Sequence[Mapping[str, Any]] | None = None,
+                 tool_choice: str | Mapping[str, Any] | None = None,
+                 parallel_tool_calls: bool | None = None, **sampling: Any
                  ) -> gateway_pb2.ChatRequest:
-    return gateway_pb2.ChatRequest(
-        model=model, messages=[gateway_pb2.ChatMessage(role=m["role"], content=m["content"])
-                               for m in messages],
+    """messages as OpenAI's: {"role", "content"}, an assistant's "tool_calls" (OpenAI's
+    dicts or ToolCall), a tool message's "tool_call_id". tools as OpenAI's
+    ({"type": "function", "function": {"name", "description", "parameters"}});
+    tool_choice "none", "auto", "required", a function's name in
+    {"type": "function", "function": {"name": ...}}."""
+    req = gateway_pb2.ChatRequest(
+        model=model, messages=[_message(m, i) for i, m in enumerate(messages)],
         sampling=_sampling(**sampling), stop=list(stop), speculation=_speculation(speculative),
         stream=stream, request_id=request_id, n=_check_n(n))
+    for i, tool in enumerate(tools or ()):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or tool.get("type") != "function":
+            raise InvalidRequestError(f'tools[{i}]: {{"type": "function", "function": {{...}}}}')
+        params = fn.get("parameters")
+        req.tools.add(name=str(fn.get("name", "")), description=fn.get("description") or "",
+                      parameters_json=json.dumps(params) if params is not None else "")
+    if isinstance(tool_choice, str):
+        req.tool_choice.mode = tool_choice
+    elif isinstance(tool_choice, Mapping):
+        name = (tool_choice.get("function") or {}).get("name")
+        if not isinstance(name, str):
+            raise InvalidRequestError('tool_choice: {"type": "function", "function": '
+                                      '{"name": ...}}')
+        req.tool_choice.function = name
+    elif tool_choice is not None:
+        raise InvalidRequestError(f"tool_choice: a string or an object, got {tool_choice!r}")
+    if parallel_tool_calls is not None:
+        req.parallel_tool_calls = parallel_tool_calls
+    return req
+
+
+def _message(m: Mapping[str, Any], i: int) -> gateway_pb2.ChatMessage:
+    msg = gateway_pb2.ChatMessage(role=m["role"], content=m.get("content") or "",
+                                  tool_call_id=m.get("tool_call_id") or "")
+    for j, call in enumerate(m.get("tool_calls") or ()):
+        if isinstance(call, ToolCall):
+            call = call.to_openai()
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping):
+            raise InvalidRequestError(f"messages[{i}].tool_calls[{j}]: a ToolCall or "
+                                      f'{{"id", "function": {{"name", "arguments"}}}}')
+        args = fn.get("arguments", "{}")
+        msg.tool_calls.add(id=call.get("id") or "", name=fn.get("name") or "",
+                           arguments=args if isinstance(args, str) else json.dumps(args))
+    return msg
 
 
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:

@@ -42,6 +42,7 @@ FINISH_REASONS: dict[int, str] = {
     common_pb2.FINISH_REASON_STOP_STRING: "stop",
     common_pb2.FINISH_REASON_CANCELLED: "abort",
     common_pb2.FINISH_REASON_ABORTED: "abort",
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 _METHOD_NAMES = {value: name for name, value in METHODS.items()}

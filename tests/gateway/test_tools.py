@@ -386,3 +386,41 @@ def test_auto_is_free_text_and_none_is_not_parsed(stack, client):
         assert resp.choices[0].message.tool_calls is None
         assert resp.choices[0].finish_reason in ("stop", "length")
         assert resp.usage.prompt_tokens == len(prompt)
+
+
+def test_tool_calls_over_grpc_and_the_sdk(stack):
+    """The gRPC API and the SDK call tools as REST does: the same forced calls, whole or
+    streamed, the same rendering of a history with a tool result."""
+    from specdec.client import Client, InvalidRequestError, ToolCall
+
+    extra = CHOICES["named"]
+    content, want, finish = want_calls(stack, extra, 120)
+    with Client(stack.grpc_address) as client:
+        kw = {"max_tokens": 120, "temperature": 0, "tools": TOOLS,
+              "tool_choice": extra["tool_choice"], "speculative": {"method": "ngram"}}
+        out = client.chat(MESSAGES, **kw)
+        assert [(c.name, c.arguments) for c in out.tool_calls] == want
+        assert out.text == (content or "") and out.finish_reason == finish == "tool_calls"
+        assert all(c.id.startswith("chatcmpl-tool-") for c in out.tool_calls)
+        chunks = list(client.chat(MESSAGES, stream=True, **kw))
+        assert [(c.name, c.arguments) for ch in chunks for c in ch.tool_calls] == want
+        assert "".join(ch.text for ch in chunks) == (content or "")
+        assert chunks[-1].finish_reason == "tool_calls"
+        # A history with the call and its result renders as over REST.
+        history = [*MESSAGES, {"role": "assistant", "content": "",
+                               "tool_calls": out.tool_calls},
+                   {"role": "tool", "tool_call_id": out.tool_calls[0].id, "content": "14:05"}]
+        rest_history = [*MESSAGES, {"role": "assistant", "content": "",
+                                    "tool_calls": [c.to_openai() for c in out.tool_calls]},
+                        history[-1]]
+        r = httpx2.post(stack.base_url.removesuffix("/v1") + "/tokenize",
+                        json={"messages": rest_history, "tools": TOOLS})
+        again = client.chat(history, max_tokens=4, temperature=0, tools=TOOLS)
+        assert again.usage.prompt_tokens == len(r.json()["tokens"])
+        with pytest.raises(InvalidRequestError, match="tool_choice"):
+            client.chat(MESSAGES, max_tokens=4, tools=TOOLS,
+                        tool_choice={"type": "function", "function": {"name": "nope"}})
+        with pytest.raises(InvalidRequestError, match=r"tools\[0\].function.parameters"):
+            client.chat(MESSAGES, max_tokens=4, tools=[{"type": "function", "function": {
+                "name": "f", "parameters": {"type": "array"}}}])
+    assert isinstance(out.tool_calls[0], ToolCall)
