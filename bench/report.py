@@ -47,6 +47,8 @@ SECTIONS = [
     ("suffix.md", "Suffix decoding against n-gram lookup", "python -m bench.suffix"),
     ("structured.md", "Structured outputs: grammar text as free drafts",
      "python -m bench.structured"),
+    ("chaos.md", "Reliability: overload and killed services under `make run`",
+     "python -m bench.chaos"),
     ("gateway.md", "Static against dynamic K under concurrency", "python -m bench.gateway"),
     ("peers.md", "Against peers", "make bench-peers"),
 ]

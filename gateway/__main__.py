@@ -51,6 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default {DEFAULT_PROFILE} when it exists)")
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="require `Authorization: Bearer KEY` (default: $SPECDEC_API_KEY)")
+    p.add_argument("--max-queue-time-s", type=float, default=60.0,
+                   help="refuse (429, Retry-After) a request expected to wait longer than "
+                   "this for a verifier slot (0 = never)")
+    p.add_argument("--max-num-requests", type=int, default=1024,
+                   help="requests held at once, past which new ones get 429 (0 = no limit)")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="a request's time from admission to its last token, unless it asks "
+                   "for less (REST `timeout`, gRPC deadline); 0 = none")
+    p.add_argument("--resume-wait-s", type=float, default=30.0,
+                   help="a request whose verifier replicas all failed waits this long for one "
+                   "to serve again, then resumes from its tokens so far (0 = fail at once)")
     p.add_argument("--max-prompt-tokens", type=int, default=0)
     p.add_argument("--max-tokens-limit", type=int, default=0,
                    help="largest max_tokens a request may ask for (0 = model length)")
@@ -92,6 +103,10 @@ async def _serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
         ),
         api_key=args.api_key or None,
+        max_queue_time_s=args.max_queue_time_s,
+        max_num_requests=args.max_num_requests,
+        request_timeout_s=args.request_timeout_s,
+        resume_wait_s=args.resume_wait_s,
     )
     replicas = ReplicaPool([host_port(v) for v in args.verifier or ["127.0.0.1:50051"]],
                            model_fingerprint(model_dir))

@@ -22,6 +22,7 @@ from gateway.policy.admission import Decision, Deployment, decide
 from gateway.policy.dynamic_k import PRIOR_STEPS, DynamicK, ProfileSource
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import OnlineProfile
+from gateway.policy.shedding import ServiceTimes, expected_wait_s, retry_after_s
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
 from gateway.tools import ToolError, ToolRequest
 from gateway.types import (
@@ -30,6 +31,8 @@ from gateway.types import (
     GenerationRequest,
     InvalidRequest,
     ModelNotFound,
+    Overloaded,
+    RequestTimeout,
     SpecDecodeSummary,
     Unavailable,
 )
@@ -40,8 +43,8 @@ from specdec.structured import Grammars
 from specdec.tokenizer import Tokenizer
 
 __all__ = ["Delta", "Gateway", "GatewayConfig", "GatewayError", "Generation",
-           "GenerationRequest", "InvalidRequest", "Limits", "ModelNotFound",
-           "SpecDecodeSummary", "Unavailable"]
+           "GenerationRequest", "InvalidRequest", "Limits", "ModelNotFound", "Overloaded",
+           "RequestTimeout", "SpecDecodeSummary", "Unavailable"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,19 @@ class GatewayConfig:
     api_key: str | None = None
     # Drafting steps the method's rates count for in a request's own acceptance estimate.
     dynamic_k_prior_steps: float = PRIOR_STEPS
+    # Admission: a request expected to wait longer than this for its first step is
+    # refused (429, Retry-After); 0 = never. 60 s keeps a served request on `make run`
+    # (16 slots, a few seconds a reply) within a minute and a half of arriving.
+    max_queue_time_s: float = 60.0
+    # Requests this gateway holds at once (admitted, not finished); past it 429. 0 = no
+    # limit. Each costs a stream, a detokenizer and a verifier sequence.
+    max_num_requests: int = 1024
+    # A request's time from admission to its last token, unless it asks for less
+    # (REST `timeout`, the gRPC deadline); 0 = none.
+    request_timeout_s: float = 600.0
+    # A request whose replicas all failed mid-generation waits this long for one to
+    # serve again (the only verifier restarting), then resumes from its tokens so far.
+    resume_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -81,6 +97,10 @@ class GatewayConfig:
             raise ValueError("disable_queue_size: must be >= 0")
         if not isinstance(self.default_auto_k, bool):
             raise ValueError(f"default_auto_k: must be a bool, got {self.default_auto_k!r}")
+        for name in ("max_queue_time_s", "max_num_requests", "request_timeout_s",
+                     "resume_wait_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0")
 
 
 class Gateway:
@@ -98,6 +118,10 @@ class Gateway:
         self.metrics.watch_step_cost(self.online_profile.cost)
         # Compiles a request's grammar to refuse a bad one before it reaches a verifier.
         self.grammars = Grammars(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_ids)
+        self.service_times = ServiceTimes()  # per replica: how long a request holds a slot
+        # Requests admitted and not finished, per replica: streams start only when their
+        # client reads them, so a burst would otherwise all see an idle replica.
+        self.admitted: dict[str, int] = {}
 
     def profile_source(self, replica: Replica) -> ProfileSource:
         """The profile dynamic K reads on `replica`, as it is at each call."""
@@ -254,6 +278,7 @@ class Gateway:
                 raise Unavailable(str(e)) from None
             max_tokens = self._validate(req, replica.report)
             decision = self._decide(req, replica)
+            self._admit(replica)
         except GatewayError as e:
             self.metrics.request_errors.labels(type(e).__name__).inc()
             raise
@@ -264,8 +289,39 @@ class Gateway:
             dynamic = DynamicK(self.profile_source(replica), decision.method,
                                decision.num_speculative_tokens,
                                prior_steps=self.config.dynamic_k_prior_steps)
+        address = replica.address
+        self.admitted[address] = self.admitted.get(address, 0) + 1
+
+        def release() -> None:
+            self.admitted[address] -= 1
+
+        timeout = self.config.request_timeout_s or None
+        if req.timeout_s is not None:
+            timeout = min(timeout or req.timeout_s, req.timeout_s)
         return Generation(req, request_id, decision, dynamic, max_tokens, t0, replica,
-                          self.replicas, self.tokenizer, self.metrics, self.online_profile)
+                          self.replicas, self.tokenizer, self.metrics, self.online_profile,
+                          deadline=t0 + timeout if timeout else None, release=release,
+                          service_times=self.service_times,
+                          resume_wait_s=self.config.resume_wait_s)
+
+    def _admit(self, replica: Replica) -> None:
+        """Overloaded (429) where this request would wait past the maximum queue time on
+        `replica`, or the gateway holds as many requests as it may."""
+        held = sum(self.admitted.values())
+        limit = self.config.max_num_requests
+        if limit and held >= limit:
+            raise Overloaded(f"this server holds {held} requests, its limit; retry later",
+                             retry_after_s=1)
+        max_wait = self.config.max_queue_time_s
+        if not max_wait or replica.report is None:
+            return
+        load = max(replica.load, self.admitted.get(replica.address, 0))
+        wait = expected_wait_s(load, max(replica.report.max_num_seqs, 1),
+                               self.service_times.get(replica.address))
+        if wait > max_wait:
+            raise Overloaded(f"the server is busy: a request now would wait about {wait:.0f} s "
+                             f"for its turn (limit {max_wait:.0f} s); retry later",
+                             retry_after_s=retry_after_s(wait, max_wait))
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         generation = await self.open(req)

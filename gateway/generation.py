@@ -1,5 +1,7 @@
 """One admitted request's stream: from one verifier replica or, after a failure,
-resumed on another from the tokens already produced.
+resumed on another from the tokens already produced. A request the verifier
+failed on its own (INTERNAL with specdec.server.REQUEST_FAILED) is not resumed:
+it would fail on any replica; the client gets a 500.
 
 Verifier tokens become text deltas (incremental detokenization, stop strings);
 dynamic K sends PolicyUpdates mid-request; metrics are recorded per step and per
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -22,17 +24,21 @@ from gateway.metrics import GatewayMetrics
 from gateway.policy.admission import Decision
 from gateway.policy.dynamic_k import DynamicK
 from gateway.policy.online_profile import OnlineProfile, StepSample
+from gateway.policy.shedding import ServiceTimes
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
 from gateway.types import (
     Delta,
     GatewayError,
     GenerationRequest,
     InvalidRequest,
+    Overloaded,
+    RequestTimeout,
     SpecDecodeSummary,
     Unavailable,
 )
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.pb import common_pb2, verifier_pb2
+from specdec.server import is_request_failed
 from specdec.speculation import method_to_proto, reason_name, reason_to_proto
 from specdec.stop import StopStringMatcher
 from specdec.tokenizer import Tokenizer
@@ -55,6 +61,10 @@ class _Progress:
     done_accepted: int = 0
 
 
+# Tries beyond one per replica that a request may make when every replica failed it.
+MAX_EXTRA_RESUMES = 2
+
+
 class Generation:
     """One admitted request: its deltas, streamed from one replica or, after a failure,
     resumed on another."""
@@ -62,7 +72,17 @@ class Generation:
     def __init__(self, req: GenerationRequest, request_id: str, decision: Decision,
                  dynamic: DynamicK | None, max_tokens: int, t0: float, replica: Replica,
                  replicas: ReplicaPool, tokenizer: Tokenizer, metrics: GatewayMetrics,
-                 online_profile: OnlineProfile | None = None):
+                 online_profile: OnlineProfile | None = None, *, deadline: float | None = None,
+                 release: Callable[[], None] | None = None,
+                 service_times: ServiceTimes | None = None, resume_wait_s: float = 0.0):
+        """deadline: time.perf_counter() by which the last token must be in (None: no
+        limit); release: called once when the generation is over, read or not;
+        service_times: fed how long the request held its replica's slot; resume_wait_s:
+        how long a request whose replicas all failed waits for one to serve again."""
+        self.deadline = deadline
+        self.resume_wait_s = resume_wait_s
+        self._release = release
+        self.service_times = service_times
         self.replicas = replicas
         self.metrics = metrics
         self.replica = replica
@@ -136,8 +156,18 @@ class Generation:
                 raise
             finally:
                 metrics.running.dec()
+                self.close()
+                if status == "ok" and self.service_times is not None \
+                        and self.t_first is not None and self.t_last is not None:
+                    self.service_times.observe(self.replica.address, self.t_last - self.t_first)
                 fields = self.log_fields(status)
                 request_log.info("request %s", json.dumps(fields), extra={"fields": fields})
+
+    def close(self) -> None:
+        """The request is over (or will never be read): its admission slot is free."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
     def log_fields(self, status: str) -> dict:
         s, now = self.summary, time.perf_counter()
@@ -165,6 +195,15 @@ class Generation:
                 code = e.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidRequest(e.details() or "invalid request") from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise RequestTimeout(self._timeout_message()) from None
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # The verifier's queue is full: the gateway's own estimate lagged.
+                    raise Overloaded(f"verifier {replica.address}: {e.details()}",
+                                     retry_after_s=1) from None
+                if is_request_failed(e):
+                    # It failed alone in the verifier: it would fail on any replica.
+                    raise GatewayError(f"verifier {replica.address}: {e.details()}") from None
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
                                 grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
                                 grpc.StatusCode.ABORTED):
@@ -184,14 +223,21 @@ class Generation:
                 try:
                     replica = await self.replicas.choose(exclude=failed)
                 except NoReplicaError:
-                    raise Unavailable(f"{error}; no other verifier replica to resume on") from None
+                    replica = await self._wait_for_replica(error, len(failed))
                 if self.progress.generated:
                     self.metrics.resumed.inc()
 
     async def _stream_on(self, replica: Replica) -> AsyncIterator[Delta]:
         metadata: dict[str, str] = {}
         propagate.inject(metadata)
-        call = replica.stub.Generate(metadata=tuple(metadata.items()))
+        timeout = None
+        if self.deadline is not None:
+            # The RPC carries the request's deadline: the verifier drops the sequence
+            # when it passes, whatever this process is doing.
+            timeout = self.deadline - time.perf_counter()
+            if timeout <= 0:
+                raise RequestTimeout(self._timeout_message())
+        call = replica.stub.Generate(metadata=tuple(metadata.items()), timeout=timeout)
         replica.inflight += 1
         self.first_on_stream = True
         try:
@@ -300,6 +346,28 @@ class Generation:
         if s.num_drafts:
             m.acceptance_length.labels(s.method).observe(s.acceptance_length)
         m.requests.labels(s.method, delta.finish_reason or "abort").inc()
+
+    async def _wait_for_replica(self, error: str, failures: int) -> Replica:
+        """Every replica failed this request: hold it until one serves again (the only
+        verifier restarting, say), within resume_wait_s and the request's deadline. A
+        replica that failed it may take it again once healthy, but a request that keeps
+        failing gives up after a few tries rather than loop."""
+        wait = self.resume_wait_s
+        if self.deadline is not None:
+            wait = min(wait, self.deadline - time.perf_counter())
+        if wait <= 0 or failures > len(self.replicas.replicas) + MAX_EXTRA_RESUMES:
+            raise Unavailable(f"{error}; no other verifier replica to resume on")
+        self.metrics.held.inc()
+        try:
+            return await self.replicas.wait_for_any(wait)
+        except NoReplicaError:
+            raise Unavailable(f"{error}; no verifier replica came back within "
+                              f"{wait:.0f} s") from None
+
+    def _timeout_message(self) -> str:
+        limit = (self.deadline or self.t0) - self.t0
+        return (f"the request timed out after {limit:.0f} s with "
+                f"{len(self.progress.generated)} tokens generated")
 
     def _next_policy(self, resp: verifier_pb2.GenerateResponse
                      ) -> verifier_pb2.GenerateRequest | None:

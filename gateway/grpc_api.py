@@ -43,9 +43,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _requests(self, model: str, prompt: list[int], sampling: common_pb2.SamplingParams,
                   stop, speculation: common_pb2.SpeculationPolicy, request_id: str,
-                  prompt_field: str, n: int, tool_request: ToolRequest | None = None
-                  ) -> list[GenerationRequest]:
-        """The request's choices, checked."""
+                  prompt_field: str, n: int, tool_request: ToolRequest | None = None,
+                  timeout_s: float | None = None) -> list[GenerationRequest]:
+        """The request's choices, checked. timeout_s: the call's deadline, if it has one."""
         self.gw.check_model(model)
         limit = self.gw.config.limits.max_tokens
         if limit and sampling.max_tokens > limit:
@@ -69,7 +69,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         req = GenerationRequest(tuple(prompt), sampling, tuple(stop),
                                 speculative_from_proto(speculation), request_id,
-                                prompt_field=prompt_field, structured_field=structured_field)
+                                prompt_field=prompt_field, structured_field=structured_field,
+                                timeout_s=timeout_s)
         return choice_requests([req], max(n, 1))
 
     async def _run(self, reqs: list[GenerationRequest], stream: bool, context, make,
@@ -78,8 +79,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         its choice, or one whole message per choice in index order. With `names`, each
         choice's text is parsed for calls of those functions: a call leaves the text
         and comes whole in the message that completes it (make's last argument)."""
+        generations = []
         try:
-            generations = [await self.gw.open(r) for r in reqs]
+            for r in reqs:
+                generations.append(await self.gw.open(r))
             ids = [g.request_id for g in generations]
             if stream:
                 parsers = [ToolCallParser(names) if names is not None else None
@@ -113,6 +116,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     whole.finish = _finish(whole, len(calls))
                 yield make(ids[i], i, whole, calls)
         except GatewayError as e:
+            for g in generations:  # a choice never read is over too
+                g.close()
             await context.abort(e.grpc_code, e.message)
 
     def _fill(self, msg, delta: Delta):
@@ -145,7 +150,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise InvalidRequest("prompt: set text or token_ids")
             reqs = self._requests(request.model, prompt, request.sampling, request.stop,
                                   request.speculation, request.request_id, kind or "prompt",
-                                  request.n)
+                                  request.n, timeout_s=context.time_remaining())
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
 
@@ -174,7 +179,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prompt = self.gw.chat_prompt(messages, tool_request)
             reqs = self._requests(request.model, prompt, request.sampling, request.stop,
                                   request.speculation, request.request_id, "messages",
-                                  request.n, tool_request)
+                                  request.n, tool_request, timeout_s=context.time_remaining())
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
 

@@ -130,6 +130,9 @@ class GatewayMetrics:
         self.resumed = Counter("specdec_requests_resumed",
                                "Requests moved to another verifier replica mid-generation",
                                registry=r)
+        self.held = Counter("specdec_requests_held",
+                            "Requests held while no verifier replica served, to resume",
+                            registry=r)
         self.verifier_prefix_cache = VerifierPrefixCache()
         r.register(self.verifier_prefix_cache)
 

@@ -30,6 +30,7 @@ from gateway.core import (
     GatewayError,
     GenerationRequest,
     InvalidRequest,
+    Overloaded,
 )
 from gateway.policy.request import SpeculativeRequest
 from gateway.structured import StructuredOutputError, from_openai
@@ -80,6 +81,9 @@ class _Body(BaseModel):
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    # Seconds from admission to the last token (this API's extension); the server's
+    # default applies when it is longer.
+    timeout: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -147,7 +151,10 @@ def _error_response(status: int, message: str, error_type: str, param: str | Non
 
 
 def _from_gateway_error(e: GatewayError) -> JSONResponse:
-    return _error_response(e.http_status, e.message, e.error_type, e.param, e.code)
+    response = _error_response(e.http_status, e.message, e.error_type, e.param, e.code)
+    if isinstance(e, Overloaded):
+        response.headers["Retry-After"] = str(e.retry_after_s)
+    return response
 
 
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
@@ -304,7 +311,8 @@ class OpenAIFrontend:
             raise InvalidRequest(str(e), param=e.param) from None
         return GenerationRequest(tuple(prompt), sampling, stop, spec, prompt_field="messages",
                                  structured_field=structured_field,
-                                 request_id=f"chatcmpl-{uuid.uuid4().hex}")
+                                 request_id=f"chatcmpl-{uuid.uuid4().hex}",
+                                 timeout_s=body.timeout)
 
     def _chat_prompt(self, messages: list[_Message], tool_request: ToolRequest | None
                      ) -> list[int]:
@@ -346,7 +354,7 @@ class OpenAIFrontend:
                 tuple(ids), sampling, stop, spec,
                 prompt_field="prompt" if len(prompts) == 1 else f"prompt[{i}]",
                 structured_field=self._structured(body, sampling),
-                request_id=rid if len(prompts) == 1 else f"{rid}-p{i}"))
+                request_id=rid if len(prompts) == 1 else f"{rid}-p{i}", timeout_s=body.timeout))
         return choice_requests(reqs, body.n)
 
     # -- rendering ----------------------------------------------------------------
@@ -390,10 +398,15 @@ class OpenAIFrontend:
         """Parse, translate (`build`: the request's choices) and admit every choice:
         (body, generations), or the error response of the first step that refuses it.
         Nothing reaches a verifier before every choice is admitted."""
+        opened = []
         try:
             body = await self._parse(request, cls)
-            return body, [await self.gw.open(r) for r in build(body)]
+            for r in build(body):
+                opened.append(await self.gw.open(r))
+            return body, opened
         except GatewayError as e:
+            for g in opened:  # admitted choices of a refused request never run
+                g.close()
             return _from_gateway_error(e)
         except _TooLarge as e:
             return e.response()

@@ -1,5 +1,8 @@
 """Verifier replicas as the gateway sees them: one channel each, their last
-Load report, and a least-loaded choice among the healthy ones.
+Load report, and a least-loaded choice among the healthy ones. A replica is
+healthy while its Load answers and its gRPC health says SERVING: a verifier
+whose engine failed, or that is shutting down, says NOT_SERVING while it still
+answers Load.
 
 A replica's load is the larger of what it last reported (running + waiting)
 and the streams this gateway has open on it: reports lag by a poll interval,
@@ -12,15 +15,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Iterable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
 from specdec.server import GRPC_OPTIONS
 from specdec.speculation import DRAFTER_METHODS, method_name
 
 log = logging.getLogger(__name__)
+
+VERIFIER_SERVICE = "specdec.v1.Verifier"  # the name its health is reported under
+
 
 class NoReplicaError(RuntimeError):
     """No verifier replica can take a request now."""
@@ -32,6 +40,7 @@ class Replica:
         # grpc.aio channels belong to the event loop that creates them: made in connect().
         self.channel: grpc.aio.Channel | None = None
         self.stub: verifier_pb2_grpc.VerifierStub | None = None
+        self.health: health_pb2_grpc.HealthStub | None = None
         self.report: verifier_pb2.LoadReport | None = None
         self.healthy = False
         self.error = "not polled yet"
@@ -54,13 +63,22 @@ class Replica:
         if self.channel is None:
             self.channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
             self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
+            self.health = health_pb2_grpc.HealthStub(self.channel)
 
     async def refresh(self, timeout_s: float = 2.0) -> None:
         self.connect()
         try:
-            report = await self.stub.Load(verifier_pb2.LoadRequest(), timeout=timeout_s)
+            health, report = await asyncio.gather(
+                self.health.Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE),
+                                  timeout=timeout_s),
+                self.stub.Load(verifier_pb2.LoadRequest(), timeout=timeout_s))
         except grpc.RpcError as e:
-            self._mark(False, f"Load failed: {e.code().name} {e.details()}")  # type: ignore[attr-defined]
+            self._mark(False, f"Load or health check failed: "
+                              f"{e.code().name} {e.details()}")  # type: ignore[attr-defined]
+            return
+        if health.status != health_pb2.HealthCheckResponse.SERVING:
+            self._mark(False, "health: " + health_pb2.HealthCheckResponse.ServingStatus.Name(
+                health.status))
             return
         if self._fingerprint is not None:
             vocab, digest = self._fingerprint
@@ -128,6 +146,20 @@ class ReplicaPool:
         start = next(self._tie) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
         return min(rotated, key=lambda r: r.load)
+
+    async def wait_for_any(self, timeout_s: float) -> Replica:
+        """A healthy replica, waiting up to timeout_s for one to come (back) up: a
+        restarted verifier serves again at its address once its health check passes.
+        NoReplicaError when none did."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return await self.choose()
+            except NoReplicaError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                await asyncio.sleep(min(self.poll_interval_s, left))
 
     def reference(self) -> verifier_pb2.LoadReport | None:
         """A healthy replica's report, for limits shared by the deployment (max model len)."""

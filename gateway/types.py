@@ -46,6 +46,28 @@ class Unavailable(GatewayError):
     error_type = "service_unavailable"
 
 
+class Overloaded(GatewayError):
+    """Refused at admission: it would wait too long (or the gateway holds too many).
+    429 with Retry-After, as OpenAI's rate limits answer; the SDKs back off and retry."""
+
+    http_status = 429
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeout(GatewayError):
+    """The request ran past its timeout (the request's own or the server's default)."""
+
+    http_status = 504
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    error_type = "timeout_error"
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
@@ -57,6 +79,8 @@ class GenerationRequest:
     prompt_field: str = "prompt"
     # Which request field sampling.structured_output came from, for error messages.
     structured_field: str | None = None
+    # Seconds from admission to the last token; None = the server's default.
+    timeout_s: float | None = None
 
 
 @dataclass

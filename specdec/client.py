@@ -61,12 +61,18 @@ class DeadlineExceededError(SpecdecError):
     pass
 
 
+class OverloadedError(SpecdecError):
+    """The server refused the request for now (RESOURCE_EXHAUSTED, HTTP's 429): retry
+    after a while."""
+
+
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
 }
 
 

@@ -7,8 +7,11 @@ file's own defaults), turns service hostnames into 127.0.0.1 (every service
 listens on its own port, so loopback needs no other change), and uses the
 service's healthcheck address to wait for it. Services start once the ones
 they depend on are healthy, as with `condition: service_healthy`; one that
-exits is restarted, as with `restart: unless-stopped`; SIGINT/SIGTERM stops
-them all, in reverse order, each with SIGTERM and its own grace period.
+exits is restarted, as with `restart: unless-stopped`, after a backoff that
+doubles while it keeps failing (RestartPolicy); one whose health check keeps
+failing once it has passed (a hung service) is stopped and restarted the same
+way, which compose leaves to an orchestrator; SIGINT/SIGTERM stops them all, in
+reverse order, each with SIGTERM and its own grace period.
 """
 
 from __future__ import annotations
@@ -213,12 +216,42 @@ def _executable(name: str) -> str:
     return found
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How `LocalStack.supervise` restarts a service that exited or hangs.
+
+    Each service's health check is its compose healthcheck (`specdec health
+    HOST:PORT`, gRPC health; for the gateway that of its gRPC port, which is up while
+    the gateway process is, whereas its HTTP /health answers 503 while no verifier is
+    healthy, which no gateway restart would mend)."""
+
+    backoff_s: tuple[float, float] = (1.0, 30.0)  # first delay before a restart, doubling to the cap
+    reset_after_s: float = 60.0  # a service up this long is restarted after the first delay again
+    health_interval_s: float = 5.0  # between health checks of a running service (compose's)
+    health_timeout_s: float = 3.0  # one check (compose's timeout)
+    health_failures: int = 3  # failed checks in a row, after one passed, that restart it
+    stop_grace_s: float = 5.0  # SIGTERM to SIGKILL for a service restarted as hung
+
+
+@dataclass
+class _Watch:
+    """supervise's view of one service."""
+
+    started: float  # time.monotonic() of its last start
+    delay: float  # backoff before its next restart
+    restart_at: float | None = None  # it is down, to be started then
+    passed: bool = False  # a health check passed since its last start
+    failures: int = 0  # failed health checks in a row since one passed
+    next_check: float = 0.0
+
+
 class LocalStack:
     def __init__(self, services: list[LocalService], log_dir: Path, log=print,
-                 start_attempts: int = 3):
+                 start_attempts: int = 3, restart: RestartPolicy = RestartPolicy()):
         self.services = services
         self.log_dir = log_dir
         self.log = log
+        self.restart = restart
         # A service that exits before it is healthy is started again, as compose's
         # `restart: unless-stopped` would, up to this many starts in all. The local ports
         # (50050-50063) lie in Linux's ephemeral range (32768-60999): any client socket on
@@ -274,13 +307,53 @@ class LocalStack:
         self.log("all services healthy")
 
     def supervise(self, stop: threading.Event, poll_s: float = 0.5) -> None:
-        """Restart services that exit, until `stop` is set."""
+        """Until `stop` is set, restart services that exit or whose health check fails
+        `restart.health_failures` times in a row, each restart after a backoff."""
+        now = time.monotonic()
+        watches = {svc.name: _Watch(now, self.restart.backoff_s[0]) for svc in self.services}
         while not stop.wait(poll_s):
             for svc in self.services:
-                proc = self.procs.get(svc.name)
-                if proc is not None and proc.poll() is not None:
-                    self.log(f"{svc.name} exited with code {proc.returncode}; restarting")
-                    self._spawn(svc)
+                if svc.name in self.procs:
+                    self._watch(svc, watches[svc.name], time.monotonic())
+
+    def _watch(self, svc: LocalService, w: _Watch, now: float) -> None:
+        policy = self.restart
+        if w.restart_at is not None:  # down, waiting out its backoff
+            if now >= w.restart_at:
+                self.log(f"starting {svc.name} again")
+                self._spawn(svc)
+                w.started, w.restart_at, w.passed, w.failures = now, None, False, 0
+            return
+        proc = self.procs[svc.name]
+        if proc.poll() is not None:
+            reason = f"exited with code {proc.returncode}"
+        elif svc.health is not None and now >= w.next_check:
+            w.next_check = now + policy.health_interval_s
+            if check_health(svc.health, timeout_s=policy.health_timeout_s):
+                w.passed, w.failures = True, 0
+                return
+            if w.passed:  # before its first pass it is starting (loading a model, say)
+                w.failures += 1
+            if w.failures < policy.health_failures:
+                return
+            reason = f"failed {w.failures} health checks in a row"
+            self._terminate(svc, proc, policy.stop_grace_s)
+        else:
+            return
+        if now - w.started >= policy.reset_after_s:
+            w.delay = policy.backoff_s[0]
+        self.log(f"{svc.name} {reason}; restarting in {w.delay:g} s")
+        w.restart_at = now + w.delay
+        w.delay = min(w.delay * 2, policy.backoff_s[1])
+
+    def _terminate(self, svc: LocalService, proc: subprocess.Popen, grace_s: float) -> None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.log(f"{svc.name} did not stop within {grace_s:g} s; killing it")
+            proc.kill()
+            proc.wait()
 
     def stop(self, grace_s: float = 15.0) -> None:
         self._stopping.set()
@@ -288,13 +361,7 @@ class LocalStack:
             proc = self.procs.get(svc.name)
             if proc is None or proc.poll() is not None:
                 continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.log(f"{svc.name} did not stop within {grace_s:.0f} s; killing it")
-                proc.kill()
-                proc.wait()
+            self._terminate(svc, proc, grace_s)
 
     def __enter__(self) -> LocalStack:
         return self

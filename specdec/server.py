@@ -33,6 +33,21 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
+# The trailing metadata of an INTERNAL status that a request failed for a reason of
+# its own (the verifier found it by stepping it alone): another server would fail it
+# too, so it is not retried elsewhere. An INTERNAL without it (the transport, a server
+# going down) stays worth resuming on another replica.
+REQUEST_FAILED = ("specdec-error", "request-failed")
+
+
+def is_request_failed(error: grpc.RpcError) -> bool:
+    """Whether `error` is INTERNAL and carries REQUEST_FAILED."""
+    code = getattr(error, "code", None)
+    if code is None or code() != grpc.StatusCode.INTERNAL:
+        return False
+    return any(tuple(item) == REQUEST_FAILED for item in error.trailing_metadata() or ())
+
+
 # Servers must accept the clients' keepalive pings.
 SERVER_OPTIONS: list[tuple[str, int]] = GRPC_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),

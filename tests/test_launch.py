@@ -1,9 +1,13 @@
 """compose.yaml is the one list of services: the local launcher reads it, and
 every command in it is valid for the CLI it calls. The launcher starts a service
-again when it exits at start."""
+again when it exits at start; once up, it restarts one that exits after a
+backoff that doubles, and one whose health check keeps failing."""
 
 from __future__ import annotations
 
+import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ from specdec.launch import (
     COMPOSE_FILE,
     LocalService,
     LocalStack,
+    RestartPolicy,
     interpolate,
     local_services,
     service_flag,
@@ -161,3 +166,114 @@ def test_a_taken_port_is_named_before_anything_starts():
                                  None, ())]
         assert taken_ports(services, wait_s=0.01) == [("gateway", "127.0.0.1", port)]
     assert taken_ports(services, wait_s=0.01) == []
+
+
+def _supervised(stack: LocalStack, until, timeout_s: float = 30.0) -> bool:
+    """Run stack.supervise on a thread until `until()` holds (or the timeout)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=stack.supervise, args=(stop, 0.01))
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not until() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return until()
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def _spawn_times(stack: LocalStack) -> list[float]:
+    times: list[float] = []
+    spawn = stack._spawn
+
+    def timed(svc):
+        times.append(time.monotonic())
+        spawn(svc)
+
+    stack._spawn = timed
+    return times
+
+
+def _delays(logged: list[str]) -> list[float]:
+    return [float(m.group(1)) for line in logged
+            if (m := re.search(r"restarting in ([0-9.]+) s$", line))]
+
+
+@pytest.mark.parametrize("lives_s,want", [(0.0, [0.05, 0.1, 0.2, 0.2, 0.2]),
+                                          (0.5, [0.05, 0.05, 0.05])],
+                         ids=["crash-loop", "reset-after-uptime"])
+def test_supervise_restarts_an_exited_service_after_a_doubling_backoff(tmp_path: Path, lives_s,
+                                                                        want):
+    """A service that keeps exiting waits 0.05, 0.1, 0.2 (the cap), ... s before each
+    start; one that stayed up past reset_after_s starts again after the first delay."""
+    svc = LocalService("crashy", ("python", "-c", f"import time; time.sleep({lives_s}); "
+                                                  f"raise SystemExit(3)"), None, ())
+    logged: list[str] = []
+    policy = RestartPolicy(backoff_s=(0.05, 0.2), reset_after_s=0.3)
+    with LocalStack([svc], tmp_path / "logs", log=logged.append, restart=policy) as stack:
+        stack.start(timeout_s=30)
+        spawned = _spawn_times(stack)
+        assert _supervised(stack, lambda: len(_delays(logged)) >= len(want))
+    assert _delays(logged)[: len(want)] == want
+    assert all(line.startswith("crashy exited with code 3; restarting in")
+               for line in logged if "restarting in" in line)
+    # Between two starts: the service's life, then the delay.
+    assert len(spawned) >= len(want) - 1
+    assert all(b - a >= lives_s + d for a, b, d in zip(spawned, spawned[1:], want[1:],
+                                                       strict=False))
+
+
+# Serves gRPC health on PORT; while MARKER holds a positive count (counting it down),
+# it turns NOT_SERVING after 0.3 s and stays up, as a hung service does.
+_HANGS = """
+import asyncio, sys
+from pathlib import Path
+from specdec.server import start_server
+marker, port = Path(sys.argv[1]), sys.argv[2]
+left = int(marker.read_text())
+marker.write_text(str(max(left - 1, 0)))
+async def main():
+    service = await start_server(f"127.0.0.1:{port}", lambda s: None, [])
+    if left > 0:
+        await asyncio.sleep(0.3)
+        await service.set_serving(False)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+def test_supervise_restarts_a_service_whose_health_check_keeps_failing(tmp_path: Path):
+    marker = tmp_path / "left"
+    marker.write_text("1")
+    port = free_port()
+    svc = LocalService("hung", ("python", "-c", _HANGS, str(marker), str(port)),
+                       f"127.0.0.1:{port}", ())
+    logged: list[str] = []
+    policy = RestartPolicy(backoff_s=(0.05, 1.0), health_interval_s=0.05, health_timeout_s=1.0,
+                           health_failures=3, stop_grace_s=2.0)
+    with LocalStack([svc], tmp_path / "logs", log=logged.append, restart=policy) as stack:
+        stack.start(timeout_s=60)
+        first = stack.procs["hung"]
+        assert _supervised(stack, lambda: stack.procs["hung"] is not first
+                           and check_health(f"127.0.0.1:{port}"), timeout_s=60)
+        assert first.poll() is not None  # stopped, not left running beside the new one
+    assert "hung failed 3 health checks in a row; restarting in 0.05 s" in logged
+    assert "starting hung again" in logged
+    assert marker.read_text() == "0"
+
+
+def test_a_service_not_yet_healthy_is_left_to_start(tmp_path: Path):
+    """Failed health checks count only once one has passed: a service loading its
+    model is not restarted for being slow."""
+    svc = LocalService("slow", ("python", "-c", "import time; time.sleep(30)"),
+                       f"127.0.0.1:{free_port()}", ())
+    logged: list[str] = []
+    policy = RestartPolicy(health_interval_s=0.02, health_timeout_s=0.05, health_failures=2)
+    stack = LocalStack([svc], tmp_path / "logs", log=logged.append, restart=policy)
+    with stack:
+        stack._spawn(svc)
+        proc = stack.procs["slow"]
+        assert not _supervised(stack, lambda: False, timeout_s=0.5)  # about 20 checks
+        assert stack.procs["slow"] is proc and proc.poll() is None
+    assert not any("restarting" in line for line in logged)

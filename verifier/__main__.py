@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="K for requests that do not choose one")
     p.add_argument("--draft-deadline-ms", type=float, default=100.0,
                    help="a proposal later than this runs the step with K=0")
+    p.add_argument("--max-num-waiting", type=int, default=256,
+                   help="requests queued beyond the running batch; past it new ones are "
+                   "refused with RESOURCE_EXHAUSTED (the gateway's 429); 0 = no limit")
+    p.add_argument("--drafter-liveness-s", type=float, default=10.0,
+                   help="a drafter that answers no proposal request for this long is cut off "
+                   "and reconnected (its sequences run with K=0 meanwhile)")
     p.add_argument("--kv-cache-tokens", type=int, default=0,
                    help="KV cache capacity in tokens (default: max-num-seqs x max-model-len / 2)")
     p.add_argument("--block-size", type=int, default=16)
@@ -52,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grace-s", type=float, default=10.0, help="shutdown grace period")
+    p.add_argument("--step-timeout-s", type=float, default=60.0,
+                   help="a step running longer than this means the engine is stuck: health goes "
+                        "NOT_SERVING, requests in flight end with UNAVAILABLE (to resume on "
+                        "another replica) and the process exits with status 3 (0 = no limit)")
     return p
 
 
@@ -65,7 +75,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from verifier.drafter_client import DrafterClient, TargetInfo
     from verifier.drafting import DrafterPool
     from verifier.engine import Engine, EngineConfig
-    from verifier.service import VerifierServicer, serve
+    from verifier.service import VerifierServicer, exit_process, serve
     from verifier.worker import EngineThread
 
     model_dir = Path(args.model) if args.model else prepare_default_model()
@@ -90,19 +100,23 @@ async def _serve(args: argparse.Namespace) -> int:
         max_num_speculative_tokens=args.max_num_speculative_tokens, seed=args.seed,
         cuda_graphs=args.cuda_graphs, enable_prefix_caching=args.enable_prefix_caching)
     target = TargetInfo(cfg.vocab_size, digest, cfg.hidden_size, cfg.num_layers)
-    pool = DrafterPool([DrafterClient(name, addr, target) for name, addr in args.drafter],
+    pool = DrafterPool([DrafterClient(name, addr, target, liveness_s=args.drafter_liveness_s)
+                        for name, addr in args.drafter],
                        args.max_num_speculative_tokens, args.draft_deadline_ms)
     engine = engine_thread.call(lambda: Engine(model, engine_cfg, pool, tokenizer.eos_token_ids))
     servicer = VerifierServicer(engine, pool, target, model_name=model_dir.name,
                                 default_num_speculative_tokens=args.num_speculative_tokens,
                                 engine_thread=engine_thread,
                                 grammars=Grammars(tokenizer.hf, cfg.vocab_size,
-                                                  tokenizer.eos_token_ids))
-    service = await serve(servicer, f"{args.host}:{args.port}")
+                                                  tokenizer.eos_token_ids),
+                                max_num_waiting=args.max_num_waiting)
+    service = await serve(servicer, f"{args.host}:{args.port}",
+                          step_timeout_s=args.step_timeout_s, terminate=exit_process)
     log.info("verifier serving %s on %s (drafters: %s)", model_dir.name,
              host_port(f"{args.host}:{service.port}"),
              ", ".join(f"{n}={a}" for n, a in args.drafter) or "none")
     await serve_until_signal(service.grpc, args.grace_s, drain=lambda: servicer.drain(args.grace_s * 0.6))
+    service.watchdog.stop()
     await asyncio.to_thread(servicer.close)
     return 0
 

@@ -12,6 +12,12 @@ and re-starts every live sequence from its prompt and the tokens so far.
 A drafter that is slower than the deadline is never asked for a new
 proposal while its previous one is still outstanding: the step's outcomes
 are still sent (K = 0), so it catches up instead of building a backlog.
+One that answers nothing for `liveness_s` (a hung process whose connection
+is still up), or behind which more than `max_queued` requests pile up
+unsent, is cut off: its stream is cancelled, which marks it down and
+reconnects it like a broken stream, so its sequences speculate again once it
+answers, and the queue of requests (outcomes with hidden states) stays
+bounded.
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.verifier")
 
 _CLOSE = object()  # ends a request iterator
+# A drafter that has not answered a proposal request for this long is hung: far past
+# any draft deadline (100 ms by default), and past an EAGLE head's longest prefill.
+LIVENESS_S = 10.0
+# DraftRequests queued for the stream and not yet taken by gRPC: one per step, so a
+# drafter that stops reading falls this far behind before it is cut off.
+MAX_QUEUED = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +98,8 @@ class _Seq:
 
 class DrafterClient:
     def __init__(self, name: str, address: str, target: TargetInfo, *,
-                 backoff_s: tuple[float, float] = (0.1, 5.0), rpc_timeout_s: float = 5.0):
+                 backoff_s: tuple[float, float] = (0.1, 5.0), rpc_timeout_s: float = 5.0,
+                 liveness_s: float = LIVENESS_S, max_queued: int = MAX_QUEUED):
         self.name = name
         self.address = address
         self.target = target
@@ -101,6 +114,11 @@ class DrafterClient:
         self._generation = 0
         self._responses: dict[int, drafter_pb2.DraftResponse] = {}
         self._outstanding: int | None = None  # step whose proposals have not arrived
+        self._outstanding_since = 0.0  # time.monotonic() it was asked
+        self.liveness_s = liveness_s
+        self.max_queued = max_queued
+        self._call = None  # the live Draft stream, to cancel a hung drafter's
+        self._cut_reason: str | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"drafter-{name}", daemon=True)
         self.misses: dict[int, str] = {}  # seq_id -> reason, for the last send/collect
@@ -195,6 +213,11 @@ class DrafterClient:
                 self._freed.clear()
                 self.misses = dict.fromkeys(wanted, "drafter_unavailable")
                 return False
+            hung = self._hung(outq)
+            if hung is not None:
+                self._cut(hung)
+                self.misses = dict.fromkeys(wanted, "drafter_unavailable")
+                return False
             if self._outstanding is not None:
                 # Still waiting for an older answer: outcomes only, no new proposals.
                 self.misses = dict.fromkeys(wanted, "deadline")
@@ -232,8 +255,28 @@ class DrafterClient:
             due = any(wanted.values())
             if due:
                 self._outstanding = step
+                self._outstanding_since = time.monotonic()
             outq.put(drafter_pb2.DraftRequest(step=step, entries=entries))
             return due
+
+    def _hung(self, outq: queue.SimpleQueue) -> str | None:
+        """Why the live stream's drafter counts as hung, or None. Under the lock."""
+        if (self._outstanding is not None
+                and time.monotonic() - self._outstanding_since > self.liveness_s):
+            return f"no answer for {self.liveness_s:g} s"
+        if outq.qsize() > self.max_queued:
+            return f"{outq.qsize()} requests queued unsent"
+        return None
+
+    def _cut(self, reason: str) -> None:
+        """Cancel the live stream (under the lock): the connection thread marks the drafter
+        down and reconnects, and every live sequence re-starts on the new stream."""
+        if self._call is None or self._cut_reason is not None:
+            return
+        self._cut_reason = reason
+        log.warning("drafter %s at %s is hung (%s); cutting it off", self.name, self.address,
+                    reason)
+        self._call.cancel()
 
     def collect(self, step: int, deadline: float, wanted: dict[int, int]) -> dict[int, Proposal]:
         """Proposals answering `step`, waiting until `deadline` (time.monotonic())."""
@@ -325,6 +368,8 @@ class DrafterClient:
                         responses = stub.Draft(iter(outq.get, _CLOSE),
                                                metadata=outgoing_metadata())
                         with self._lock:
+                            self._call = responses
+                            self._cut_reason = None
                             self._outq = outq
                             self._generation += 1  # every live sequence re-starts on this stream
                             self._outstanding = None
@@ -344,9 +389,12 @@ class DrafterClient:
                 self.error = f"{e.code().name}: {e.details()}"
             finally:
                 with self._lock:
+                    if self._cut_reason is not None:
+                        self.error = f"cut off: {self._cut_reason}"
                     was_up = self._outq is outq
                     self._outq = None
                     self._outstanding = None
+                    self._call = None
                     self._lock.notify_all()
                 outq.put(_CLOSE)
                 channel.close()

@@ -6,13 +6,23 @@ statistics. Bad input ends only that stream, with INVALID_ARGUMENT naming
 the field. A client that goes away cancels its request, which frees its KV
 and tells its drafter. Shutdown stops admitting, lets requests in flight
 finish for a grace period, aborts the rest and closes the drafter streams.
+
+A request that fails on its own in the engine (worker.RequestFailed) ends with
+INTERNAL and the REQUEST_FAILED trailing metadata (specdec/server.py), which the
+gateway does not replay elsewhere. When the engine can step no more (the
+watchdog trips), health goes NOT_SERVING, every request ends with UNAVAILABLE,
+which the gateway resumes on another replica, and the process exits with
+EXIT_ENGINE_FAILED for its supervisor to restart it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -21,19 +31,21 @@ from opentelemetry import trace
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingParams
-from specdec.server import GrpcService, start_server
+from specdec.server import REQUEST_FAILED, GrpcService, start_server
 from specdec.speculation import acceptance_length, reason_to_proto
 from specdec.structured import Grammars
 from specdec.telemetry import incoming_context
 from verifier.drafter_client import TargetInfo
 from verifier.drafting import DrafterPool
 from verifier.engine import Engine, FinishReason, Request, StepOutput
-from verifier.worker import EngineThread, EngineWorker
+from verifier.watchdog import Watchdog
+from verifier.worker import EngineFailed, EngineThread, EngineWorker, RequestFailed
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.verifier")
 
 MAX_LOGPROBS = 20
+EXIT_ENGINE_FAILED = 3  # the exit status after the watchdog tripped
 
 _FINISH = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
@@ -78,9 +90,15 @@ def _field_error(prefix: str, e: ValueError) -> ValueError:
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: Engine, pool: DrafterPool, target: TargetInfo, *,
                  model_name: str = "", default_num_speculative_tokens: int = 4,
-                 engine_thread: EngineThread | None = None, grammars: Grammars | None = None):
+                 engine_thread: EngineThread | None = None, grammars: Grammars | None = None,
+                 max_num_waiting: int = 0):
         """engine_thread: the thread `engine` was built on, to step it there too;
-        grammars: compiles structured outputs for the target's tokenizer (None: refused)."""
+        grammars: compiles structured outputs for the target's tokenizer (None: refused);
+        max_num_waiting: requests queued beyond the running batch, past which a new one
+        is refused with RESOURCE_EXHAUSTED (0: no limit)."""
+        if max_num_waiting < 0:
+            raise ValueError(f"max_num_waiting must be >= 0, got {max_num_waiting}")
+        self.max_num_waiting = max_num_waiting
         self.engine = engine
         self.grammars = grammars
         self.pool = pool
@@ -91,8 +109,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         )
         self.worker = EngineWorker(engine, engine_thread)
         self._active: dict[str, asyncio.Task | None] = {}
+        self._outputs: dict[str, asyncio.Queue] = {}  # each active request's, for fail_all
         self._aborting: set[str] = set()
         self._accepting = True
+        self._unavailable = "verifier is shutting down"  # why new requests are refused
 
     # -- translation -------------------------------------------------------------
 
@@ -246,7 +266,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "kind: the first message of Generate must be a start")
         if not self._accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is shutting down")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable)
+        # Every open stream is running, queued, or about to be: past the batch plus the
+        # queue's bound, a new one would only wait; the gateway answers 429.
+        held = len(self._active) - self.engine.config.max_num_seqs
+        if self.max_num_waiting and held >= self.max_num_waiting:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the verifier's queue is full ({held} requests waiting, "
+                                f"--max-num-waiting {self.max_num_waiting})")
         try:
             request, policy = self.to_request(first.start)
         except ValueError as e:
@@ -259,6 +286,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[StepOutput | BaseException] = asyncio.Queue()
         self._active[rid] = None
+        self._outputs[rid] = outputs
         self.worker.add(request, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
         errors: asyncio.Queue[ValueError] = asyncio.Queue()
 
@@ -292,9 +320,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 out = await outputs.get()
                 if isinstance(out, BaseException):
                     finished = True
-                    code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(out, ValueError)
-                            else grpc.StatusCode.INTERNAL)
-                    await context.abort(code, str(out))
+                    await context.abort(*_status(out))
                 if out.finish_reason is not None:
                     finished = True
                     if not errors.empty():
@@ -312,6 +338,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             if not finished:  # the client went away: free its sequence and drafter state
                 self.worker.cancel(rid)
             self._active.pop(rid, None)
+            self._outputs.pop(rid, None)
             self._aborting.discard(rid)
 
     async def Load(self, request, context) -> verifier_pb2.LoadReport:
@@ -367,30 +394,86 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         while self._active and loop.time() < deadline + 1.0:
             await asyncio.sleep(0.02)
 
+    def fail_all(self, reason: str) -> None:
+        """The engine can step no more: refuse new requests and end every one in flight
+        with EngineFailed (UNAVAILABLE), whatever the engine thread is doing."""
+        self._accepting = False
+        self._unavailable = reason
+        for outputs in self._outputs.values():
+            outputs.put_nowait(EngineFailed(reason))
+
     def close(self) -> None:
         self.worker.stop()
         self.pool.close()
+
+
+def _status(e: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
+    """How a request's stream ends for an error from the worker: its input
+    (INVALID_ARGUMENT), its own failure (INTERNAL, marked: not worth replaying), the
+    engine's (UNAVAILABLE: resume elsewhere), or anything else (INTERNAL)."""
+    if isinstance(e, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e), ()
+    if isinstance(e, RequestFailed):
+        return grpc.StatusCode.INTERNAL, f"the request failed in the engine: {e}", (REQUEST_FAILED,)
+    if isinstance(e, EngineFailed):
+        return grpc.StatusCode.UNAVAILABLE, str(e), ()
+    return grpc.StatusCode.INTERNAL, str(e), ()
+
+
+def exit_process(code: int) -> None:
+    """Exit now, without joining threads: a stuck engine thread would never join (nor
+    give back a logging lock it holds, so only the standard streams are flushed)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass(slots=True)
 class VerifierService:
     servicer: VerifierServicer
     grpc: GrpcService
+    watchdog: Watchdog
+    # Called with EXIT_ENGINE_FAILED once the watchdog tripped and the requests in flight
+    # were told (exit_process in the CLI; None: stay up, NOT_SERVING, as tests do).
+    terminate: Callable[[int], None] | None = None
+    exit_grace_s: float = 1.0  # for the UNAVAILABLE statuses to reach the clients
 
     @property
     def port(self) -> int:
         return self.grpc.port
 
+    async def engine_failed(self, reason: str) -> None:
+        """NOT_SERVING, every request in flight ends with UNAVAILABLE, then exit."""
+        await self.grpc.set_serving(False)
+        self.servicer.fail_all(f"verifier engine failed ({reason})")
+        await asyncio.sleep(self.exit_grace_s)
+        if self.terminate is not None:
+            log.critical("exiting with status %d: %s", EXIT_ENGINE_FAILED, reason)
+            self.terminate(EXIT_ENGINE_FAILED)
+
     async def stop(self, grace_s: float = 5.0) -> None:
+        self.watchdog.stop()
         # Requests get most of the grace; the server's own stop the rest.
         await self.grpc.stop(grace_s, drain=lambda: self.servicer.drain(grace_s * 0.6))
         # Joins threads: off the event loop, which may be serving other things.
         await asyncio.to_thread(self.servicer.close)
 
 
-async def serve(servicer: VerifierServicer, address: str) -> VerifierService:
+async def serve(servicer: VerifierServicer, address: str, *, step_timeout_s: float = 0.0,
+                terminate: Callable[[int], None] | None = None) -> VerifierService:
+    """step_timeout_s: the watchdog's limit on one step (0: none; a failed engine
+    still trips it); terminate: see VerifierService.terminate."""
     servicer.start()
     service = await start_server(
         address, lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server),
         ["specdec.v1.Verifier"])
-    return VerifierService(servicer, service)
+    loop = asyncio.get_running_loop()
+    verifier: VerifierService
+
+    def trip(reason: str) -> None:
+        asyncio.run_coroutine_threadsafe(verifier.engine_failed(reason), loop)
+
+    verifier = VerifierService(servicer, service, Watchdog(servicer.worker, step_timeout_s, trip),
+                               terminate)
+    verifier.watchdog.start()
+    return verifier

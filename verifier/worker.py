@@ -2,8 +2,18 @@
 
 The engine is single-threaded by design. Commands (add, cancel, K updates)
 queue up and run between steps, in order; every StepOutput goes to the
-sink its request registered. A step that raises aborts the requests in
-flight (their sinks get the exception) instead of killing the service.
+sink its request registered.
+
+A step that raises is undone by the engine (StepFailed) and run again for
+halves of its requests, each half that succeeds delivering its outputs as any
+step does, until the requests that fail alone are found: those end with
+RequestFailed, the others go on, in O(log n) extra steps for one bad request in
+a batch of n. When `fatal_after` requests in a row fail alone, with no step
+succeeding in between (every request of a batch fails alone, or one request
+after another does), the engine itself is broken (a device error, say): the
+worker stops stepping, sets `fatal` and ends every request in flight with
+EngineFailed, for the watchdog (verifier/watchdog.py) to take the replica down.
+So does anything else that escapes the loop.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from specdec.models.prefix_cache import PrefixCacheStats
-from verifier.engine import Engine, Request, StepOutput, StepTimes
+from verifier.engine import Engine, Request, StepFailed, StepOutput, StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +62,17 @@ class EngineThread:
         self._pool.shutdown(wait=False)
 
 
+class RequestFailed(Exception):
+    """The request's own processing raised (it failed alone, or while its step
+    committed): it ends with this error and the others go on. Replaying it on another
+    replica would fail there too."""
+
+
+class EngineFailed(Exception):
+    """The engine can step no more (broken, dead or stuck): every request in flight
+    ends with this; another replica can resume them."""
+
+
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
     num_running: int
@@ -64,10 +85,20 @@ class LoadSnapshot:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, thread: EngineThread | None = None):
+    def __init__(self, engine: Engine, thread: EngineThread | None = None, *,
+                 fatal_after: int = 2):
         """thread: the EngineThread the engine was built on (its loop runs there);
-        None: a thread of its own."""
+        None: a thread of its own. fatal_after: requests failing alone in a row, no
+        step succeeding in between, that mean the engine is broken (2: a batch whose
+        every request fails alone, or two requests one after the other; a lone bad
+        request fails alone and the next one succeeds)."""
+        if fatal_after < 1:
+            raise ValueError(f"fatal_after must be >= 1, got {fatal_after}")
         self.engine = engine
+        self.fatal_after = fatal_after
+        self.fatal: BaseException | None = None  # why the engine can step no more
+        self.step_started: float | None = None  # time.monotonic() of the step running now
+        self._failed_alone = 0  # requests failed alone since a step last succeeded
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stopped = threading.Event()
@@ -128,7 +159,19 @@ class EngineWorker:
     # -- engine thread -----------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopped.is_set():
+        try:
+            self._steps()
+        except Exception as e:  # noqa: BLE001 - the engine is in an unknown state
+            log.exception("the engine loop died")
+            self.fatal = e
+        if self.fatal is not None:
+            error = EngineFailed(f"engine failed: {type(self.fatal).__name__}: {self.fatal}")
+            sinks, self._sinks = self._sinks, {}
+            for sink in sinks.values():
+                sink(error)
+
+    def _steps(self) -> None:
+        while not self._stopped.is_set() and self.fatal is None:
             # Block for commands only while idle; otherwise take what is queued.
             block = not self.engine.has_work()
             while True:
@@ -146,23 +189,67 @@ class EngineWorker:
                 self.load = self._snapshot()
                 continue
             try:
-                outputs = self.engine.step()
-            except Exception as e:  # noqa: BLE001 - one bad step must not end the service
-                log.exception("engine step failed; aborting the requests in flight")
-                for request_id, sink in list(self._sinks.items()):
-                    self.engine.cancel(request_id)
-                    sink(e)
-                self._sinks.clear()
-                outputs = []
-            t0 = time.perf_counter()
-            self.load = self._snapshot()  # before the outputs: a finished client sees itself gone
-            for out in outputs:
-                sink = self._sinks.get(out.request_id)
-                if out.finish_reason is not None:
-                    self._sinks.pop(out.request_id, None)
-                if sink is not None:
-                    sink(out)
-            self._deliver_ms += (time.perf_counter() - t0) * 1e3
+                self._deliver(self._step())
+            except StepFailed as failed:
+                self._isolate(failed)
+
+    def _step(self, only: set[str] | None = None) -> list[StepOutput]:
+        """engine.step, watched: step_started is set while it runs."""
+        steps = self.engine.num_steps
+        self.step_started = time.monotonic()
+        try:
+            outputs = self.engine.step(only)
+        finally:
+            self.step_started = None
+        if self.engine.num_steps > steps:
+            self._failed_alone = 0
+        return outputs
+
+    def _isolate(self, failed: StepFailed) -> None:
+        """Step halves of a failed step's requests, and halves of the halves that fail,
+        until the requests that fail alone are found; they end with RequestFailed."""
+        log.error("a step of %d requests failed; finding those that fail alone",
+                  len(failed.request_ids), exc_info=failed.__cause__)
+        alone: dict[str, BaseException | None] = {}
+        groups = [failed]
+        while groups and self.fatal is None:
+            group = groups.pop()
+            ids = group.request_ids
+            if len(ids) == 1:
+                alone[ids[0]] = group.__cause__
+                self._failed_alone += 1
+                if self._failed_alone >= self.fatal_after:
+                    self.fatal = group.__cause__ or group
+                continue
+            for half in (ids[: len(ids) // 2], ids[len(ids) // 2:]):
+                try:
+                    self._deliver(self._step(set(half)))
+                except StepFailed as e:
+                    groups.append(e)
+        if self.fatal is not None:
+            log.critical("%d requests in a row failed alone: the engine is broken",
+                         self._failed_alone)
+            return  # every request in flight ends with EngineFailed, these included
+        for request_id, cause in alone.items():
+            log.error("request %s fails alone (%r); ending it", request_id, cause)
+            self.engine.cancel(request_id)
+        self.load = self._snapshot()  # before the sinks: a failed client sees itself gone
+        for request_id, cause in alone.items():
+            sink = self._sinks.pop(request_id, None)
+            if sink is not None:
+                sink(RequestFailed(f"{type(cause).__name__}: {cause}"))
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        t0 = time.perf_counter()
+        self.load = self._snapshot()  # before the outputs: a finished client sees itself gone
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if out.finish_reason is not None:
+                self._sinks.pop(out.request_id, None)
+            if sink is not None:
+                sink(out if out.error is None else RequestFailed(
+                    f"{type(out.error).__name__}: {out.error}"))
+        self._deliver_ms += (time.perf_counter() - t0) * 1e3
 
     def _snapshot(self) -> LoadSnapshot:
         prefix = self.engine.scheduler.prefix_cache_stats

@@ -60,7 +60,7 @@ def default_drafters(model: LlamaForCausalLM) -> dict[str, DraftMethod]:
 class Replica:
     def __init__(self, loop: LoopThread, model: LlamaForCausalLM, eos: frozenset[int],
                  drafter_ports: dict[str, int], max_num_seqs: int = 16,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, port: int = 0):
         cfg = model.config
         target = TargetInfo(cfg.vocab_size, "", cfg.hidden_size, cfg.num_layers)
         clients = [DrafterClient(name, f"127.0.0.1:{port}", target, backoff_s=(0.05, 0.2))
@@ -71,7 +71,7 @@ class Replica:
                                             max_num_speculative_tokens=K_MAX), self.pool, eos)
         self.servicer = VerifierServicer(engine, self.pool, target, model_name=MODEL_NAME,
                                          default_num_speculative_tokens=4, grammars=grammars)
-        self.service = loop.run(serve_verifier(self.servicer, "127.0.0.1:0"))
+        self.service = loop.run(serve_verifier(self.servicer, f"127.0.0.1:{port}"))
         for c in clients:
             assert c.wait_available(10), c.error
         self.address = f"127.0.0.1:{self.service.port}"

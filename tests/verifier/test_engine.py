@@ -1,5 +1,6 @@
 """Engine exactness: with any drafts, greedy output equals plain greedy
-decoding (float64 tiny model), plus admission, chunked prefill and cancel."""
+decoding (float64 tiny model), plus admission, chunked prefill, cancel, and a
+failed step undone."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from specdec.generate import greedy_generate
 from specdec.models import LlamaForCausalLM
 from specdec.sampling import SamplingParams
 from tests.tiny import tiny_llama
-from verifier.engine import Engine, EngineConfig, FinishReason, Proposal, Proposer, Request
+from verifier.engine import (
+    Engine,
+    EngineConfig,
+    FinishReason,
+    Proposal,
+    Proposer,
+    Request,
+    StepFailed,
+)
 
 VOCAB = 97
 GREEDY = SamplingParams(temperature=0.0)
@@ -269,3 +278,64 @@ def test_logprobs_match_log_softmax_of_the_target(model):
         assert lp.logprob == pytest.approx(ref[lp.token_id].item(), abs=1e-6)
         assert [t for t, _ in lp.top] == ref.topk(4).indices.tolist()
         ctx.append(lp.token_id)
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 6])  # the prefill step, then verify steps
+def test_a_failed_step_is_undone(model, fail_at):
+    """A step that raises after its forward and its sampling (KV appended for every
+    fed token, random numbers drawn) leaves nothing behind: the engine runs on and
+    every output, seeded sampled ones included, equals a run where it never failed."""
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2, 3, 8]]
+    plain = greedy_generate(model, prompts, 16)
+    refs = {i: p + c for i, (p, c) in enumerate(zip(prompts, plain, strict=True))}
+
+    def requests():
+        return [Request(f"r{i}", p, 16, GREEDY if i % 2 else SamplingParams(temperature=1.0, seed=i),
+                        num_speculative_tokens=3) for i, p in enumerate(prompts)]
+
+    def engine():
+        return Engine(model, EngineConfig(max_model_len=128, block_size=4, num_kv_blocks=64),
+                      ScriptedProposer(refs, error_rate=0.0))
+
+    clean = run(engine(), requests())
+    e = engine()
+    sample, calls = e._sample, []
+
+    def failing_sample(*args):
+        result = sample(*args)
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise RuntimeError("boom")
+        return result
+
+    e._sample = failing_sample
+    for r in requests():
+        e.add_request(r)
+    out: dict[str, list[int]] = {r.request_id: [] for r in requests()}
+    failures = 0
+    while e.has_work():
+        try:
+            outputs = e.step()
+        except StepFailed as failed:
+            failures += 1
+            assert failed.request_ids == [seq.request.request_id for seq in e.scheduler.running]
+            assert str(failed.__cause__) == "boom"
+            # The KV the step appended is gone: each sequence holds its computed tokens.
+            for seq in e.scheduler.running:
+                assert e.cache.length(seq.seq_id) == seq.num_computed
+            continue
+        for o in outputs:
+            out[o.request_id] += o.new_token_ids
+    assert failures == 1
+    assert out == clean
+    assert out["r1"] == plain[1] and out["r3"] == plain[3]
+    assert e.cache.num_free_blocks == 64
+
+
+def test_step_only_runs_the_requests_named(model):
+    engine = Engine(model, EngineConfig(max_model_len=128, block_size=4, num_kv_blocks=64))
+    for i in range(3):
+        engine.add_request(Request(f"r{i}", [7, 8, 9 + i], 8, GREEDY))
+    assert engine.step(only={"r0"}) == []  # admits nobody: nothing runs yet
+    assert {o.request_id for o in engine.step()} == {"r0", "r1", "r2"}
+    assert {o.request_id for o in engine.step(only={"r2", "r0"})} == {"r0", "r2"}

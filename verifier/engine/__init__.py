@@ -1,8 +1,15 @@
 """The verifier's engine: scheduler, sequences and the step loop."""
 
-from verifier.engine.engine import Engine, EngineConfig, StepOutput, StepTimes, TokenLogprob
+from verifier.engine.engine import (
+    Engine,
+    EngineConfig,
+    StepFailed,
+    StepOutput,
+    StepTimes,
+    TokenLogprob,
+)
 from verifier.engine.proposer import Outcome, Proposal, Proposer
 from verifier.engine.sequence import FinishReason, Request
 
 __all__ = ["Engine", "EngineConfig", "FinishReason", "Outcome", "Proposal", "Proposer", "Request",
-           "StepOutput", "StepTimes", "TokenLogprob"]
+           "StepFailed", "StepOutput", "StepTimes", "TokenLogprob"]

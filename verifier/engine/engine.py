@@ -12,12 +12,19 @@ are rolled back by truncating it in the cache), appends its new tokens up to a
 stop condition and reports the outcome to its drafter. Every full block of
 committed tokens is then registered in the prefix cache
 (specdec/models/prefix_cache.py), for later sequences to reuse.
+
+A step changes nothing for good before it commits (after sampling): one that
+raises before then is undone (StepFailed), so it can be run again, whole or for
+some of its requests (`step(only=...)`), which is how the worker finds a request
+that makes steps fail (verifier/worker.py).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +40,8 @@ from verifier.engine.scheduler import Scheduled, Scheduler
 from verifier.engine.sequence import FinishReason, Request, Sequence, Status
 from verifier.sampling.sampler import rejection_sample
 from verifier.sampling.tree_acceptance import Chains, chain_blocks
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -111,6 +120,22 @@ class StepOutput:
     num_tokens: int = 0  # rows fed in the whole step (prefill chunks, 1 + drafts per block)
     step_time_ms: float = 0.0
     draft_wait_ms: float = 0.0
+    # The request failed on its own while its step committed (a grammar that refuses
+    # the token sampled under it, say): it is gone (finish_reason CANCELLED), the
+    # requests beside it went on.
+    error: Exception | None = None
+
+
+class StepFailed(Exception):
+    """A step raised before it committed anything (the cause is __cause__). Its
+    sequences are as they were before it: the KV it appended is rolled back, the
+    random generators it drew from are restored, no token was emitted and no outcome
+    reached the proposer (the proposals it waited for count as late). So the step can
+    run again, whole or in part."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(f"a step of {len(request_ids)} requests failed")
+        self.request_ids = request_ids  # the requests the step ran, in batch order
 
 
 class Engine:
@@ -208,24 +233,33 @@ class Engine:
 
     # -- the step ------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
+    def step(self, only: Collection[str] | None = None) -> list[StepOutput]:
+        """only: step just these running requests (by request id), admitting none.
+        Raises StepFailed, with the step undone, when it raises before committing."""
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule(self.config.max_num_speculative_tokens)
+        batch = self.scheduler.schedule(self.config.max_num_speculative_tokens, only)
         if not batch:
             return []
         self.num_steps += 1
-        t1 = time.perf_counter()
-        drafts = collect_drafts(self.proposer, batch, self.model.config)
-        t2 = time.perf_counter()
-        out = self.runner.run(batch, drafts, self.proposer)
+        generators = self._generator_states(batch)
+        try:
+            t1 = time.perf_counter()
+            drafts = collect_drafts(self.proposer, batch, self.model.config)
+            t2 = time.perf_counter()
+            out = self.runner.run(batch, drafts, self.proposer)
+            t3 = t4 = time.perf_counter()
+            if out.sampled:
+                chains = chain_blocks(out.logits, out.drafts,
+                                      [drafts.trees.get(item.seq.seq_id) for item in out.sampled])
+                token_ids, num_accepted = self._sample(out.sampled, chains, drafts.probs)
+                t4 = time.perf_counter()
+        except Exception as e:
+            self._undo(batch, generators)
+            raise StepFailed([item.seq.request.request_id for item in batch]) from e
+        # Commit: from here on the sequences move forward.
         self._advance_prefill(batch, out.hidden)
-        t3 = t4 = time.perf_counter()
         outputs: list[StepOutput] = []
         if out.sampled:
-            chains = chain_blocks(out.logits, out.drafts,
-                                  [drafts.trees.get(item.seq.seq_id) for item in out.sampled])
-            token_ids, num_accepted = self._sample(out.sampled, chains, drafts.probs)
-            t4 = time.perf_counter()
             outputs = self._postprocess(out, chains, token_ids, num_accepted)
         t5 = time.perf_counter()
         self._account(t0, t1, t2, t3, t4, t5, len(batch), out.num_tokens, outputs)
@@ -236,6 +270,25 @@ class Engine:
             o.step, o.batch_size, o.step_time_ms, o.draft_wait_ms = self.num_steps, len(batch), dt, draft_wait_ms
             o.num_tokens = out.num_tokens
         return outputs
+
+    def _generator_states(self, batch: list[Scheduled]) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """The random generators the batch may draw from, with their states now."""
+        gens = [self.shared_generator, *(item.seq.generator for item in batch
+                                         if item.seq.generator is not None)]
+        return [(g, g.get_state()) for g in gens]
+
+    def _undo(self, batch: list[Scheduled], generators: list[tuple[torch.Generator, torch.Tensor]]
+              ) -> None:
+        """Before the commit, a step has only appended KV past each sequence's computed
+        tokens (a newly admitted one keeps its admission: its prefix-cache blocks) and
+        drawn random numbers: roll both back. The KV cut lands at the end of the
+        committed blocks, so no shared block is touched."""
+        for item in batch:
+            seq_id, computed = item.seq.seq_id, item.seq.num_computed
+            if seq_id in self.cache and self.cache.length(seq_id) > computed:
+                self.cache.truncate(seq_id, computed)
+        for g, state in generators:
+            g.set_state(state)
 
     def _account(self, t0: float, t1: float, t2: float, t3: float, t4: float, t5: float,
                  batch_size: int, rows: int, outputs: list[StepOutput]) -> None:
@@ -331,8 +384,14 @@ class Engine:
                 strict=True):
             logits = chains.logits[row: row + len(chain) + 1]  # [len(chain) + 1, V]
             row += len(chain) + 1
-            outputs.append(self._postprocess_seq(item, len(fed), path, ids[: accepted + 1],
-                                                 accepted, logits, out.hidden))
+            try:
+                outputs.append(self._postprocess_seq(item, len(fed), path, ids[: accepted + 1],
+                                                     accepted, logits, out.hidden))
+            except Exception as e:  # noqa: BLE001 - its own failure ends only this request
+                log.exception("request %s failed in postprocess", item.seq.request.request_id)
+                self._finish(item.seq, FinishReason.CANCELLED)
+                outputs.append(StepOutput(item.seq.request.request_id, [], 0, 0,
+                                          FinishReason.CANCELLED, error=e))
         return outputs
 
     def _postprocess_seq(self, item: Scheduled, num_drafted: int, path: list[int] | None,

@@ -15,6 +15,7 @@ conversation, its own KV from before a preemption) and prefills only the rest.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from specdec.models import PagedKVCache
@@ -60,12 +61,16 @@ class Scheduler:
         room = min(seq.request.max_tokens - seq.num_output, self.max_model_len - len(seq.tokens))
         return max(0, min(seq.request.num_speculative_tokens, max_num_speculative_tokens, room - 1))
 
-    def schedule(self, max_num_speculative_tokens: int) -> list[Scheduled]:
+    def schedule(self, max_num_speculative_tokens: int,
+                 only: Collection[str] | None = None) -> list[Scheduled]:
+        """only: schedule just these running requests (by request id) and admit none,
+        for a step retried in part (Engine.step)."""
         budget = self.max_num_batched_tokens
         batch: list[Scheduled] = []
         reserved = 0  # KV blocks promised to this batch; the cache allocates them at plan time
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or budget <= 0:
+            if (seq.status is not Status.RUNNING or budget <= 0
+                    or (only is not None and seq.request.request_id not in only)):
                 continue
             if seq.in_prefill:
                 n = min(len(seq.tokens) - seq.num_computed, budget)
@@ -78,7 +83,8 @@ class Scheduler:
             batch.append(item)
             budget -= item.num_tokens
             reserved += self.cache.blocks_needed(seq.seq_id, item.num_tokens)
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while (only is None and self.waiting and len(self.running) < self.max_num_seqs
+               and budget > 0):
             seq = self.waiting[0]
             # Cached blocks are taken now (an evictable one stops being free); given
             # back below if the rest does not fit.
