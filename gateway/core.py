@@ -278,7 +278,7 @@ class Gateway:
                 raise Unavailable(str(e)) from None
             max_tokens = self._validate(req, replica.report)
             decision = self._decide(req, replica)
-            self._admit(replica)
+            self._admit(replica, max_tokens)
         except GatewayError as e:
             self.metrics.request_errors.labels(type(e).__name__).inc()
             raise
@@ -304,9 +304,11 @@ class Gateway:
                           service_times=self.service_times,
                           resume_wait_s=self.config.resume_wait_s)
 
-    def _admit(self, replica: Replica) -> None:
+    def _admit(self, replica: Replica, max_tokens: int) -> None:
         """Overloaded (429) where this request would wait past the maximum queue time on
-        `replica`, or the gateway holds as many requests as it may."""
+        `replica`, or the gateway holds as many requests as it may. Until a request has
+        finished there (a burst at start-up), a request is taken to hold its slot for
+        max_tokens steps of the verifier's recent step time."""
         held = sum(self.admitted.values())
         limit = self.config.max_num_requests
         if limit and held >= limit:
@@ -316,8 +318,10 @@ class Gateway:
         if not max_wait or replica.report is None:
             return
         load = max(replica.load, self.admitted.get(replica.address, 0))
-        wait = expected_wait_s(load, max(replica.report.max_num_seqs, 1),
-                               self.service_times.get(replica.address))
+        service = self.service_times.get(replica.address)
+        if service is None and replica.report.step_time_ema_ms > 0:
+            service = max_tokens * replica.report.step_time_ema_ms / 1e3
+        wait = expected_wait_s(load, max(replica.report.max_num_seqs, 1), service)
         if wait > max_wait:
             raise Overloaded(f"the server is busy: a request now would wait about {wait:.0f} s "
                              f"for its turn (limit {max_wait:.0f} s); retry later",

@@ -155,3 +155,34 @@ def test_a_full_verifier_queue_is_a_429_too(stack, client, address):
         servicer.max_num_waiting = 0
     assert client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES,
                                           max_tokens=4).choices[0].message.content
+
+
+def test_before_any_request_finished_the_wait_counts_max_tokens_steps(stack, address):
+    """A burst at start-up: no service time measured yet, so a request is taken to hold
+    its slot for max_tokens steps of the verifier's recent step time."""
+    gw = stack.gateway
+    replica = gw.replicas.replicas[0]
+    slots = replica.report.max_num_seqs
+
+    async def pause_polls() -> None:  # the poll would replace the report set below
+        gw.replicas._task.cancel()
+
+    async def resume_polls() -> None:
+        gw.replicas._task = asyncio.create_task(gw.replicas._poll())
+
+    stack.loop.run(pause_polls())
+    gw.admitted[address] += 3 * slots  # three rounds ahead
+    try:
+        replica.report.step_time_ema_ms = 100.0
+        gw.service_times = ServiceTimes()  # nothing measured
+        # 200 tokens: 20 s a round, three rounds 60 s > 30 s.
+        long = httpx2.post(stack.base_url + "/chat/completions",
+                           json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 200})
+        # 2 tokens: 0.2 s a round.
+        short = httpx2.post(stack.base_url + "/chat/completions",
+                            json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2})
+    finally:
+        gw.admitted[address] -= 3 * slots
+        stack.loop.run(resume_polls())
+    assert long.status_code == 429 and "wait about 60 s" in long.json()["error"]["message"]
+    assert short.status_code == 200
