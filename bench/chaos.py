@@ -3,6 +3,8 @@
 Two phases against compose.yaml's local stack, started as `make run` starts it (on
 free ports, supervised: a killed service is restarted):
 
+The requests are bench/serving.py's six chat prompts, in turn.
+
   * overload: --burst requests of --burst-tokens tokens sent at once (streamed,
     greedy, the official `openai` client, no client retries). Wanted: only 200s and
     429s, never a 5xx or a hang, and 90 % of the served requests done within 90 s.
@@ -36,8 +38,7 @@ from pathlib import Path
 import openai
 
 from bench.drafters import device_name
-from bench.prompts import PROMPTS
-from bench.serving import SERVED_NAME, _wait_drafters, percentile
+from bench.serving import SERVED_NAME, _wait_drafters, percentile, prompts_by_name
 from specdec.launch import EAGLE3_HEAD, LocalStack, local_services, on_free_ports
 from specdec.models.prepare import cache_dir, prepare_default_model
 
@@ -75,7 +76,7 @@ def client_for(base: str, timeout_s: float) -> openai.AsyncOpenAI:
 
 
 async def overload(base: str, n: int, tokens: int, timeout_s: float) -> dict:
-    prompts = [list(p.messages) for p in PROMPTS]
+    prompts = [list(p.messages) for p in prompts_by_name()]
     async with client_for(base, timeout_s) as client:
         t0 = time.perf_counter()
         replies = await asyncio.gather(*(one(client, prompts[i % len(prompts)], tokens, None)
@@ -96,7 +97,7 @@ async def overload(base: str, n: int, tokens: int, timeout_s: float) -> dict:
 async def chaos(base: str, stack: LocalStack, seconds: float, concurrency: int, tokens: int,
                 fault_every_s: float, seed: int) -> dict:
     rng = random.Random(seed)
-    prompts = [list(p.messages) for p in PROMPTS]
+    prompts = [list(p.messages) for p in prompts_by_name()]
     async with client_for(base, 600) as client:
         # References: each prompt alone, plain, before any fault.
         reference = [(await one(client, m, tokens, {"method": "none"}))["text"]

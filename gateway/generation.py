@@ -38,7 +38,7 @@ from gateway.types import (
 )
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.pb import common_pb2, verifier_pb2
-from specdec.server import is_request_failed
+from specdec.server import ADMITTED, is_request_failed
 from specdec.speculation import method_to_proto, reason_name, reason_to_proto
 from specdec.stop import StopStringMatcher
 from specdec.tokenizer import Tokenizer
@@ -81,6 +81,7 @@ class Generation:
         how long a request whose replicas all failed waits for one to serve again."""
         self.deadline = deadline
         self.resume_wait_s = resume_wait_s
+        self._opened: tuple[Replica, grpc.aio.StreamStreamCall] | None = None  # by start()
         self._release = release
         self.service_times = service_times
         self.replicas = replicas
@@ -164,7 +165,13 @@ class Generation:
                 request_log.info("request %s", json.dumps(fields), extra={"fields": fields})
 
     def close(self) -> None:
-        """The request is over (or will never be read): its admission slot is free."""
+        """The request is over (or will never be read): its admission slot is free, and
+        a stream start() opened that was never read is cancelled."""
+        if self._opened is not None:
+            replica, call = self._opened
+            self._opened = None
+            replica.inflight -= 1
+            call.cancel()
         release, self._release = self._release, None
         if release is not None:
             release()
@@ -227,7 +234,31 @@ class Generation:
                 if self.progress.generated:
                     self.metrics.resumed.inc()
 
-    async def _stream_on(self, replica: Replica) -> AsyncIterator[Delta]:
+    async def start(self) -> None:
+        """Open the stream on the chosen replica and wait until the verifier has taken the
+        request (its ADMITTED initial metadata), so that a refusal (its queue full, a bad
+        request) is this request's error before the caller's response begins: a
+        streamed reply's 200 and headers. A replica that fails here is left to the
+        resume path, as a failure mid-stream is."""
+        if self._opened is not None:
+            return
+        call = await self._open(self.replica)
+        md = await call.initial_metadata()
+        if ADMITTED in [tuple(item) for item in md or ()] or not call.done():
+            self._opened = (self.replica, call)
+            return
+        code, details = await call.code(), await call.details()
+        self.replica.inflight -= 1
+        call.cancel()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise InvalidRequest(details or "invalid request")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise Overloaded(f"verifier {self.replica.address}: {details}", retry_after_s=1)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise RequestTimeout(self._timeout_message())
+
+    async def _open(self, replica: Replica) -> grpc.aio.StreamStreamCall:
+        """A Generate stream on `replica` with the request's Start written."""
         metadata: dict[str, str] = {}
         propagate.inject(metadata)
         timeout = None
@@ -242,6 +273,19 @@ class Generation:
         self.first_on_stream = True
         try:
             await call.write(self._start(replica))
+        except BaseException:
+            replica.inflight -= 1
+            call.cancel()
+            raise
+        return call
+
+    async def _stream_on(self, replica: Replica) -> AsyncIterator[Delta]:
+        if self._opened is not None and self._opened[0] is replica:
+            call = self._opened[1]  # start() opened it
+            self._opened = None
+        else:
+            call = await self._open(replica)
+        try:
             while True:
                 resp = await call.read()
                 if resp == grpc.aio.EOF:

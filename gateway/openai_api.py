@@ -403,6 +403,11 @@ class OpenAIFrontend:
             body = await self._parse(request, cls)
             for r in build(body):
                 opened.append(await self.gw.open(r))
+            if body.stream:
+                # A streamed reply's 200 goes out with its first event: wait until the
+                # verifier has taken every choice, so a refusal is still a 429 / 400.
+                for g in opened:
+                    await g.start()
             return body, opened
         except GatewayError as e:
             for g in opened:  # admitted choices of a refused request never run

@@ -38,6 +38,10 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
 # too, so it is not retried elsewhere. An INTERNAL without it (the transport, a server
 # going down) stays worth resuming on another replica.
 REQUEST_FAILED = ("specdec-error", "request-failed")
+# Initial metadata of a Generate stream the verifier has taken (checked and queued): a
+# caller that awaits it learns of a refusal (a full queue, a bad request) before it
+# commits to a response of its own.
+ADMITTED = ("specdec-admitted", "1")
 
 
 def is_request_failed(error: grpc.RpcError) -> bool:

@@ -31,7 +31,7 @@ from opentelemetry import trace
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingParams
-from specdec.server import REQUEST_FAILED, GrpcService, start_server
+from specdec.server import ADMITTED, REQUEST_FAILED, GrpcService, start_server
 from specdec.speculation import acceptance_length, reason_to_proto
 from specdec.structured import Grammars
 from specdec.telemetry import incoming_context
@@ -288,6 +288,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self._active[rid] = None
         self._outputs[rid] = outputs
         self.worker.add(request, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o))
+        await context.send_initial_metadata((ADMITTED,))
         errors: asyncio.Queue[ValueError] = asyncio.Queue()
 
         async def read_updates() -> None:

@@ -149,6 +149,15 @@ def test_a_full_verifier_queue_is_a_429_too(stack, client, address):
                         json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4})
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert "queue is full (2 requests waiting" in r.json()["error"]["message"]
+        # Streamed too: the gateway waits for the verifier to take the request before
+        # its 200, so the refusal is a 429, not an error event inside a 200 stream.
+        with pytest.raises(openai.RateLimitError, match="queue is full"):
+            client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4,
+                                           stream=True)
+        s = httpx2.post(stack.base_url + "/completions",
+                        json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 4, "n": 2,
+                              "stream": True})
+        assert s.status_code == 429
     finally:
         for rid in fake:
             servicer._active.pop(rid)
