@@ -51,10 +51,17 @@ __all__ = ["Delta", "Gateway", "GatewayConfig", "GatewayError", "Generation",
 class Limits:
     max_prompt_tokens: int = 0  # 0 = only the model's max length applies
     max_tokens: int = 0  # largest max_tokens a request may ask for; 0 = no gateway limit
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = 4 * 1024 * 1024  # REST bodies and gRPC API messages
+    # Every stop string is matched against every delta: their number and length bound
+    # that work (OpenAI takes 4 stop strings).
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 1024
+    # Entries of stop_token_ids, logit_bias and bad_words (OpenAI's logit_bias takes 300).
+    max_list_items: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_tokens", "max_body_bytes"):
+        for name in ("max_prompt_tokens", "max_tokens", "max_body_bytes", "max_stop_strings",
+                     "max_stop_string_chars", "max_list_items"):
             if getattr(self, name) < 0:
                 raise ValueError(f"limits.{name}: must be >= 0")
 
@@ -189,6 +196,7 @@ class Gateway:
         if bad:
             raise InvalidRequest(f"{pf}: token ids {bad[:3]} are outside the vocabulary "
                                  f"(size {vocab})", param=pf)
+        self._check_lists(req)
         try:
             LogitsProcessors.from_proto(req.sampling, vocab, field="sampling")
         except ValueError as e:
@@ -224,6 +232,21 @@ class Gateway:
         if limits.max_tokens:
             max_tokens = min(max_tokens, limits.max_tokens)
         return max_tokens
+
+    def _check_lists(self, req: GenerationRequest) -> None:
+        """InvalidRequest naming the field for a list past this server's limits."""
+        limits, s = self.config.limits, req.sampling
+        if len(req.stop) > limits.max_stop_strings:
+            raise InvalidRequest(f"stop: {len(req.stop)} stop strings, over this server's "
+                                 f"limit of {limits.max_stop_strings}", param="stop")
+        if any(len(x) > limits.max_stop_string_chars for x in req.stop):
+            raise InvalidRequest(f"stop: a stop string is over this server's limit of "
+                                 f"{limits.max_stop_string_chars} characters", param="stop")
+        for name, items in (("stop_token_ids", s.stop_token_ids), ("logit_bias", s.logit_bias),
+                            ("bad_words", s.bad_words)):
+            if len(items) > limits.max_list_items:
+                raise InvalidRequest(f"{name}: {len(items)} entries, over this server's limit "
+                                     f"of {limits.max_list_items}", param=name)
 
     def _decide(self, req: GenerationRequest, replica: Replica) -> Decision:
         report = replica.report

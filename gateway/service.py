@@ -62,5 +62,7 @@ async def serve(gateway: Gateway, http_host: str = "127.0.0.1", http_port: int =
         grpc_service = await start_server(
             grpc_address,
             lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
-            ["specdec.v1.Gateway"], servicer)
+            ["specdec.v1.Gateway"], servicer,
+            # The public API takes messages no larger than REST takes bodies.
+            max_receive_bytes=gateway.config.limits.max_body_bytes)
     return GatewayService(gateway, http, task, grpc_service, port)

@@ -95,10 +95,17 @@ class GrpcService:
 
 
 async def start_server(address: str, register: Callable[[grpc.aio.Server], None],
-                       service_names: Iterable[str], servicer: object = None) -> GrpcService:
+                       service_names: Iterable[str], servicer: object = None, *,
+                       max_receive_bytes: int | None = None) -> GrpcService:
     """Bind `address` ("host:port", port 0 = any free port), register the service's
-    servicers and health, start, and report SERVING."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    servicers and health, start, and report SERVING. max_receive_bytes: the largest
+    message a client may send (default MAX_MESSAGE_BYTES, which hidden states need;
+    a public API takes less)."""
+    options = list(SERVER_OPTIONS)
+    if max_receive_bytes is not None:
+        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    server = grpc.aio.server(options=options)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
