@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-wait-s", type=float, default=30.0,
                    help="a request whose verifier replicas all failed waits this long for one "
                    "to serve again, then resumes from its tokens so far (0 = fail at once)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   default=os.environ.get("SPECDEC_ALLOW_UNAUTHENTICATED", "") not in ("", "0"),
+                   help="serve without an API key on an address beyond loopback (refused "
+                   "otherwise; default: $SPECDEC_ALLOW_UNAUTHENTICATED)")
     p.add_argument("--max-prompt-tokens", type=int, default=0)
     p.add_argument("--max-tokens-limit", type=int, default=0,
                    help="largest max_tokens a request may ask for (0 = model length)")
@@ -126,8 +131,23 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname: it may resolve anywhere
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.api_key and not args.allow_unauthenticated and not is_loopback(args.host):
+        print(f"specdec-gateway: refusing to serve on {args.host} without an API key: anyone "
+              f"who reaches it could use the model. Set --api-key (or SPECDEC_API_KEY), "
+              f"listen on 127.0.0.1, or pass --allow-unauthenticated "
+              f"(SPECDEC_ALLOW_UNAUTHENTICATED=1) where the network is yours.", file=sys.stderr)
+        return 2
     from specdec.telemetry import setup_logging
 
     setup_logging(args.log_format)

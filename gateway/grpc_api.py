@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import uuid
@@ -143,7 +144,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             kind = request.WhichOneof("prompt")
             if kind == "text":
-                prompt = self.gw.text_prompt(request.text)
+                # Off the event loop: a long prompt takes a while to tokenize.
+                prompt = await asyncio.to_thread(self.gw.text_prompt, request.text)
             elif kind == "token_ids":
                 prompt = list(request.token_ids.ids)
             else:
@@ -176,7 +178,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                     "function": {"name": c.name, "arguments": c.arguments}}
                                    for c in m.tool_calls] or None})
             tool_request = _tool_request(request)
-            prompt = self.gw.chat_prompt(messages, tool_request)
+            prompt = await asyncio.to_thread(self.gw.chat_prompt, messages, tool_request)
             reqs = self._requests(request.model, prompt, request.sampling, request.stop,
                                   request.speculation, request.request_id, "messages",
                                   request.n, tool_request, timeout_s=context.time_remaining())

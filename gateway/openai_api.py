@@ -197,17 +197,9 @@ class OpenAIFrontend:
             raw += chunk
             if len(raw) > limit:
                 raise _TooLarge(limit)
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequest(f"the body is not valid JSON: {e}") from None
-        if not isinstance(obj, dict):
-            raise InvalidRequest("the body must be a JSON object")
-        try:
-            return cls.model_validate(obj)
-        except ValidationError as e:
-            msg, param = _validation_message(e)
-            raise InvalidRequest(msg, param=param) from None
+        # Off the event loop: a body of megabytes takes tens of ms to parse, and every
+        # stream this gateway serves would stall meanwhile.
+        return await asyncio.to_thread(_decode_body, bytes(raw), cls)
 
     def _sampling(self, body: _Body, max_tokens: int | None, num_logprobs: int) -> common_pb2.SamplingParams:
         s = common_pb2.SamplingParams(max_tokens=max_tokens or 0, ignore_eos=body.ignore_eos,
@@ -401,7 +393,8 @@ class OpenAIFrontend:
         opened = []
         try:
             body = await self._parse(request, cls)
-            for r in build(body):
+            # Tokenizing and rendering the chat template off the event loop, likewise.
+            for r in await asyncio.to_thread(build, body):
                 opened.append(await self.gw.open(r))
             if body.stream:
                 # A streamed reply's 200 goes out with its first event: wait until the
@@ -785,6 +778,20 @@ def _delta_pieces(events: list[str | ToolCall], first_index: int) -> list[dict]:
                                        "function": {"arguments": e.arguments}}]})
         index += 1
     return pieces
+
+
+def _decode_body(raw: bytes, cls: type[_Body]) -> _Body:
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as e:
+        msg, param = _validation_message(e)
+        raise InvalidRequest(msg, param=param) from None
 
 
 def _check_best_of(body: _Body) -> None:

@@ -1,6 +1,6 @@
 """Limits on what one request may carry: stop strings (their number and length), the
 lists of token ids, and the size of a gRPC API message; each refused naming the field,
-the service serving on."""
+the service serving on. And the heavy per-request work kept off the event loop."""
 
 from __future__ import annotations
 
@@ -38,3 +38,23 @@ def test_the_grpc_api_takes_no_message_larger_than_a_rest_body(stack):
         assert client.generate("Hello", max_tokens=2).usage.completion_tokens == 2
         with pytest.raises(InvalidRequestError, match="stop: 33 stop strings"):
             client.generate("Hello", max_tokens=2, stop=[f"s{i}" for i in range(33)])
+
+
+def test_parsing_and_tokenizing_run_off_the_event_loop(stack, client, monkeypatch):
+    """A large body's parse and its chat template would stall every stream if they ran on
+    the gateway's event loop: they run on worker threads (REST and gRPC)."""
+    import threading
+
+    seen: list[str] = []
+    tokenizer = stack.gateway.tokenizer
+    render = tokenizer.apply_chat_template
+
+    def recording(*args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", recording)
+    client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2)
+    with Client(stack.grpc_address) as sdk:
+        sdk.chat(MESSAGES, max_tokens=2)
+    assert len(seen) == 2 and "test-loop" not in seen  # LoopThread's name

@@ -125,3 +125,18 @@ def test_gateway_process_over_real_services(smollm2_dir, tmp_path):
                 p.wait(30)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_no_unauthenticated_gateway_beyond_loopback():
+    from gateway.__main__ import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
+    assert not is_loopback("gateway.example")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPECDEC_API_KEY", "SPECDEC_ALLOW_UNAUTHENTICATED")}
+    out = subprocess.run([sys.executable, "-m", "gateway", "--host", "0.0.0.0", "--port", "0"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "refusing to serve on 0.0.0.0 without an API key" in out.stderr
+    assert "--allow-unauthenticated" in out.stderr
