@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from drafter import registry
 from drafter.method import DraftMethod
 from drafter.service import serve
-from specdec.server import serve_until_signal
+from specdec.server import INTERNAL_TOKEN_ENV, serve_until_signal
 
 log = logging.getLogger("drafter")
 
@@ -141,7 +142,7 @@ def _target_fingerprint(target: str) -> dict[str, Any]:
 
 
 async def _run(method: DraftMethod, address: str, grace_s: float) -> None:
-    service = await serve(method, address)
+    service = await serve(method, address, token=os.environ.get(INTERNAL_TOKEN_ENV) or None)
     host = address.rsplit(":", 1)[0]
     log.info("drafter %s serving on %s:%d", method.name, host, service.port)
     await serve_until_signal(service, grace_s)

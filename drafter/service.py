@@ -305,12 +305,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 proposal.probs.dense.CopyFrom(encode_tensor(draft.probs.to(torch.float32)))
 
 
-async def serve(method: DraftMethod, address: str) -> GrpcService:
+async def serve(method: DraftMethod, address: str, token: str | None = None) -> GrpcService:
     """Start a Drafter service for `method` on `address` ("host:port", port 0 = any free
-    port) with health reporting SERVING; stop it with the returned service's `stop`."""
+    port) with health reporting SERVING; stop it with the returned service's `stop`.
+    token: required of every call but health's (specdec.server.TokenAuth)."""
     servicer = DrafterServicer(method)
 
     def register(server: grpc.aio.Server) -> None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
 
-    return await start_server(address, register, [SERVICE_NAME], servicer)
+    return await start_server(address, register, [SERVICE_NAME], servicer, token=token)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from specdec.models.prepare import cache_dir
-from specdec.server import host_port
+from specdec.server import INTERNAL_TOKEN_ENV, host_port
 from specdec.speculation import METHODS
 
 log = logging.getLogger("gateway")
@@ -114,7 +114,8 @@ async def _serve(args: argparse.Namespace) -> int:
         resume_wait_s=args.resume_wait_s,
     )
     replicas = ReplicaPool([host_port(v) for v in args.verifier or ["127.0.0.1:50051"]],
-                           model_fingerprint(model_dir))
+                           model_fingerprint(model_dir),
+                           token=os.environ.get(INTERNAL_TOKEN_ENV) or None)
     gateway = Gateway(config, tokenizer, replicas, profile=profile)
     grpc_address = None if args.grpc_port < 0 else f"{args.host}:{args.grpc_port}"
     service = await serve(gateway, args.host, args.port, grpc_address)

@@ -268,7 +268,8 @@ class Generation:
             timeout = self.deadline - time.perf_counter()
             if timeout <= 0:
                 raise RequestTimeout(self._timeout_message())
-        call = replica.stub.Generate(metadata=tuple(metadata.items()), timeout=timeout)
+        call = replica.stub.Generate(metadata=(*metadata.items(), *replica.auth),
+                                     timeout=timeout)
         replica.inflight += 1
         self.first_on_stream = True
         try:

@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
-from specdec.server import GRPC_OPTIONS
+from specdec.server import GRPC_OPTIONS, token_metadata
 from specdec.speculation import DRAFTER_METHODS, method_name
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,10 @@ class NoReplicaError(RuntimeError):
 
 
 class Replica:
-    def __init__(self, address: str, fingerprint: tuple[int, str] | None = None):
+    def __init__(self, address: str, fingerprint: tuple[int, str] | None = None,
+                 token: str | None = None):
         self.address = address
+        self.auth = token_metadata(token)  # the verifiers' internal token, if they have one
         # grpc.aio channels belong to the event loop that creates them: made in connect().
         self.channel: grpc.aio.Channel | None = None
         self.stub: verifier_pb2_grpc.VerifierStub | None = None
@@ -71,7 +73,8 @@ class Replica:
             health, report = await asyncio.gather(
                 self.health.Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE),
                                   timeout=timeout_s),
-                self.stub.Load(verifier_pb2.LoadRequest(), timeout=timeout_s))
+                self.stub.Load(verifier_pb2.LoadRequest(), timeout=timeout_s,
+                               metadata=self.auth))
         except grpc.RpcError as e:
             self._mark(False, f"Load or health check failed: "
                               f"{e.code().name} {e.details()}")  # type: ignore[attr-defined]
@@ -108,8 +111,9 @@ class ReplicaPool:
     """All configured verifier replicas, polled for load in the background."""
 
     def __init__(self, addresses: Iterable[str], fingerprint: tuple[int, str] | None = None,
+                 token: str | None = None,
                  poll_interval_s: float = 0.5):
-        self.replicas = [Replica(a, fingerprint) for a in addresses]
+        self.replicas = [Replica(a, fingerprint, token) for a in addresses]
         if not self.replicas:
             raise ValueError("at least one verifier address is needed")
         self.poll_interval_s = poll_interval_s

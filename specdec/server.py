@@ -10,6 +10,7 @@ the server stops with a grace period for streams still open.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
@@ -94,18 +95,63 @@ class GrpcService:
         await self.server.wait_for_termination()
 
 
+# The environment variable of the shared token the internal APIs (Verifier, Drafter)
+# require when it is set; the services' entry points read it, clients send it.
+INTERNAL_TOKEN_ENV = "SPECDEC_INTERNAL_TOKEN"
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying `token` (none without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Every RPC but the health service's must carry `authorization: Bearer <token>`;
+    the others get UNAUTHENTICATED. Health stays open for orchestrators' probes."""
+
+    def __init__(self, token: str):
+        if not token:
+            raise ValueError("the internal token must not be empty")
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_HEALTH_PREFIX):
+            return handler
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        # compare_digest: the time taken must not tell how much of the token matched.
+        if hmac.compare_digest(str(got).encode(), self._expected):
+            return handler
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or wrong internal token (metadata authorization: "
+                                f"Bearer <${INTERNAL_TOKEN_ENV}>)")
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
 async def start_server(address: str, register: Callable[[grpc.aio.Server], None],
                        service_names: Iterable[str], servicer: object = None, *,
-                       max_receive_bytes: int | None = None) -> GrpcService:
+                       max_receive_bytes: int | None = None,
+                       token: str | None = None) -> GrpcService:
     """Bind `address` ("host:port", port 0 = any free port), register the service's
     servicers and health, start, and report SERVING. max_receive_bytes: the largest
     message a client may send (default MAX_MESSAGE_BYTES, which hidden states need;
-    a public API takes less)."""
+    a public API takes less); token: required of every call but health's (TokenAuth)."""
     options = list(SERVER_OPTIONS)
     if max_receive_bytes is not None:
         options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options,
+                             interceptors=[TokenAuth(token)] if token else None)
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -6,10 +6,11 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 
-from specdec.server import host_port, serve_until_signal
+from specdec.server import INTERNAL_TOKEN_ENV, host_port, serve_until_signal
 
 log = logging.getLogger("verifier")
 
@@ -100,7 +101,11 @@ async def _serve(args: argparse.Namespace) -> int:
         max_num_speculative_tokens=args.max_num_speculative_tokens, seed=args.seed,
         cuda_graphs=args.cuda_graphs, enable_prefix_caching=args.enable_prefix_caching)
     target = TargetInfo(cfg.vocab_size, digest, cfg.hidden_size, cfg.num_layers)
-    pool = DrafterPool([DrafterClient(name, addr, target, liveness_s=args.drafter_liveness_s)
+    # One shared token for the internal APIs (unset: none): this verifier requires it
+    # and presents it to its drafters.
+    token = os.environ.get(INTERNAL_TOKEN_ENV) or None
+    pool = DrafterPool([DrafterClient(name, addr, target, liveness_s=args.drafter_liveness_s,
+                                      token=token)
                         for name, addr in args.drafter],
                        args.max_num_speculative_tokens, args.draft_deadline_ms)
     engine = engine_thread.call(lambda: Engine(model, engine_cfg, pool, tokenizer.eos_token_ids))
@@ -111,7 +116,8 @@ async def _serve(args: argparse.Namespace) -> int:
                                                   tokenizer.eos_token_ids),
                                 max_num_waiting=args.max_num_waiting)
     service = await serve(servicer, f"{args.host}:{args.port}",
-                          step_timeout_s=args.step_timeout_s, terminate=exit_process)
+                          step_timeout_s=args.step_timeout_s, terminate=exit_process,
+                          token=token)
     log.info("verifier serving %s on %s (drafters: %s)", model_dir.name,
              host_port(f"{args.host}:{service.port}"),
              ", ".join(f"{n}={a}" for n, a in args.drafter) or "none")

@@ -35,7 +35,7 @@ from opentelemetry import trace
 from specdec import tree as token_tree
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server import GRPC_OPTIONS
+from specdec.server import GRPC_OPTIONS, token_metadata
 from specdec.telemetry import outgoing_metadata
 from specdec.tensor_codec import decode_tensor, dtype_from_proto, encode_tensor
 from verifier.engine.proposer import Outcome, Proposal
@@ -99,7 +99,8 @@ class _Seq:
 class DrafterClient:
     def __init__(self, name: str, address: str, target: TargetInfo, *,
                  backoff_s: tuple[float, float] = (0.1, 5.0), rpc_timeout_s: float = 5.0,
-                 liveness_s: float = LIVENESS_S, max_queued: int = MAX_QUEUED):
+                 liveness_s: float = LIVENESS_S, max_queued: int = MAX_QUEUED,
+                 token: str | None = None):
         self.name = name
         self.address = address
         self.target = target
@@ -115,6 +116,7 @@ class DrafterClient:
         self._responses: dict[int, drafter_pb2.DraftResponse] = {}
         self._outstanding: int | None = None  # step whose proposals have not arrived
         self._outstanding_since = 0.0  # time.monotonic() it was asked
+        self._auth = token_metadata(token)  # the drafter's internal token, if it has one
         self.liveness_s = liveness_s
         self.max_queued = max_queued
         self._call = None  # the live Draft stream, to cancel a hung drafter's
@@ -352,7 +354,8 @@ class DrafterClient:
             outq: queue.SimpleQueue = queue.SimpleQueue()
             try:
                 stub = drafter_pb2_grpc.DrafterStub(channel)
-                info = stub.Info(drafter_pb2.InfoRequest(), timeout=self.rpc_timeout_s)
+                info = stub.Info(drafter_pb2.InfoRequest(), timeout=self.rpc_timeout_s,
+                                 metadata=self._auth)
                 problem = check_info(info, self.target)
                 if problem is not None:
                     self.error = problem
@@ -366,7 +369,7 @@ class DrafterClient:
                                                           "specdec.address": self.address})
                     with trace.use_span(span, end_on_exit=True):
                         responses = stub.Draft(iter(outq.get, _CLOSE),
-                                               metadata=outgoing_metadata())
+                                               metadata=(*outgoing_metadata(), *self._auth))
                         with self._lock:
                             self._call = responses
                             self._cut_reason = None

@@ -461,13 +461,15 @@ class VerifierService:
 
 
 async def serve(servicer: VerifierServicer, address: str, *, step_timeout_s: float = 0.0,
-                terminate: Callable[[int], None] | None = None) -> VerifierService:
+                terminate: Callable[[int], None] | None = None,
+                token: str | None = None) -> VerifierService:
     """step_timeout_s: the watchdog's limit on one step (0: none; a failed engine
-    still trips it); terminate: see VerifierService.terminate."""
+    still trips it); terminate: see VerifierService.terminate; token: required of every
+    call but health's (specdec.server.TokenAuth)."""
     servicer.start()
     service = await start_server(
         address, lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server),
-        ["specdec.v1.Verifier"])
+        ["specdec.v1.Verifier"], token=token)
     loop = asyncio.get_running_loop()
     verifier: VerifierService
 

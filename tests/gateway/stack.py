@@ -60,10 +60,11 @@ def default_drafters(model: LlamaForCausalLM) -> dict[str, DraftMethod]:
 class Replica:
     def __init__(self, loop: LoopThread, model: LlamaForCausalLM, eos: frozenset[int],
                  drafter_ports: dict[str, int], max_num_seqs: int = 16,
-                 grammars: Grammars | None = None, port: int = 0):
+                 grammars: Grammars | None = None, port: int = 0, token: str | None = None):
         cfg = model.config
         target = TargetInfo(cfg.vocab_size, "", cfg.hidden_size, cfg.num_layers)
-        clients = [DrafterClient(name, f"127.0.0.1:{port}", target, backoff_s=(0.05, 0.2))
+        clients = [DrafterClient(name, f"127.0.0.1:{port}", target, backoff_s=(0.05, 0.2),
+                                 token=token)
                    for name, port in drafter_ports.items()]
         self.pool = DrafterPool(clients, K_MAX, 2000.0)
         engine = Engine(model, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=MAX_LEN,
@@ -71,7 +72,7 @@ class Replica:
                                             max_num_speculative_tokens=K_MAX), self.pool, eos)
         self.servicer = VerifierServicer(engine, self.pool, target, model_name=MODEL_NAME,
                                          default_num_speculative_tokens=4, grammars=grammars)
-        self.service = loop.run(serve_verifier(self.servicer, f"127.0.0.1:{port}"))
+        self.service = loop.run(serve_verifier(self.servicer, f"127.0.0.1:{port}", token=token))
         for c in clients:
             assert c.wait_available(10), c.error
         self.address = f"127.0.0.1:{self.service.port}"
@@ -89,20 +90,21 @@ class Replica:
 class GatewayStack:
     def __init__(self, loop: LoopThread, model: LlamaForCausalLM, tokenizer_dir: Path, *,
                  replicas: int = 1, drafters: dict[str, DraftMethod] | None = None,
-                 profile: ItlProfile | None = None, grpc_port: int = 0, **config):
+                 profile: ItlProfile | None = None, grpc_port: int = 0,
+                 token: str | None = None, **config):
         self.loop = loop
         self.model = model
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
         self.methods = default_drafters(model) if drafters is None else drafters
-        self.drafter_services = {name: loop.run(serve_drafter(m, "127.0.0.1:0"))
+        self.drafter_services = {name: loop.run(serve_drafter(m, "127.0.0.1:0", token))
                                  for name, m in self.methods.items()}
         ports = {name: s.port for name, s in self.drafter_services.items()}
         self.grammars = Grammars(self.tokenizer.hf, model.config.vocab_size,
                                  self.tokenizer.eos_token_ids)
         self.replicas = [Replica(loop, model, self.tokenizer.eos_token_ids, ports,
-                                 grammars=self.grammars)
+                                 grammars=self.grammars, token=token)
                          for _ in range(replicas)]
-        pool = ReplicaPool([r.address for r in self.replicas], poll_interval_s=0.1)
+        pool = ReplicaPool([r.address for r in self.replicas], poll_interval_s=0.1, token=token)
         self.gateway = Gateway(GatewayConfig(model_name=MODEL_NAME, **config), self.tokenizer,
                                pool, profile=profile)
         self.service = loop.run(serve_gateway(self.gateway, "127.0.0.1", 0,
