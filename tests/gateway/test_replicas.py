@@ -140,6 +140,40 @@ def test_the_only_replica_restarting_loses_nothing(loop, model, smollm2_dir, spe
         s.close()
 
 
+def test_a_draining_verifier_finishes_what_it_runs(loop, model, smollm2_dir):
+    """Stopped gracefully (SIGTERM), the only verifier stops taking requests but finishes
+    those in flight within its grace: their streams end whole and unchanged, nothing is
+    aborted or resumed."""
+    s = GatewayStack(loop, model, smollm2_dir, replicas=1, drafters={}, resume_wait_s=0.5)
+    stopper = None
+    try:
+        client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
+        contents = [f"Tell me about the number {i}." for i in range(2)]
+        wants = [s.reference(s.chat_ids(c), 300)[0] for c in contents]
+        streams = [iter(client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": c}], temperature=0,
+            max_tokens=300, stream=True)) for c in contents]
+        got = [[next(chunks)] for chunks in streams]
+        replica = s.replicas[0]
+        stopper = threading.Thread(target=replica.stop, args=(loop, 10.0))
+        stopper.start()
+        assert _wait(lambda: not replica.servicer._accepting, 5.0)  # draining now
+        assert replica.servicer._active  # with requests still running
+        for chunks, pieces in zip(streams, got, strict=True):
+            pieces += list(chunks)
+        texts = ["".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+                 for pieces in got]
+        assert texts == wants
+        assert all(pieces[-1].choices[0].finish_reason == "length" for pieces in got)
+        metrics = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
+        assert "specdec_requests_resumed_total 0.0" in metrics
+    finally:
+        if stopper is not None:
+            stopper.join(timeout=30)
+            s.replicas.clear()
+        s.close()
+
+
 def _wait(cond, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while not cond() and time.monotonic() < deadline:
