@@ -183,6 +183,10 @@ class Gateway:
             raise InvalidRequest(f"messages: the chat template failed: {e}",
                                  param="messages") from None
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs show it (special tokens included)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def text_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
@@ -318,9 +322,9 @@ class Gateway:
         def release() -> None:
             self.admitted[address] -= 1
 
-        timeout = self.config.request_timeout_s or None
-        if req.timeout_s is not None:
-            timeout = min(timeout or req.timeout_s, req.timeout_s)
+        # The shorter of the server's limit and the request's own (0 / None: none).
+        timeout = min((t for t in (self.config.request_timeout_s, req.timeout_s) if t),
+                      default=None)
         return Generation(req, request_id, decision, dynamic, max_tokens, t0, replica,
                           self.replicas, self.tokenizer, self.metrics, self.online_profile,
                           deadline=t0 + timeout if timeout else None, release=release,

@@ -92,8 +92,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     calls: list[ToolCall] = []
                     parser = parsers[i]
                     if parser is not None:
-                        events = parser.feed(delta.text) + (parser.finish() if delta.finish
-                                                            else [])
+                        events = parser.step(delta.text, bool(delta.finish))
                         delta.text = "".join(e for e in events if isinstance(e, str))
                         calls = [e for e in events if isinstance(e, ToolCall)]
                         if delta.finish:
@@ -126,18 +125,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         for lp in delta.logprobs:
             out = msg.logprobs.add()
             out.CopyFrom(lp)
-            out.token = self._token_text(lp.token_id)
+            out.token = self.gw.token_text(lp.token_id)
             for top in out.top_logprobs:
-                top.token = self._token_text(top.token_id)
+                top.token = self.gw.token_text(top.token_id)
         msg.model = self.gw.config.model_name
         if delta.finish:
             msg.finish_reason = delta.finish
             msg.usage.CopyFrom(delta.usage)
             msg.spec_decode.CopyFrom(delta.spec_decode.to_proto())
         return msg
-
-    def _token_text(self, token_id: int) -> str:
-        return self.gw.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def Generate(self, request: gateway_pb2.GatewayGenerateRequest, context):
         await self._check_auth(context)

@@ -351,17 +351,14 @@ class OpenAIFrontend:
 
     # -- rendering ----------------------------------------------------------------
 
-    def _token_text(self, token_id: int) -> str:
-        return self.gw.tokenizer.decode([token_id], skip_special_tokens=False)
-
     def chat_logprobs(self, logprobs: list[common_pb2.TokenLogprob], top: int) -> dict:
         content = []
         for lp in logprobs:
-            tok = self._token_text(lp.token_id)
+            tok = self.gw.token_text(lp.token_id)
             content.append({
                 "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
                 "top_logprobs": [
-                    {"token": (t := self._token_text(a.token_id)), "logprob": a.logprob,
+                    {"token": (t := self.gw.token_text(a.token_id)), "logprob": a.logprob,
                      "bytes": list(t.encode())} for a in lp.top_logprobs[:top]]})
         return {"content": content}
 
@@ -369,10 +366,10 @@ class OpenAIFrontend:
                             offset: int) -> dict:
         tokens, values, tops, offsets = [], [], [], []
         for lp in logprobs:
-            tok = self._token_text(lp.token_id)
+            tok = self.gw.token_text(lp.token_id)
             tokens.append(tok)
             values.append(lp.logprob)
-            tops.append({self._token_text(a.token_id): a.logprob for a in lp.top_logprobs[:top]})
+            tops.append({self.gw.token_text(a.token_id): a.logprob for a in lp.top_logprobs[:top]})
             offsets.append(offset)
             offset += len(tok)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
@@ -459,7 +456,6 @@ class OpenAIFrontend:
         created = int(time.time())
         n = len(generations)
         parsers = [ToolCallParser(names) if names is not None else None for _ in range(n)]
-        calls_sent = [0] * n
 
         def chunk(index: int, delta: dict, finish: str | None = None,
                   logprobs: dict | None = None) -> dict:
@@ -477,16 +473,16 @@ class OpenAIFrontend:
             if parser is None:
                 events: list[str | ToolCall] = [delta.text] if delta.text else []
             else:
-                events = parser.feed(delta.text) + (parser.finish() if delta.finish else [])
-            pieces = _delta_pieces(events, calls_sent[i])
-            calls_sent[i] += sum(isinstance(e, ToolCall) for e in events)
+                events = parser.step(delta.text, bool(delta.finish))
+            calls = parser.calls if parser is not None else 0  # this choice's, so far
+            pieces = _delta_pieces(events, calls - sum(isinstance(e, ToolCall) for e in events))
             # The last text rides on the final chunk, as without tools.
             tail = pieces.pop() if delta.finish and pieces and "content" in pieces[-1] else {}
             for k, piece in enumerate(pieces):
                 yield chunk(i, piece, None, lp if k == 0 else None)
             if delta.finish:
                 finals[i] = delta
-                finish = tools.finish_reason(delta.finish_reason, calls_sent[i])
+                finish = tools.finish_reason(delta.finish_reason, calls)
                 out = chunk(i, tail, finish, None if pieces else lp)
                 out["spec_decode"] = delta.spec_decode.to_json()
                 yield out

@@ -366,6 +366,10 @@ class ToolCallParser:
                 self._events.append(call)
         return self._take()
 
+    def step(self, text: str, last: bool) -> list[str | ToolCall]:
+        """A streamed delta's events: `text` fed, and the rest too when it is the last."""
+        return self.feed(text) + (self.finish() if last else [])
+
     def finish(self) -> list[str | ToolCall]:
         """The rest, at the end of the output."""
         self._content(self._pending)

@@ -272,7 +272,10 @@ class Engine:
         return outputs
 
     def _generator_states(self, batch: list[Scheduled]) -> list[tuple[torch.Generator, torch.Tensor]]:
-        """The random generators the batch may draw from, with their states now."""
+        """The random generators the batch may draw from, with their states now: none
+        for an all-greedy batch, which draws nothing."""
+        if all(item.seq.request.sampling.is_greedy for item in batch):
+            return []
         gens = [self.shared_generator, *(item.seq.generator for item in batch
                                          if item.seq.generator is not None)]
         return [(g, g.get_state()) for g in gens]
