@@ -30,15 +30,9 @@ from specdec.models import small_rows
 # 1.12x a decode step this way, 1.22x / 1.27x with packed weights from 2 rows on.
 PACKED_MIN_ROWS = 4
 # Rows up to which a projection runs on the small-rows kernel where it is
-# available: one pass over the weight. Past 16 rows it takes two passes and the
-# packed weight wins (all of SmolLM2's projections, 2 threads, side by side:
-# 1 / 5 / 8 rows 19.6 / 21.2 / 25.8 ms against packed 23.7 / 28.4 / 32.5 and
-# F.linear 20.2 / 37.9 / 47.6; 12 / 16 rows 27.7 / 35.9 against packed
-# 38.5 / 41.3). With AVX2 a pass takes 12 rows, and 16 rows in two passes tie
-# with packed (an AMD EPYC without AVX-512: 1 / 5 / 12 / 16 rows 28.7 / 30.7 /
-# 49.2 / 64.9 ms, packed 33.8 / 45.3 / 56.1 / 65.1, F.linear 41.9 / 101.9 /
-# 121.3 / 105.0).
-SMALL_ROWS_MAX = 16
+# available: one pass over the weight; past it the packed weight wins. 16 on Intel
+# with AVX-512, 12 elsewhere (small_rows.max_rows() has the measurements).
+SMALL_ROWS_MAX = small_rows.max_rows()
 
 
 class Linear(nn.Linear):

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("small_rows_gemm.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 ENV_SWITCH = "SPECDEC_SMALL_ROWS_GEMM"
+ENV_MAX_ROWS = "SPECDEC_SMALL_ROWS_MAX"
 
 _reason: str | None = None
 
@@ -47,6 +48,35 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+def _cpu_vendor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def max_rows() -> int:
+    """Rows up to which the kernel beats oneDNN's packed weight on this CPU
+    (SPECDEC_SMALL_ROWS_MAX overrides). A pass over the weight holds 16 rows with
+    AVX-512 and 12 with AVX2, but past 12 rows the 16-row tiles are one column
+    wide, and only an Intel core with full-width AVX-512 units still wins there.
+    Measured (one layer's projections and the lm_head of SmolLM2-135M, 2 threads,
+    small-rows / packed ms): Intel Xeon 12 / 16 rows 27.7 / 35.9 against 38.5 /
+    41.3; AMD EPYC with AVX-512 (double-pumped) 12 / 14 / 16 rows 5.3 / 9.3 / 12.5
+    against 5.4 / 5.8 / 6.0; AMD EPYC with AVX2, 16 rows in two passes tie."""
+    override = os.environ.get(ENV_MAX_ROWS)
+    if override:
+        if not override.isdigit() or int(override) < 1:
+            raise ValueError(f"{ENV_MAX_ROWS} must be a positive integer, got {override!r}")
+        return int(override)
+    if _vector_isa() == "avx512f" and _cpu_vendor() == "GenuineIntel":
+        return 16
+    return 12
 
 
 def _compiler() -> str | None:

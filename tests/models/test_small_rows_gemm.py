@@ -104,3 +104,22 @@ def test_switched_off_by_environment():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout
     assert out.startswith("False") and "SPECDEC_SMALL_ROWS_GEMM=0" in out
+
+
+def test_max_rows_by_cpu_and_override(monkeypatch):
+    """Intel with AVX-512 keeps 16 rows per pass on the kernel, other CPUs 12 (their
+    13-16 row tiles lose to the packed weight); the environment overrides both."""
+    monkeypatch.delenv(small_rows.ENV_MAX_ROWS, raising=False)
+    monkeypatch.setattr(small_rows, "_vector_isa", lambda: "avx512f")
+    monkeypatch.setattr(small_rows, "_cpu_vendor", lambda: "GenuineIntel")
+    assert small_rows.max_rows() == 16
+    monkeypatch.setattr(small_rows, "_cpu_vendor", lambda: "AuthenticAMD")
+    assert small_rows.max_rows() == 12
+    monkeypatch.setattr(small_rows, "_vector_isa", lambda: "avx2")
+    monkeypatch.setattr(small_rows, "_cpu_vendor", lambda: "GenuineIntel")
+    assert small_rows.max_rows() == 12
+    monkeypatch.setenv(small_rows.ENV_MAX_ROWS, "8")
+    assert small_rows.max_rows() == 8
+    monkeypatch.setenv(small_rows.ENV_MAX_ROWS, "many")
+    with pytest.raises(ValueError, match=small_rows.ENV_MAX_ROWS):
+        small_rows.max_rows()
