@@ -10,11 +10,38 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+def _failure(s: str) -> list[int]:
+    """KMP failure function: f[i] = length of the longest proper prefix of s[:i+1]
+    that is also its suffix."""
+    f = [0] * len(s)
+    q = 0
+    for i in range(1, len(s)):
+        while q and s[i] != s[q]:
+            q = f[q - 1]
+        if s[i] == s[q]:
+            q += 1
+        f[i] = q
+    return f
+
+
 class StopStringMatcher:
+    """Stop strings found as the text streams in: one KMP automaton per stop string,
+    so each character costs O(number of stop strings) however long they are and
+    however much is held (the gateway scans every stream on its event loop).
+
+    The stream ends at the first character that completes a stop string (the
+    longest one where several end there); the result does not depend on how the
+    text is split into chunks.
+    """
+
     def __init__(self, stop: Iterable[str]) -> None:
         # An empty stop string would match before any output; clients that send one mean
         # "no stop string", so it is ignored rather than rejected.
         self._stops = tuple(dict.fromkeys(s for s in stop if s))
+        self._failures = tuple(_failure(s) for s in self._stops)
+        # Per stop string: the length of the longest suffix of the text so far that
+        # is a prefix of it.
+        self._states = [0] * len(self._stops)
         self._held = ""
         self._matched: str | None = None
 
@@ -38,35 +65,32 @@ class StopStringMatcher:
         if not self._stops:
             return text
         buf = self._held + text
-        hit = self._earliest_match(buf)
-        if hit is not None:
-            pos, self._matched = hit
-            self._held = ""
-            return buf[:pos]
-        keep = self._partial_suffix_len(buf)
-        self._held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep]
+        base = len(self._held)
+        states = self._states
+        for i, c in enumerate(text):
+            hit: tuple[int, str] | None = None
+            for j, s in enumerate(self._stops):
+                q = states[j]
+                while q and s[q] != c:
+                    q = self._failures[j][q - 1]
+                if s[q] == c:
+                    q += 1
+                if q == len(s):
+                    start = base + i + 1 - q
+                    if hit is None or start < hit[0]:
+                        hit = (start, s)
+                states[j] = q
+            if hit is not None:
+                self._matched = hit[1]
+                self._held = ""
+                return buf[:hit[0]]
+        # Hold the longest suffix that is a proper prefix of some stop string: any
+        # stop string starting in released text would have made a longer one qualify.
+        keep = max(states)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep]
 
     def flush(self) -> str:
         """End of stream without a match: the held tail was not a stop string after all."""
         out, self._held = self._held, ""
         return "" if self._matched is not None else out
-
-    def _earliest_match(self, buf: str) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
-        for s in self._stops:
-            pos = buf.find(s)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, s)
-        return best
-
-    def _partial_suffix_len(self, buf: str) -> int:
-        # Longest suffix of buf that is a proper prefix of some stop string. Holding the
-        # longest one is what guarantees no match is missed: any stop string starting in
-        # released text would have made a longer suffix qualify.
-        longest = min(len(buf), max(len(s) for s in self._stops) - 1)
-        for k in range(longest, 0, -1):
-            tail = buf[-k:]
-            if any(s.startswith(tail) for s in self._stops):
-                return k
-        return 0

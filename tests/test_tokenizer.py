@@ -246,6 +246,43 @@ def test_stop_string_split_over_many_chunks():
     assert stop.matched == "<|user|>"
 
 
+def _first_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """Reference: the text up to the stop string that ends first (the longest of
+    those ending at the same character)."""
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if s and text[:end].endswith(s)]
+        if ending:
+            s = max(ending, key=len)
+            return text[:end - len(s)], s
+    return text, None
+
+
+def test_stop_strings_do_not_depend_on_chunking():
+    rng = random.Random(7)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5)))
+                 for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        want = _first_stop(text, stops)
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        chunks = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        stop = StopStringMatcher(stops)
+        out = "".join(stop.feed(c) for c in chunks) + stop.flush()
+        assert (out, stop.matched) == want, (stops, chunks)
+
+
+def test_long_stop_string_over_a_repeated_character():
+    """The automaton's worst case for a naive rescan: a 1025-character stop string of
+    one repeated character, fed one character at a time. Exactly what could still
+    start a stop string is held; the rest is released as it comes."""
+    stop = StopStringMatcher(["a" * 1024 + "b", "a" * 1000 + "c"])
+    released = "".join(stop.feed("a") for _ in range(2000))
+    assert released == "a" * (2000 - 1024) and stop.held == "a" * 1024
+    assert stop.feed("b") == "" and stop.matched == "a" * 1024 + "b"
+    again = StopStringMatcher(["a" * 1024 + "b", "a" * 1000 + "c"])
+    assert again.feed("a" * 1500 + "c") == "a" * 500 and again.matched == "a" * 1000 + "c"
+
+
 def test_no_stop_strings_passes_through():
     stop = StopStringMatcher(["", ""])
     assert stop.feed("anything") == "anything"
