@@ -262,10 +262,9 @@ class Gateway:
             ),
             max_num_speculative_tokens=report.max_num_speculative_tokens,
             disable_queue_size=self.config.disable_queue_size,
-            # A seeded sampled request is reproducible only at a K that does not follow
-            # the load: which uniforms a step consumes depends on its K. It keeps the
-            # static default unless it asks for "auto" itself.
-            default_auto_k=self.config.default_auto_k and not req.sampling.HasField("seed"),
+            # A seeded request's text does not depend on K (the verifier keys its
+            # noise by position), so it follows the load like any other.
+            default_auto_k=self.config.default_auto_k,
         )
         spec = req.speculative
         deployed = {method_name(d.method) for d in report.drafters}

@@ -75,8 +75,9 @@ class SamplingParams:
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         """The request's own generator, or None when it is unseeded.
 
-        The engine makes it once per request and keeps it across steps: re-seeding every
-        step would replay the same random numbers at every step.
+        A drafter makes it once per request and keeps it across steps: re-seeding every
+        step would replay the same random numbers at every step. (The verifier keys
+        seeded noise by position instead: verifier/sampling/sampler.py.)
         """
         if self.seed is None:
             return None
@@ -122,17 +123,19 @@ class SamplingMetadata:
         generators: Sequence[torch.Generator | None],
         shared_generator: torch.Generator,
         device: torch.device | str = "cpu",
+        position_keyed: bool = False,
     ) -> SamplingMetadata:
         """Batch per-request params.
 
-        `generators[i]` is request i's own generator (kept by the engine, made by
+        `generators[i]` is request i's own generator (kept by a drafter, made by
         `SamplingParams.make_generator`) or None for an unseeded request, which then
-        draws from `shared_generator`.
+        draws from `shared_generator`. position_keyed: seeded requests draw noise
+        keyed by their positions instead (the verifier's sampler) and need none.
         """
         if len(generators) != len(params):
             raise ValueError(f"generators must have {len(params)} entries, got {len(generators)}")
         for i, (p, g) in enumerate(zip(params, generators, strict=True)):
-            if p.seed is not None and g is None:
+            if p.seed is not None and g is None and not position_keyed:
                 raise ValueError(f"generators[{i}] is None but request {i} has a seed")
 
         greedy = [p.is_greedy for p in params]

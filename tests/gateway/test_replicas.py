@@ -104,7 +104,8 @@ def test_single_replica_dies_gives_prompt_error(loop, model, smollm2_dir):
                                                        "num_speculative_tokens": 3}])
 def test_the_only_replica_restarting_loses_nothing(loop, model, smollm2_dir, spec):
     """Streams in flight when the only verifier dies are held until it serves again at
-    its address, then resume from their tokens so far to the same greedy text."""
+    its address, then resume from their tokens so far to the same text: greedy ones,
+    and a seeded sampled one (its noise is keyed by position)."""
     from tests.gateway.stack import Replica
 
     s = GatewayStack(loop, model, smollm2_dir, replicas=1, resume_wait_s=20.0)
@@ -112,9 +113,16 @@ def test_the_only_replica_restarting_loses_nothing(loop, model, smollm2_dir, spe
         client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
         contents = [f"Write a long letter number {i}." for i in range(3)]
         wants = [s.reference(s.chat_ids(c), 100)[0] for c in contents]
+        seeded = {"temperature": 0.8, "seed": 7, "max_tokens": 100,
+                  "messages": [{"role": "user", "content": "Write a long letter number 9."}]}
+        wants.append(client.chat.completions.create(
+            model=MODEL_NAME, extra_body={"speculative": spec}, **seeded
+        ).choices[0].message.content)
         streams = [iter(client.chat.completions.create(
             model=MODEL_NAME, messages=[{"role": "user", "content": c}], temperature=0,
             max_tokens=100, stream=True, extra_body={"speculative": spec})) for c in contents]
+        streams.append(iter(client.chat.completions.create(
+            model=MODEL_NAME, stream=True, extra_body={"speculative": spec}, **seeded)))
         got = [[next(chunks) for _ in range(3)] for chunks in streams]
         old = s.replicas[0]
         port = int(old.address.rsplit(":", 1)[1])
@@ -133,7 +141,7 @@ def test_the_only_replica_restarting_loses_nothing(loop, model, smollm2_dir, spe
                  for pieces in got]
         assert texts == wants
         metrics = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
-        assert "specdec_requests_resumed_total 3.0" in metrics
+        assert "specdec_requests_resumed_total 4.0" in metrics
         assert "specdec_requests_held_total" in metrics
         assert "specdec_requests_held_total 0.0" not in metrics
     finally:

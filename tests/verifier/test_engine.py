@@ -339,3 +339,38 @@ def test_step_only_runs_the_requests_named(model):
     assert engine.step(only={"r0"}) == []  # admits nobody: nothing runs yet
     assert {o.request_id for o in engine.step()} == {"r0", "r1", "r2"}
     assert {o.request_id for o in engine.step(only={"r2", "r0"})} == {"r0", "r2"}
+
+
+def test_seeded_text_does_not_depend_on_k_drafts_batch_or_resume(model):
+    """A seeded sampled request's tokens come from noise keyed by (seed, position):
+    the same text at K = 0, under drafts of any quality (one-hot or with q), in a
+    batch with other requests, and resumed from its prompt plus a prefix of its
+    output, as the gateway resumes a request whose replica died."""
+    prompt, n = [3, 1, 4, 1, 5, 9, 2, 6], 40
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+
+    def engine(refs=None, error_rate=0.0, with_probs=False):
+        proposer = ScriptedProposer(refs, error_rate, seed=5, with_probs=with_probs) if refs else None
+        return Engine(model, EngineConfig(max_model_len=128, block_size=4, num_kv_blocks=256),
+                      proposer)
+
+    plain = run(engine(), [Request("s", prompt, n, params)])["s"]
+    others = [Request("g", [7, 7, 7], n, GREEDY, num_speculative_tokens=2),
+              Request("u", [8, 6, 4], n, SamplingParams(temperature=1.0), num_speculative_tokens=3)]
+    for k, error_rate, with_probs in [(4, 0.0, False), (4, 0.5, False), (2, 1.0, False),
+                                      (3, 0.3, True)]:
+        refs = {0: prompt + plain, 1: [7, 7, 7] + [0] * n, 2: [8, 6, 4] + [0] * n}
+        stats: dict = {}
+        out = run(engine(refs, error_rate, with_probs),
+                  [Request("s", prompt, n, params, num_speculative_tokens=k), *others], stats)
+        assert out["s"] == plain, (k, error_rate, with_probs)
+        assert stats["drafted"] > 0
+        if error_rate < 1:
+            assert stats["accepted"] > 0
+    # Resumed after 17 tokens: the prompt grows by them, the position keys stay put.
+    resumed = run(engine(), [Request("s", prompt + plain[:17], n - 17, params)])["s"]
+    assert plain[:17] + resumed == plain
+    # Another seed samples another text.
+    other = run(engine(), [Request("s", prompt, n, SamplingParams(temperature=0.9, top_p=0.95,
+                                                                 seed=1235))])["s"]
+    assert other != plain

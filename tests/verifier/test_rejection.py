@@ -325,3 +325,30 @@ def test_triton_kernel_equals_reference(dense_q, block_v, monkeypatch):
         accepted += int(ref_accepted.sum())
         rejected += int((ref_accepted < inputs[4]).sum())
     assert accepted > 0 and rejected > 0
+
+
+def test_position_keyed_tokens_sample_the_target():
+    """Over many seeds, the token a position's keyed noise picks follows p (chi-square);
+    the same (seed, position) always picks the same token, neighbours differ."""
+    from verifier.sampling.sampler import position_keyed_tokens, position_seed
+
+    p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04, 0.0, 0.0])
+    probs = p.repeat(3, 1)  # one request, K = 2: rows at positions 10, 11, 12
+    counts = torch.zeros(3, len(p))
+    n = 4000
+    for seed in range(n):
+        tokens = position_keyed_tokens(probs, [2], [(seed, 10)])
+        for row, t in tokens.items():
+            counts[row, int(t)] += 1
+    assert counts[:, 6:].sum() == 0  # filtered tokens are never picked
+    for row in range(3):
+        assert chi_square_p_value(counts[row, :6], p[:6] * n) > 1e-3
+    # Rows of one request at consecutive positions are not copies of each other.
+    assert (counts[0] != counts[1]).any()
+    again = position_keyed_tokens(probs, [2], [(77, 10)])
+    assert {r: int(t) for r, t in again.items()} == \
+        {r: int(t) for r, t in position_keyed_tokens(probs, [2], [(77, 10)]).items()}
+    # The position of row 1 at key 10 is row 0's at key 11.
+    shifted = position_keyed_tokens(probs, [2], [(77, 11)])
+    assert int(shifted[0]) == int(again[1])
+    assert len({position_seed(s, t) for s in range(50) for t in range(50)}) == 2500

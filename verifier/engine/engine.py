@@ -194,8 +194,7 @@ class Engine:
         if request.request_id in self._by_request:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self.validate(request)
-        seq = Sequence(next(self._ids), request, list(request.prompt_token_ids),
-                       request.sampling.make_generator(self.model.device))
+        seq = Sequence(next(self._ids), request, list(request.prompt_token_ids))
         self._by_request[request.request_id] = seq
         self.scheduler.add(seq)
         if self.proposer is not None:
@@ -276,9 +275,8 @@ class Engine:
         for an all-greedy batch, which draws nothing."""
         if all(item.seq.request.sampling.is_greedy for item in batch):
             return []
-        gens = [self.shared_generator, *(item.seq.generator for item in batch
-                                         if item.seq.generator is not None)]
-        return [(g, g.get_state()) for g in gens]
+        # Seeded requests' noise is keyed by position: only the shared one has a state.
+        return [(self.shared_generator, self.shared_generator.get_state())]
 
     def _undo(self, batch: list[Scheduled], generators: list[tuple[torch.Generator, torch.Tensor]]
               ) -> None:
@@ -341,11 +339,15 @@ class Engine:
             blocks = [(draft_probs.get(s.seq_id), len(d))
                       for s, d in zip(seqs, chains.drafts, strict=True)]
             q = _draft_q(draft_ids, chains.logits.shape[-1], blocks)
-        metadata = SamplingMetadata.from_params(
-            [s.request.sampling for s in seqs], [s.generator for s in seqs], self.shared_generator,
-            device=dev)
+        params = [s.request.sampling for s in seqs]
+        # Seeded requests draw no generator's state: their noise is keyed by (seed,
+        # position of the token), so a resumed or re-batched request samples the same.
+        metadata = SamplingMetadata.from_params(params, [None] * len(seqs), self.shared_generator,
+                                                device=dev, position_keyed=True)
+        keys = [(p.seed, len(s.tokens)) if p.seed is not None else None
+                for p, s in zip(params, seqs, strict=True)]
         logits = self._processed(chains, seqs)
-        out_ids, num_accepted = rejection_sample(logits, draft_ids, q, num_drafts, metadata)
+        out_ids, num_accepted = rejection_sample(logits, draft_ids, q, num_drafts, metadata, keys)
         return out_ids.tolist(), num_accepted.tolist()
 
     def _processed(self, chains: Chains, seqs: list[Sequence]) -> torch.Tensor:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from specdec.sampling import SamplingParams
 
 
@@ -56,7 +54,6 @@ class Sequence:
     seq_id: int
     request: Request
     tokens: list[int]  # prompt + output so far
-    generator: torch.Generator | None  # the request's own RNG when seeded
     status: Status = Status.WAITING
     num_computed: int = 0  # leading tokens whose KV is in the cache
     finish_reason: FinishReason | None = None

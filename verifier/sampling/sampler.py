@@ -1,14 +1,62 @@
 """The verifier's sampling step: target distribution, random draws, then rejection
 sampling on the Triton kernel where it runs (CUDA with triton installed) and on the
 torch reference elsewhere; both give the same outputs bit for bit (rejection.py has
-the terms, rejection_triton.py the kernel)."""
+the terms, rejection_triton.py the kernel).
+
+Seeded requests are sampled with noise keyed by (seed, position): the token at
+position t is argmax_v p_t(v) / E_t(v), E_t ~ Exp(1) drawn from a generator seeded
+by mixing the request's seed with t (the exponential race: an exact sample of p_t).
+A draft at t is accepted when it is that token, so every emitted token is the one
+plain decoding with the same seed emits there: a seeded request's text does not
+depend on K, its drafter, its batch or a resume from its tokens so far. For a
+one-hot draft x the rule accepts with probability p_t(x) and otherwise yields a
+sample of p_t without x, exactly the usual rejection rule; for drafts with
+probabilities q it accepts with sum_x q(x) p(x) instead of sum_x min(p, q)(x), the
+price of that determinism. Unseeded requests keep the usual rule and one shared
+generator.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from specdec.sampling import SamplingMetadata, apply_sampling
 from verifier.sampling.rejection import draw_random, rejection_sample_from_random
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A generator seed for one (request seed, token position): splitmix64 of their
+    mix, so neighbouring positions and seeds get unrelated streams. [0, 2**63)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def position_keyed_tokens(
+    target_probs: torch.Tensor,  # [sum(K_i + 1), V] float32
+    num_draft_tokens: Sequence[int],  # [B]
+    keys: Sequence[tuple[int, int] | None],  # [B] (seed, position of the row-0 token) or None
+) -> dict[int, torch.Tensor]:  # row -> sampled token id (0-d int64)
+    """Each keyed request's token at every one of its rows, from its position's noise."""
+    tokens: dict[int, torch.Tensor] = {}
+    generator = torch.Generator(device=target_probs.device)
+    noise = torch.empty(target_probs.shape[-1], dtype=torch.float32, device=target_probs.device)
+    row = 0
+    for k, key in zip(num_draft_tokens, keys, strict=True):
+        if key is not None:
+            seed, position = key
+            for j in range(k + 1):
+                generator.manual_seed(position_seed(seed, position + j))
+                noise.exponential_(generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
+                tokens[row + j] = (target_probs[row + j] / noise).argmax()
+        row += k + 1
+    return tokens
 
 
 def rejection_sample(
@@ -17,13 +65,28 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,  # [sum K, V] float32; None = one-hot q
     num_draft_tokens: torch.Tensor,  # [B] int64
     metadata: SamplingMetadata,
+    position_keys: Sequence[tuple[int, int] | None] | None = None,  # [B]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # output_token_ids [B, max_K + 1], num_accepted [B]
-    """One verifier step's rejection sampling; the Triton kernel runs it on CUDA when present."""
+    """One verifier step's rejection sampling; the Triton kernel runs it on CUDA when present.
+
+    position_keys[i]: (seed, position of its first row's token) for a seeded sampled
+    request, whose tokens then come from position-keyed noise (see the module's
+    docstring) and are verified as greedy tokens are; None for the others."""
     target_argmax = target_logits.argmax(dim=-1)  # greedy reads the raw logits
     if metadata.all_greedy:
         target_probs = target_logits.float()  # never read: only greedy requests
     else:
         target_probs = apply_sampling(target_logits, metadata, num_draft_tokens + 1)
+    if position_keys is not None and any(k is not None for k in position_keys):
+        greedy = metadata.is_greedy.tolist()
+        keys = [k if not g else None for k, g in zip(position_keys, greedy, strict=True)]
+        tokens = position_keyed_tokens(target_probs, num_draft_tokens.tolist(), keys)
+        if tokens:
+            rows = torch.tensor(list(tokens), dtype=torch.int64, device=target_argmax.device)
+            target_argmax = target_argmax.index_put((rows,), torch.stack(list(tokens.values())))
+            greedy = [g or k is not None for g, k in zip(greedy, keys, strict=True)]
+            metadata = replace(metadata, is_greedy=torch.tensor(greedy, device=metadata.is_greedy.device),
+                               all_greedy=all(greedy))
     uniform, exp_noise = draw_random(num_draft_tokens, target_logits.shape[-1], metadata)
 
     from_random = rejection_sample_from_random
