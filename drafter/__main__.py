@@ -13,6 +13,7 @@ from typing import Any
 from drafter import registry
 from drafter.method import DraftMethod
 from drafter.service import serve
+from specdec import tls
 from specdec.server import INTERNAL_TOKEN_ENV, serve_until_signal
 
 log = logging.getLogger("drafter")
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch CPU threads (0 = torch's default)")
     parser.add_argument("--grace-s", type=float, default=5.0,
                         help="on SIGTERM, seconds open streams get to finish (default %(default)s)")
+    tls.add_server_arguments(parser, os.environ, what="the Drafter API")
     return parser
 
 
@@ -141,8 +143,10 @@ def _target_fingerprint(target: str) -> dict[str, Any]:
     return {"vocab_size": vocab_size, "tokenizer_hash": tokenizer_hash}
 
 
-async def _run(method: DraftMethod, address: str, grace_s: float) -> None:
-    service = await serve(method, address, token=os.environ.get(INTERNAL_TOKEN_ENV) or None)
+async def _run(method: DraftMethod, address: str, grace_s: float,
+               server_tls: tls.TlsConfig | None) -> None:
+    service = await serve(method, address, token=os.environ.get(INTERNAL_TOKEN_ENV) or None,
+                          tls=server_tls)
     host = address.rsplit(":", 1)[0]
     log.info("drafter %s serving on %s:%d", method.name, host, service.port)
     await serve_until_signal(service, grace_s)
@@ -168,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     try:
+        server_tls = tls.server_from_args(args)
         method = build_method(args)
     except ValueError as e:
         parser.print_usage(sys.stderr)
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run = uvloop.run
     try:
-        run(_run(method, f"{host}:{args.port}", args.grace_s))
+        run(_run(method, f"{host}:{args.port}", args.grace_s, server_tls))
     except OSError as e:  # the address is taken or cannot be bound
         log.error("%s", e)
         return 1

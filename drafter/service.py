@@ -33,6 +33,7 @@ from specdec.sampling import SamplingParams
 from specdec.server import GrpcService, start_server
 from specdec.telemetry import incoming_context
 from specdec.tensor_codec import decode_tensor, dtype_to_proto, encode_tensor
+from specdec.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.drafter")
@@ -305,13 +306,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 proposal.probs.dense.CopyFrom(encode_tensor(draft.probs.to(torch.float32)))
 
 
-async def serve(method: DraftMethod, address: str, token: str | None = None) -> GrpcService:
+async def serve(method: DraftMethod, address: str, token: str | None = None,
+                tls: TlsConfig | None = None) -> GrpcService:
     """Start a Drafter service for `method` on `address` ("host:port", port 0 = any free
     port) with health reporting SERVING; stop it with the returned service's `stop`.
-    token: required of every call but health's (specdec.server.TokenAuth)."""
+    token: required of every call but health's (specdec.server.TokenAuth); tls: serve
+    over TLS."""
     servicer = DrafterServicer(method)
 
     def register(server: grpc.aio.Server) -> None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
 
-    return await start_server(address, register, [SERVICE_NAME], servicer, token=token)
+    return await start_server(address, register, [SERVICE_NAME], servicer, token=token,
+                              tls=tls)

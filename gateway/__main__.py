@@ -12,6 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
+from specdec import tls
 from specdec.models.prepare import cache_dir
 from specdec.server import INTERNAL_TOKEN_ENV, host_port
 from specdec.speculation import METHODS
@@ -74,10 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
                    help="export OpenTelemetry spans over OTLP/gRPC to this endpoint")
     p.add_argument("--grace-s", type=float, default=10.0)
+    tls.add_server_arguments(p, None, what="REST (HTTPS) and the gRPC API")
     return p
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(args: argparse.Namespace, public_tls: tls.TlsConfig | None,
+                 internal_tls: tls.TlsConfig | None) -> int:
     from gateway.core import Gateway, GatewayConfig, Limits
     from gateway.policy.itl_profile import ItlProfile
     from gateway.replicas import ReplicaPool
@@ -115,12 +118,13 @@ async def _serve(args: argparse.Namespace) -> int:
     )
     replicas = ReplicaPool([host_port(v) for v in args.verifier or ["127.0.0.1:50051"]],
                            model_fingerprint(model_dir),
-                           token=os.environ.get(INTERNAL_TOKEN_ENV) or None)
+                           token=os.environ.get(INTERNAL_TOKEN_ENV) or None, tls=internal_tls)
     gateway = Gateway(config, tokenizer, replicas, profile=profile)
     grpc_address = None if args.grpc_port < 0 else f"{args.host}:{args.grpc_port}"
-    service = await serve(gateway, args.host, args.port, grpc_address)
-    log.info("gateway serving %s: http://%s:%d/v1 (gRPC %s), verifiers %s", config.model_name,
-             args.host, service.http_port, service.grpc_port or "off",
+    service = await serve(gateway, args.host, args.port, grpc_address, public_tls)
+    log.info("gateway serving %s: %s://%s:%d/v1 (gRPC %s%s), verifiers %s", config.model_name,
+             "https" if public_tls else "http", args.host, service.http_port,
+             service.grpc_port or "off", " TLS" if public_tls and service.grpc_port else "",
              ", ".join(r.address for r in replicas.replicas))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -143,6 +147,12 @@ def is_loopback(host: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        public_tls = tls.server_from_args(args)
+        internal_tls = tls.TlsConfig.from_env()  # to the verifiers
+    except ValueError as e:
+        print(f"specdec-gateway: {e}", file=sys.stderr)
+        return 2
     if not args.api_key and not args.allow_unauthenticated and not is_loopback(args.host):
         print(f"specdec-gateway: refusing to serve on {args.host} without an API key: anyone "
               f"who reaches it could use the model. Set --api-key (or SPECDEC_API_KEY), "
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_format)
     import uvloop
 
-    return uvloop.run(_serve(args))
+    return uvloop.run(_serve(args, public_tls, internal_tls))
 
 
 if __name__ == "__main__":

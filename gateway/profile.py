@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
-
 from gateway.policy.dynamic_k import OnlineAcceptance
 from gateway.policy.itl_profile import ItlProfile
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specdec.server import GRPC_OPTIONS
+from specdec.server import GRPC_OPTIONS, INTERNAL_TOKEN_ENV, token_metadata
 from specdec.speculation import DRAFTER_METHODS, method_name
+from specdec.tls import TlsConfig, open_aio_channel
 
 # Chat-like prompts with some repetition, so copy-based drafters see realistic text.
 PROMPTS = [
@@ -52,23 +52,23 @@ def _start(prompt: list[int], k: int, method: int, max_tokens: int, rid: str):
         speculation=spec))
 
 
-async def _one(stub, msg) -> list[common_pb2.StepStats]:
+async def _one(stub, msg, auth: tuple = ()) -> list[common_pb2.StepStats]:
     steps = []
-    async for resp in stub.Generate(iter([msg])):
+    async for resp in stub.Generate(iter([msg]), metadata=auth):
         if resp.token_ids:
             steps.append(resp.step_stats)
     return steps[1:]  # the first carries the prefill
 
 
 async def measure_cell(stub, prompts: Sequence[list[int]], batch: int, k: int, method: int,
-                       max_tokens: int, tag: str) -> tuple[float | None, list]:
+                       max_tokens: int, tag: str, auth: tuple = ()) -> tuple[float | None, list]:
     # max_tokens per K + 1: a request then lasts about as many steps at any K. With the
     # same token count at every K, requests at large K ended while later ones of the
     # batch were still in chunked prefill, so the batch never decoded all at once and
     # the only full-batch steps carried prefill chunks (seconds instead of ms).
     msgs = [_start(prompts[i % len(prompts)], k, method, max_tokens * (k + 1),
                    f"profile-{tag}-{i}") for i in range(batch)]
-    results = await asyncio.gather(*(_one(stub, m) for m in msgs))
+    results = await asyncio.gather(*(_one(stub, m, auth) for m in msgs))
     steps = [s for r in results for s in r]
     full = [s.step_time_ms for s in steps if s.batch_size == batch]
     return (statistics.median(full) if full else None), steps
@@ -76,17 +76,20 @@ async def measure_cell(stub, prompts: Sequence[list[int]], batch: int, k: int, m
 
 async def profile(address: str, prompts: Sequence[list[int]], batch_sizes: Sequence[int],
                   ks: Sequence[int], max_tokens: int, method: str | Sequence[str] | None,
-                  log=print) -> ItlProfile:
+                  log=print, tls: TlsConfig | None = None,
+                  token: str | None = None) -> ItlProfile:
     """Profile the verifier at `address`.
 
     `method`: the drafter method(s) whose step times are measured, one name or a
     sequence of names; None = the verifier's first drafter. The first method's
     table becomes itl_ms, which methods without a table of their own also use;
-    each further method's table goes to method_itl_ms[method].
+    each further method's table goes to method_itl_ms[method]. `tls`: the verifier's
+    internal TLS, `token` its internal token, if it has them.
     """
-    async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+    auth = token_metadata(token)
+    async with open_aio_channel(address, tls, GRPC_OPTIONS) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
-        report = await stub.Load(verifier_pb2.LoadRequest(), timeout=10)
+        report = await stub.Load(verifier_pb2.LoadRequest(), timeout=10, metadata=auth)
         methods = {method_name(d.method): d.method for d in report.drafters
                    if method_name(d.method) in DRAFTER_METHODS}
         if method is None:
@@ -105,7 +108,7 @@ async def profile(address: str, prompts: Sequence[list[int]], batch_sizes: Seque
 
         async def step_ms(b: int, k: int, name: str | None) -> float:
             ms, _ = await measure_cell(stub, prompts, b, k, methods.get(name, 0), max_tokens,
-                                       f"{b}-{k}-{name or 'none'}")
+                                       f"{b}-{k}-{name or 'none'}", auth)
             if ms is None:  # never ran b at once (KV or batch limits): next best
                 raise SystemExit(f"batch {b} never ran as one step; lower --batch-sizes")
             log(f"batch {b:3d}  K {k}{f' {name}' if k else ''}: {ms:8.2f} ms/step")
@@ -126,7 +129,7 @@ async def profile(address: str, prompts: Sequence[list[int]], batch_sizes: Seque
             if k == 0:
                 break
             _, steps = await measure_cell(stub, prompts, min(len(prompts), 4), k, value,
-                                          max_tokens, f"acc-{name}")
+                                          max_tokens, f"acc-{name}", auth)
             for s in steps:
                 acc.update(s.num_drafted, s.num_accepted)
             rates = acc.rates([0.0] * k, 0, k)
@@ -183,7 +186,9 @@ def run(args) -> int:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     result = asyncio.run(profile(args.verifier, prompts, args.batch_sizes, args.ks,
                                  args.max_tokens, args.method,
-                                 log=lambda s: print(s, file=sys.stderr, flush=True)))
+                                 log=lambda s: print(s, file=sys.stderr, flush=True),
+                                 tls=TlsConfig.from_env(),
+                                 token=os.environ.get(INTERNAL_TOKEN_ENV) or None))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     result.save(out)

@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
 from specdec.server import GRPC_OPTIONS, token_metadata
 from specdec.speculation import DRAFTER_METHODS, method_name
+from specdec.tls import TlsConfig, open_aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,10 @@ class NoReplicaError(RuntimeError):
 
 class Replica:
     def __init__(self, address: str, fingerprint: tuple[int, str] | None = None,
-                 token: str | None = None):
+                 token: str | None = None, tls: TlsConfig | None = None):
         self.address = address
         self.auth = token_metadata(token)  # the verifiers' internal token, if they have one
+        self.tls = tls
         # grpc.aio channels belong to the event loop that creates them: made in connect().
         self.channel: grpc.aio.Channel | None = None
         self.stub: verifier_pb2_grpc.VerifierStub | None = None
@@ -63,7 +65,7 @@ class Replica:
 
     def connect(self) -> None:
         if self.channel is None:
-            self.channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
+            self.channel = open_aio_channel(self.address, self.tls, GRPC_OPTIONS)
             self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
             self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -111,9 +113,9 @@ class ReplicaPool:
     """All configured verifier replicas, polled for load in the background."""
 
     def __init__(self, addresses: Iterable[str], fingerprint: tuple[int, str] | None = None,
-                 token: str | None = None,
+                 token: str | None = None, tls: TlsConfig | None = None,
                  poll_interval_s: float = 0.5):
-        self.replicas = [Replica(a, fingerprint, token) for a in addresses]
+        self.replicas = [Replica(a, fingerprint, token, tls) for a in addresses]
         if not self.replicas:
             raise ValueError("at least one verifier address is needed")
         self.poll_interval_s = poll_interval_s

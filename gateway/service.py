@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
@@ -14,6 +16,7 @@ from gateway.grpc_api import GatewayServicer
 from gateway.openai_api import create_app
 from specdec.pb import gateway_pb2_grpc
 from specdec.server import GrpcService, start_server
+from specdec.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +45,24 @@ class GatewayService:
         await self.gateway.replicas.close()
 
 
+def uvicorn_ssl(tls: TlsConfig | None) -> dict[str, Any]:
+    """uvicorn.Config's ssl_* arguments for `tls` (none: plain HTTP)."""
+    if tls is None:
+        return {}
+    return {"ssl_certfile": tls.certfile, "ssl_keyfile": tls.keyfile,
+            "ssl_ca_certs": tls.ca_certs,
+            "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE}
+
+
 async def serve(gateway: Gateway, http_host: str = "127.0.0.1", http_port: int = 8000,
-                grpc_address: str | None = "127.0.0.1:50050") -> GatewayService:
-    """Start polling the replicas, then both front ends (port 0 = any free port)."""
+                grpc_address: str | None = "127.0.0.1:50050",
+                tls: TlsConfig | None = None) -> GatewayService:
+    """Start polling the replicas, then both front ends (port 0 = any free port); with
+    `tls`, REST is HTTPS and the gRPC API TLS, with the same certificate."""
     await gateway.replicas.start()
     config = uvicorn.Config(create_app(gateway), host=http_host, port=http_port,
-                            log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+                            log_level="warning", lifespan="off", timeout_graceful_shutdown=5,
+                            **uvicorn_ssl(tls))
     http = uvicorn.Server(config)
     task = asyncio.create_task(http.serve())
     while not http.started:
@@ -64,5 +79,5 @@ async def serve(gateway: Gateway, http_host: str = "127.0.0.1", http_port: int =
             lambda server: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server),
             ["specdec.v1.Gateway"], servicer,
             # The public API takes messages no larger than REST takes bodies.
-            max_receive_bytes=gateway.config.limits.max_body_bytes)
+            max_receive_bytes=gateway.config.limits.max_body_bytes, tls=tls)
     return GatewayService(gateway, http, task, grpc_service, port)

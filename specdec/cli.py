@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from importlib.metadata import entry_points
@@ -60,8 +61,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     from specdec.server import check_health
+    from specdec.tls import client_from_args
 
-    ok = check_health(args.address, args.service, args.timeout)
+    try:
+        tls = client_from_args(args)
+    except ValueError as e:
+        print(f"specdec health: {e}", file=sys.stderr)
+        return 2
+    ok = check_health(args.address, args.service, args.timeout, tls)
     if not ok:
         print(f"{args.address}: not serving", file=sys.stderr)
     return 0 if ok else 1
@@ -92,10 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("health", help="exit 0 when a service's gRPC health check is SERVING "
-                       "(the compose healthchecks use it)")
+                       "(the compose healthchecks use it); over the internal TLS when "
+                       "SPECDEC_INTERNAL_TLS_* are set")
     p.add_argument("address", help="HOST:PORT")
     p.add_argument("--service", default="", help="service name (default: the whole server)")
     p.add_argument("--timeout", type=float, default=2.0)
+    from specdec import tls
+
+    tls.add_client_arguments(p, os.environ)
     p.set_defaults(func=cmd_health)
 
     from specdec import launch

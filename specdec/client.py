@@ -7,6 +7,11 @@
                                      speculative={"method": "ngram"}):
             print(chunk.text, end="", flush=True)
 
+Over TLS: `Client("gateway.example:50050", tls=True)` trusts the system's roots,
+`ca_certs="ca.pem"` a CA of your own; `certfile` and `keyfile` add a client
+certificate where the gateway requires one (mutual TLS). Without them the channel
+is plaintext, as on loopback.
+
 `AsyncClient` has the same methods as coroutines / async iterators. Errors are
 typed (`InvalidRequestError`, `AuthenticationError`, `UnavailableError`, ...).
 A call that fails with UNAVAILABLE before its first message (no replica up
@@ -29,6 +34,7 @@ from specdec.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specdec.server import GRPC_OPTIONS
 from specdec.speculation import FINISH_REASONS, method_name, method_to_proto, reason_name
 from specdec.structured import KINDS, from_kinds
+from specdec.tls import TlsConfig, open_aio_channel, open_channel
 
 # -- errors -------------------------------------------------------------------------
 
@@ -341,6 +347,14 @@ def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
+def _tls(tls: bool, ca_certs: str | None, certfile: str | None,
+         keyfile: str | None) -> TlsConfig | None:
+    """TLS when asked for or when any of its files is given; plaintext otherwise."""
+    if not (tls or ca_certs or certfile or keyfile):
+        return None
+    return TlsConfig(certfile, keyfile, ca_certs)
+
+
 # -- clients ------------------------------------------------------------------------
 
 class Client:
@@ -350,8 +364,11 @@ class Client:
 
     def __init__(self, address: str = "127.0.0.1:50050", *, api_key: str | None = None,
                  timeout_s: float | None = None, max_retries: int = 3,
-                 retry_backoff_s: float = 0.25):
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+                 retry_backoff_s: float = 0.25, tls: bool = False,
+                 ca_certs: str | None = None, certfile: str | None = None,
+                 keyfile: str | None = None):
+        self._channel = open_channel(address, _tls(tls, ca_certs, certfile, keyfile),
+                                     GRPC_OPTIONS)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._metadata = _metadata(api_key)
         self.timeout_s = timeout_s
@@ -406,8 +423,11 @@ class AsyncClient:
 
     def __init__(self, address: str = "127.0.0.1:50050", *, api_key: str | None = None,
                  timeout_s: float | None = None, max_retries: int = 3,
-                 retry_backoff_s: float = 0.25):
-        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+                 retry_backoff_s: float = 0.25, tls: bool = False,
+                 ca_certs: str | None = None, certfile: str | None = None,
+                 keyfile: str | None = None):
+        self._channel = open_aio_channel(address, _tls(tls, ca_certs, certfile, keyfile),
+                                         GRPC_OPTIONS)
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
         self._metadata = _metadata(api_key)
         self.timeout_s = timeout_s

@@ -16,6 +16,7 @@ reverse order, each with SIGTERM and its own grace period.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
@@ -33,6 +34,7 @@ from pathlib import Path
 import yaml
 
 from specdec.server import check_health
+from specdec.tls import TlsConfig, add_client_arguments, client_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "compose.yaml"
@@ -65,14 +67,20 @@ class LocalService:
     argv: tuple[str, ...]
     health: str | None  # HOST:PORT its healthcheck asks
     depends_on: tuple[str, ...]
+    health_tls: TlsConfig | None = None  # the TLS its healthcheck speaks
 
 
-def _health_address(service: dict, env: Mapping[str, str]) -> str | None:
+def _health(service: dict, env: Mapping[str, str]) -> tuple[str | None, TlsConfig | None]:
+    """The HOST:PORT and TLS of the service's `specdec health` healthcheck, whose TLS
+    flags default, as there, to the internal TLS variables."""
     test = (service.get("healthcheck") or {}).get("test") or []
-    if isinstance(test, str) or "health" not in test:
-        return None
+    if isinstance(test, str) or "health" not in test or test.index("health") + 1 >= len(test):
+        return None, None
     i = test.index("health")
-    return interpolate(str(test[i + 1]), env) if i + 1 < len(test) else None
+    p = argparse.ArgumentParser(add_help=False)
+    add_client_arguments(p, env)
+    flags, _ = p.parse_known_args([interpolate(str(a), env) for a in test[i + 2:]])
+    return interpolate(str(test[i + 1]), env), client_from_args(flags)
 
 
 def local_services(compose_path: Path = COMPOSE_FILE,
@@ -101,7 +109,8 @@ def local_services(compose_path: Path = COMPOSE_FILE,
         argv = tuple(hosts.sub(r"127.0.0.1:\2", interpolate(str(a), env)) for a in command)
         deps = svc.get("depends_on") or []
         deps = tuple(d for d in (deps if isinstance(deps, list) else deps.keys()) if d in names)
-        out[name] = LocalService(name, argv, _health_address(svc, env), deps)
+        health, health_tls = _health(svc, env)
+        out[name] = LocalService(name, argv, health, deps, health_tls)
     ordered: list[LocalService] = []
     seen: set[str] = set()
 
@@ -274,7 +283,7 @@ class LocalStack:
         if svc.health is None:
             return
         starts = 1
-        while not check_health(svc.health, timeout_s=1.0):
+        while not check_health(svc.health, timeout_s=1.0, tls=svc.health_tls):
             proc = self.procs[svc.name]
             if proc.poll() is not None:
                 if starts >= self.start_attempts:
@@ -329,7 +338,8 @@ class LocalStack:
             reason = f"exited with code {proc.returncode}"
         elif svc.health is not None and now >= w.next_check:
             w.next_check = now + policy.health_interval_s
-            if check_health(svc.health, timeout_s=policy.health_timeout_s):
+            if check_health(svc.health, timeout_s=policy.health_timeout_s,
+                            tls=svc.health_tls):
                 w.passed, w.failures = True, 0
                 return
             if w.passed:  # before its first pass it is starting (loading a model, say)
@@ -385,7 +395,11 @@ def run(args) -> int:
     # Local stand-ins for the container paths (the user's environment still wins).
     environ = {"SPECDEC_MODEL_ROOT": str(model_dir.parent), "SPECDEC_MODEL": model_dir.name,
                "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ}
-    services = local_services(Path(args.compose_file), environ)
+    try:
+        services = local_services(Path(args.compose_file), environ)
+    except ValueError as e:  # a bad compose file, a TLS file missing
+        print(f"specdec up: {e}", file=sys.stderr)
+        return 1
     taken = taken_ports(services)
     if taken:
         names = ", ".join(f"{host}:{port} ({name})" for name, host, port in taken)

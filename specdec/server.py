@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specdec.tls import TlsConfig, open_channel
+
 log = logging.getLogger(__name__)
 
 # Hidden states of a long prefill chunk, or dense q over a 128k vocabulary at
@@ -141,11 +143,12 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 async def start_server(address: str, register: Callable[[grpc.aio.Server], None],
                        service_names: Iterable[str], servicer: object = None, *,
                        max_receive_bytes: int | None = None,
-                       token: str | None = None) -> GrpcService:
+                       token: str | None = None, tls: TlsConfig | None = None) -> GrpcService:
     """Bind `address` ("host:port", port 0 = any free port), register the service's
     servicers and health, start, and report SERVING. max_receive_bytes: the largest
     message a client may send (default MAX_MESSAGE_BYTES, which hidden states need;
-    a public API takes less); token: required of every call but health's (TokenAuth)."""
+    a public API takes less); token: required of every call but health's (TokenAuth);
+    tls: serve over TLS (health too: a plaintext probe cannot reach a TLS port)."""
     options = list(SERVER_OPTIONS)
     if max_receive_bytes is not None:
         options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
@@ -155,7 +158,8 @@ async def start_server(address: str, register: Callable[[grpc.aio.Server], None]
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
+    port = (server.add_secure_port(address, tls.server_credentials()) if tls is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"cannot bind {address}")
     await server.start()
@@ -188,9 +192,11 @@ def host_port(address: str) -> str:
     return address
 
 
-def check_health(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
-    """True when the gRPC health service at `address` reports `service` SERVING."""
-    with grpc.insecure_channel(host_port(address)) as channel:
+def check_health(address: str, service: str = "", timeout_s: float = 2.0,
+                 tls: TlsConfig | None = None) -> bool:
+    """True when the gRPC health service at `address` reports `service` SERVING; over
+    TLS with `tls` (a server requiring client certificates wants `tls`'s certificate)."""
+    with open_channel(host_port(address), tls) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

@@ -31,3 +31,11 @@ def local_stack(smollm2_dir, tmp_path_factory):
 
     with running_stack(smollm2_dir, tmp_path_factory.mktemp("stack-logs")) as stack:
         yield stack
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """A throwaway CA with server and client certificates (tests/pki.py)."""
+    from tests.pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))

@@ -15,6 +15,7 @@ import yaml
 
 from drafter.__main__ import build_parser as drafter_parser
 from gateway.__main__ import build_parser as gateway_parser
+from specdec import tls
 from specdec.launch import (
     COMPOSE_FILE,
     LocalService,
@@ -277,3 +278,41 @@ def test_a_service_not_yet_healthy_is_left_to_start(tmp_path: Path):
         assert not _supervised(stack, lambda: False, timeout_s=0.5)  # about 20 checks
         assert stack.procs["slow"] is proc and proc.poll() is None
     assert not any("restarting" in line for line in logged)
+
+
+# A service that serves gRPC health on PORT over the internal TLS of its environment.
+_TLS = """
+import asyncio, sys
+from specdec.server import serve_until_signal, start_server
+from specdec.tls import TlsConfig
+async def main():
+    await serve_until_signal(await start_server(f"127.0.0.1:{sys.argv[1]}", lambda s: None,
+                                                [], tls=TlsConfig.from_env()))
+asyncio.run(main())
+"""
+
+
+def test_local_stack_checks_health_over_the_internal_tls(tmp_path: Path, pki, monkeypatch):
+    """The services inherit SPECDEC_INTERNAL_TLS_* (mutual TLS here); their health checks
+    speak it, as compose.yaml's do, except the gateway's (--plaintext: its gRPC API has
+    TLS only of its own); a plaintext check would never see a TLS service healthy."""
+    env = {tls.CERT_ENV: str(pki.server_cert), tls.KEY_ENV: str(pki.server_key),
+           tls.CA_ENV: str(pki.ca), tls.MTLS_ENV: "1"}
+    by_name = {s.name: s for s in local_services(environ={**ENV, **env})}
+    assert by_name["verifier"].health_tls == by_name["ngram"].health_tls == \
+        tls.TlsConfig(str(pki.server_cert), str(pki.server_key), str(pki.ca))
+    assert by_name["gateway"].health_tls is None
+    assert all(s.health_tls is None for s in local_services(environ=ENV))
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    port = free_port()
+    svc = LocalService("tls", ("python", "-c", _TLS, str(port)), f"127.0.0.1:{port}", (),
+                       by_name["verifier"].health_tls)
+    with LocalStack([svc], tmp_path / "logs", log=lambda _: None) as stack:
+        stack.start(timeout_s=60)
+        assert not check_health(f"127.0.0.1:{port}", timeout_s=1.0)
+    plaintext = LocalService("tls", svc.argv, svc.health, ())
+    with LocalStack([plaintext], tmp_path / "logs", log=lambda _: None) as stack:
+        with pytest.raises(TimeoutError, match="tls not healthy"):
+            stack.start(timeout_s=5)

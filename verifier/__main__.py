@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from specdec import tls
 from specdec.server import INTERNAL_TOKEN_ENV, host_port, serve_until_signal
 
 log = logging.getLogger("verifier")
@@ -63,10 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a step running longer than this means the engine is stuck: health goes "
                         "NOT_SERVING, requests in flight end with UNAVAILABLE (to resume on "
                         "another replica) and the process exits with status 3 (0 = no limit)")
+    tls.add_server_arguments(p, os.environ, what="the Verifier API")
     return p
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(args: argparse.Namespace, server_tls: tls.TlsConfig | None,
+                 drafter_tls: tls.TlsConfig | None) -> int:
     import torch
 
     from specdec.models import load_model
@@ -105,7 +108,7 @@ async def _serve(args: argparse.Namespace) -> int:
     # and presents it to its drafters.
     token = os.environ.get(INTERNAL_TOKEN_ENV) or None
     pool = DrafterPool([DrafterClient(name, addr, target, liveness_s=args.drafter_liveness_s,
-                                      token=token)
+                                      token=token, tls=drafter_tls)
                         for name, addr in args.drafter],
                        args.max_num_speculative_tokens, args.draft_deadline_ms)
     engine = engine_thread.call(lambda: Engine(model, engine_cfg, pool, tokenizer.eos_token_ids))
@@ -117,7 +120,7 @@ async def _serve(args: argparse.Namespace) -> int:
                                 max_num_waiting=args.max_num_waiting)
     service = await serve(servicer, f"{args.host}:{args.port}",
                           step_timeout_s=args.step_timeout_s, terminate=exit_process,
-                          token=token)
+                          token=token, tls=server_tls)
     log.info("verifier serving %s on %s (drafters: %s)", model_dir.name,
              host_port(f"{args.host}:{service.port}"),
              ", ".join(f"{n}={a}" for n, a in args.drafter) or "none")
@@ -129,12 +132,18 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        server_tls = tls.server_from_args(args)
+        drafter_tls = tls.TlsConfig.from_env()  # this verifier's side of its drafter links
+    except ValueError as e:
+        print(f"specdec-verifier: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_serve(args))
-    return uvloop.run(_serve(args))
+        return asyncio.run(_serve(args, server_tls, drafter_tls))
+    return uvloop.run(_serve(args, server_tls, drafter_tls))
 
 
 if __name__ == "__main__":

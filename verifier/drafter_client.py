@@ -38,6 +38,7 @@ from specdec.sampling import SamplingParams
 from specdec.server import GRPC_OPTIONS, token_metadata
 from specdec.telemetry import outgoing_metadata
 from specdec.tensor_codec import decode_tensor, dtype_from_proto, encode_tensor
+from specdec.tls import TlsConfig, open_channel
 from verifier.engine.proposer import Outcome, Proposal
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class DrafterClient:
     def __init__(self, name: str, address: str, target: TargetInfo, *,
                  backoff_s: tuple[float, float] = (0.1, 5.0), rpc_timeout_s: float = 5.0,
                  liveness_s: float = LIVENESS_S, max_queued: int = MAX_QUEUED,
-                 token: str | None = None):
+                 token: str | None = None, tls: TlsConfig | None = None):
         self.name = name
         self.address = address
         self.target = target
@@ -117,6 +118,7 @@ class DrafterClient:
         self._outstanding: int | None = None  # step whose proposals have not arrived
         self._outstanding_since = 0.0  # time.monotonic() it was asked
         self._auth = token_metadata(token)  # the drafter's internal token, if it has one
+        self._tls = tls
         self.liveness_s = liveness_s
         self.max_queued = max_queued
         self._call = None  # the live Draft stream, to cancel a hung drafter's
@@ -350,7 +352,7 @@ class DrafterClient:
     def _run(self) -> None:
         delay = self.backoff_s[0]
         while not self._closed.is_set():
-            channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
+            channel = open_channel(self.address, self._tls, GRPC_OPTIONS)
             outq: queue.SimpleQueue = queue.SimpleQueue()
             try:
                 stub = drafter_pb2_grpc.DrafterStub(channel)

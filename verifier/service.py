@@ -35,6 +35,7 @@ from specdec.server import ADMITTED, REQUEST_FAILED, GrpcService, start_server
 from specdec.speculation import acceptance_length, reason_to_proto
 from specdec.structured import Grammars
 from specdec.telemetry import incoming_context
+from specdec.tls import TlsConfig
 from verifier.drafter_client import TargetInfo
 from verifier.drafting import DrafterPool
 from verifier.engine import Engine, FinishReason, Request, StepOutput
@@ -462,14 +463,14 @@ class VerifierService:
 
 async def serve(servicer: VerifierServicer, address: str, *, step_timeout_s: float = 0.0,
                 terminate: Callable[[int], None] | None = None,
-                token: str | None = None) -> VerifierService:
+                token: str | None = None, tls: TlsConfig | None = None) -> VerifierService:
     """step_timeout_s: the watchdog's limit on one step (0: none; a failed engine
     still trips it); terminate: see VerifierService.terminate; token: required of every
-    call but health's (specdec.server.TokenAuth)."""
+    call but health's (specdec.server.TokenAuth); tls: serve over TLS."""
     servicer.start()
     service = await start_server(
         address, lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server),
-        ["specdec.v1.Verifier"], token=token)
+        ["specdec.v1.Verifier"], token=token, tls=tls)
     loop = asyncio.get_running_loop()
     verifier: VerifierService
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import grpc
 import torch
 
 from drafter.method import DrafterInfo, DraftMethod
@@ -21,6 +20,7 @@ from specdec.generate import greedy_generate
 from specdec.models import LlamaForCausalLM
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.structured import Grammars
+from specdec.tls import TlsConfig, open_channel
 from specdec.tokenizer import Tokenizer
 from tests.loop_thread import LoopThread
 from tests.tiny import tiny_llama
@@ -60,11 +60,12 @@ def default_drafters(model: LlamaForCausalLM) -> dict[str, DraftMethod]:
 class Replica:
     def __init__(self, loop: LoopThread, model: LlamaForCausalLM, eos: frozenset[int],
                  drafter_ports: dict[str, int], max_num_seqs: int = 16,
-                 grammars: Grammars | None = None, port: int = 0, token: str | None = None):
+                 grammars: Grammars | None = None, port: int = 0, token: str | None = None,
+                 tls: TlsConfig | None = None):
         cfg = model.config
         target = TargetInfo(cfg.vocab_size, "", cfg.hidden_size, cfg.num_layers)
         clients = [DrafterClient(name, f"127.0.0.1:{port}", target, backoff_s=(0.05, 0.2),
-                                 token=token)
+                                 token=token, tls=tls)
                    for name, port in drafter_ports.items()]
         self.pool = DrafterPool(clients, K_MAX, 2000.0)
         engine = Engine(model, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=MAX_LEN,
@@ -72,11 +73,12 @@ class Replica:
                                             max_num_speculative_tokens=K_MAX), self.pool, eos)
         self.servicer = VerifierServicer(engine, self.pool, target, model_name=MODEL_NAME,
                                          default_num_speculative_tokens=4, grammars=grammars)
-        self.service = loop.run(serve_verifier(self.servicer, f"127.0.0.1:{port}", token=token))
+        self.service = loop.run(serve_verifier(self.servicer, f"127.0.0.1:{port}", token=token,
+                                               tls=tls))
         for c in clients:
             assert c.wait_available(10), c.error
         self.address = f"127.0.0.1:{self.service.port}"
-        self._channel = grpc.insecure_channel(self.address)
+        self._channel = open_channel(self.address, tls)
         self.stub = verifier_pb2_grpc.VerifierStub(self._channel)
 
     def load(self) -> verifier_pb2.LoadReport:
@@ -91,25 +93,31 @@ class GatewayStack:
     def __init__(self, loop: LoopThread, model: LlamaForCausalLM, tokenizer_dir: Path, *,
                  replicas: int = 1, drafters: dict[str, DraftMethod] | None = None,
                  profile: ItlProfile | None = None, grpc_port: int = 0,
-                 token: str | None = None, **config):
+                 token: str | None = None, tls: TlsConfig | None = None,
+                 internal_tls: TlsConfig | None = None, **config):
+        """tls: the gateway's REST and gRPC API; internal_tls: every internal service's
+        (it serves with it and presents it, as SPECDEC_INTERNAL_TLS_* make them do)."""
         self.loop = loop
         self.model = model
         self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
         self.methods = default_drafters(model) if drafters is None else drafters
-        self.drafter_services = {name: loop.run(serve_drafter(m, "127.0.0.1:0", token))
+        self.drafter_services = {name: loop.run(serve_drafter(m, "127.0.0.1:0", token,
+                                                              internal_tls))
                                  for name, m in self.methods.items()}
         ports = {name: s.port for name, s in self.drafter_services.items()}
         self.grammars = Grammars(self.tokenizer.hf, model.config.vocab_size,
                                  self.tokenizer.eos_token_ids)
         self.replicas = [Replica(loop, model, self.tokenizer.eos_token_ids, ports,
-                                 grammars=self.grammars, token=token)
+                                 grammars=self.grammars, token=token, tls=internal_tls)
                          for _ in range(replicas)]
-        pool = ReplicaPool([r.address for r in self.replicas], poll_interval_s=0.1, token=token)
+        pool = ReplicaPool([r.address for r in self.replicas], poll_interval_s=0.1, token=token,
+                           tls=internal_tls)
         self.gateway = Gateway(GatewayConfig(model_name=MODEL_NAME, **config), self.tokenizer,
                                pool, profile=profile)
         self.service = loop.run(serve_gateway(self.gateway, "127.0.0.1", 0,
-                                                  f"127.0.0.1:{grpc_port}"))
-        self.base_url = f"http://127.0.0.1:{self.service.http_port}/v1"
+                                                  f"127.0.0.1:{grpc_port}", tls))
+        scheme = "https" if tls is not None else "http"
+        self.base_url = f"{scheme}://127.0.0.1:{self.service.http_port}/v1"
         self.grpc_address = f"127.0.0.1:{self.service.grpc_port}"
 
     def close(self) -> None:
