@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.policy.online_profile import StepCost
+from gateway.policy.online_profile import ROW_KNOTS, StepCost
 from specdec.pb import verifier_pb2
 
 # Latency buckets (seconds) wide enough for a CPU deployment and a GPU one.
@@ -62,12 +62,18 @@ class StepCostFit(Collector):
             return
         for name, value, doc in (
                 ("a", cost.a, "Fixed forward time of a verifier step"),
-                ("b", cost.b, "Forward time per row a step feeds"),
+                ("b", cost.b, "Forward time per row a step feeds, up to the first knot"),
                 ("w", cost.w, "Scheduling and draft wait of a step that does not draft")):
             g = GaugeMetricFamily(f"specdec_step_cost_{name}_ms",
                                   f"Online step-time model: {doc}, ms")
             g.add_metric([], value)
             yield g
+        f = GaugeMetricFamily("specdec_step_cost_forward_ms",
+                              "Online step-time model: forward time of a step feeding this "
+                              "many rows, ms", labels=["rows"])
+        for rows in (1, *ROW_KNOTS):
+            f.add_metric([str(rows)], cost.forward(rows))
+        yield f
         d = GaugeMetricFamily("specdec_step_cost_draft_ms",
                               "Online step-time model: a drafter's fixed wait per step, ms",
                               labels=["method"])

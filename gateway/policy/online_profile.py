@@ -10,17 +10,24 @@ verifier reports separately, each fitted by least squares with exponential
 forgetting (recent steps count most, so the model follows a drafter that moves
 or a machine that gets busier):
 
-- the target's forward, step_time_ms - draft_wait_ms = a + b * num_tokens, with
+- the target's forward, step_time_ms - draft_wait_ms = f(num_tokens), with
   num_tokens the rows the step fed (prefill chunks, 1 + drafts per verify
-  block). Steps that carry a prefill are left out: long chunks would pull the
-  line with rows that decode never feeds, at a cost per row that differs.
+  block): piecewise linear, a + b * rows plus a change of slope c_j past each
+  knot of ROW_KNOTS (4, 8, 12, 16, 24, ... rows). A line is not enough: on CPU the
+  projections of up to 12-16 rows stream the weights once (nearly flat), then
+  cost about 2 ms a row, then less again as GEMMs fill the cores; a line through
+  such steps overstates what a draft row costs at one batch size and understates
+  it at another, and dynamic K then picks the wrong K. Each c_j is held toward 0
+  by a ridge, so where the data show no bend (a fixed batch and K) the fit stays
+  the line. Steps that carry a prefill are left out: long chunks would pull the
+  fit with rows that decode never feeds, at a cost per row that differs.
 - the wait for drafts, draft_wait_ms = w + sum over methods m that drafted in
   the step of (d_m + e_m * draft tokens asked of m). w is the scheduling a
   plain step pays too; d_m a drafter's fixed cost per step, e_m its cost per
   draft token (an EAGLE head runs its LM head once per token and sequence).
 
 From the fit comes an `ItlProfile` on a grid of batch sizes x K:
-ITL(B, 0) = a + w + b*B and ITL(B, k, m) = a + w + b*B*(k+1) + d_m + e_m*B*k,
+ITL(B, 0) = f(B) + w and ITL(B, k, m) = f(B*(k+1)) + w + d_m + e_m*B*k,
 one table per method that has drafted, and per-method prior acceptance rates
 from every request's drafted and accepted counts. Until the forward line has
 seen MIN_STEPS steps there is no profile (None): callers then keep the static
@@ -41,6 +48,11 @@ from specdec.speculation import DRAFTER_METHODS
 # Steps of the forward line before a profile is given. Fewer would let the first
 # few steps (cold caches, a first long prompt) decide K for everyone.
 MIN_STEPS = 20
+# Row counts where the forward's cost per row may change (the hinges of f).
+ROW_KNOTS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+# Ridge of each change of slope toward 0, in rows^2 as PRIOR_WEIGHT: a bend needs
+# steps on both sides of its knot to show.
+HINGE_PRIOR_WEIGHT = 1.0
 # Weight of the oldest steps: each new step multiplies earlier weights by this, so
 # the fit remembers roughly the last 1 / (1 - FORGETTING) = 512 steps.
 FORGETTING = 1.0 - 1.0 / 512
@@ -173,20 +185,38 @@ class ForgettingLeastSquares:
 
 @dataclass(frozen=True)
 class StepCost:
-    """The fitted step time in ms: forward a + b * rows, plus the draft wait w (plain
-    steps too) and per drafting method d[m] + e[m] * draft tokens."""
+    """The fitted step time in ms: forward f(rows) = a + b * rows + sum_j hinges[j] *
+    max(0, rows - ROW_KNOTS[j]), read non-decreasing (a segment whose slope the fit
+    made negative counts as flat); plus the draft wait w (plain steps too) and per
+    drafting method d[m] + e[m] * draft tokens."""
 
     a: float
     b: float
     w: float
     d: dict[str, float]
     e: dict[str, float]
+    hinges: tuple[float, ...] = (0.0,) * len(ROW_KNOTS)  # change of slope at each knot
+
+    def forward(self, rows: float) -> float:
+        t, slope, start = self.a, self.b, 0.0
+        for knot, change in zip((*ROW_KNOTS, float("inf")), (*self.hinges, 0.0), strict=True):
+            if rows <= start:
+                break
+            t += max(slope, 0.0) * (min(rows, knot) - start)
+            slope += change
+            start = knot
+        return t
 
     def itl(self, batch_size: float, k: int, method: str | None = None) -> float:
-        t = self.a + self.w + self.b * batch_size * (k + 1)
+        t = self.forward(batch_size * (k + 1)) + self.w
         if k > 0 and method in self.d:
             t += self.d[method] + self.e[method] * batch_size * k
         return max(t, MIN_ITL_MS)
+
+
+def forward_features(rows: float) -> np.ndarray:
+    """[2 + len(ROW_KNOTS)]: 1, rows and the hinge max(0, rows - knot) of each knot."""
+    return np.array([1.0, rows, *(max(0.0, rows - k) for k in ROW_KNOTS)])
 
 
 class OnlineProfile:
@@ -200,10 +230,14 @@ class OnlineProfile:
         check_count("online profile: min_steps", min_steps)
         self.min_steps = min_steps
         self._pending: dict[str, _Step] = {}  # replica -> its latest step, still merging
-        # Forward: theta = (a, b); the prior is on b - a/16 only, so a is free.
-        v = np.array([-1.0 / PRIOR_ROWS_PER_A, 1.0])
-        self._forward = ForgettingLeastSquares(np.zeros(2), PRIOR_WEIGHT * np.outer(v, v),
-                                               FORGETTING)
+        # Forward: theta = (a, b, c_1..c_n); the prior is on b - a/16 (a is free) and
+        # on each change of slope c_j toward 0.
+        n = 2 + len(ROW_KNOTS)
+        v = np.zeros(n)
+        v[:2] = (-1.0 / PRIOR_ROWS_PER_A, 1.0)
+        precision = PRIOR_WEIGHT * np.outer(v, v)
+        precision[2:, 2:] += HINGE_PRIOR_WEIGHT * np.eye(len(ROW_KNOTS))
+        self._forward = ForgettingLeastSquares(np.zeros(n), precision, FORGETTING)
         # Draft wait: theta = (w, d_m, e_m for each drafter method), ridge toward 0.
         n = 1 + 2 * len(DRAFTER_METHODS)
         precision = np.diag([WAIT_PRIOR_WEIGHT] + [DRAFT_FIXED_PRIOR_WEIGHT,
@@ -247,7 +281,7 @@ class OnlineProfile:
             x[2 + 2 * i] = asked
         self._wait.add(x, step.draft_wait_ms)
         if not step.prefill:
-            self._forward.add(np.array([1.0, step.num_tokens]),
+            self._forward.add(forward_features(step.num_tokens),
                               step.step_time_ms - step.draft_wait_ms)
         self._cost = None
         self._profiles.clear()
@@ -257,21 +291,23 @@ class OnlineProfile:
         if self.num_steps < self.min_steps:
             return None
         if self._cost is None:
-            a, b = self._forward.solve()
+            theta = self._forward.solve()
             # A row never makes a step faster, and a step is never free: a negative
-            # b or a (noise, or a narrow spread of rows) is pinned and the other refitted.
-            if b < 0:
-                a, b = self._forward.solve({1: 0.0})
-            if a < 0:
-                a, b = self._forward.solve({0: 0.0})
-                b = max(b, 0.0)
+            # b or a (noise, or a narrow spread of rows) is pinned and the rest refitted
+            # (later segments' negative slopes are read as flat by StepCost.forward).
+            if theta[1] < 0:
+                theta = self._forward.solve({1: 0.0})
+            if theta[0] < 0:
+                theta = self._forward.solve({0: 0.0})
+                theta[1] = max(theta[1], 0.0)
+            a, b, hinges = theta[0], theta[1], tuple(float(c) for c in theta[2:])
             wait = self._wait.solve()
             d, e = {}, {}
             for i, m in enumerate(DRAFTER_METHODS):
                 if self._wait.scatter[1 + 2 * i, 1 + 2 * i] > 0:  # the method has drafted
                     d[m] = max(float(wait[1 + 2 * i]), 0.0)
                     e[m] = max(float(wait[2 + 2 * i]), 0.0)
-            self._cost = StepCost(float(a), float(b), max(float(wait[0]), 0.0), d, e)
+            self._cost = StepCost(float(a), float(b), max(float(wait[0]), 0.0), d, e, hinges)
         return self._cost
 
     def rates(self, method: str, max_num_speculative_tokens: int) -> tuple[float, ...]:
@@ -306,11 +342,14 @@ class OnlineProfile:
 
 
 def batch_grid(max_num_seqs: int) -> tuple[int, ...]:
-    """1, 2, 4, ... and max_num_seqs itself: ITL is linear in B, so interpolating
-    between these points is exact and the grid stays small."""
-    sizes = [1]
-    while sizes[-1] * 2 < max_num_seqs:
-        sizes.append(sizes[-1] * 2)
+    """Every batch size up to 16, then 16, 24, 32, 48, ... and max_num_seqs itself:
+    ITL bends at the row knots, and the profile interpolates linearly between its
+    batch sizes, so the small ones, where a decode step's rows pass the first
+    knots, are all on the grid."""
+    sizes = list(range(1, min(max_num_seqs, 16) + 1))
+    while sizes[-1] < max_num_seqs:
+        nxt = sizes[-1] * 3 // 2 if sizes[-1] & (sizes[-1] - 1) == 0 else sizes[-1] * 4 // 3
+        sizes.append(min(nxt, max_num_seqs))
     if sizes[-1] != max_num_seqs:
         sizes.append(max_num_seqs)
     return tuple(sizes)
