@@ -39,3 +39,13 @@ def pki(tmp_path_factory):
     from tests.pki import make_pki
 
     return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An asyncio loop on a thread of its own, for the servers a test module starts."""
+    from tests.loop_thread import LoopThread
+
+    lt = LoopThread()
+    yield lt
+    lt.close()

@@ -12,14 +12,6 @@ import pytest
 from specdec import cli, tls
 from specdec.server import check_health, start_server
 from specdec.tls import TlsConfig
-from tests.loop_thread import LoopThread
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture(scope="module")

@@ -40,24 +40,24 @@ ENV_MAX_ROWS = "SPECDEC_SMALL_ROWS_MAX"
 _reason: str | None = None
 
 
-def _cpu_flags() -> str:
+def _cpuinfo(field: str) -> str:
+    """The value of the first `field` line of /proc/cpuinfo ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+            name, _, value = line.partition(":")
+            if name.strip() == field:
+                return value.strip()
     except OSError:
         pass
     return ""
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo("flags")
 
 
 def _cpu_vendor() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo("vendor_id")
 
 
 def max_rows() -> int:

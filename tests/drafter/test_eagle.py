@@ -31,7 +31,6 @@ from specdec.models import (
 from specdec.models.linear import Linear
 from specdec.pb import common_pb2
 from specdec.sampling import SamplingParams
-from tests.loop_thread import LoopThread
 from tests.verifier.test_service import Stack, generate, prompts, run_concurrently, start_msg
 
 VOCAB, H, INTER, HEADS, KV_HEADS, EPS, THETA = 97, 64, 128, 4, 2, 1e-6, 10000.0
@@ -578,13 +577,6 @@ def test_command_line_builds_the_method(kind, tmp_path, target_dir):
 
 
 # -- end to end: a real verifier, greedy output unchanged --------------------------------
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
 
 class RecordingMixin:
     """Mirrors each context so the test can re-draft every proposal with the reference."""

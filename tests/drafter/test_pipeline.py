@@ -9,7 +9,6 @@ from drafter.draft_model import DraftModelMethod
 from drafter.method import DrafterInfo
 from specdec.generate import greedy_generate
 from specdec.pb import common_pb2
-from tests.loop_thread import LoopThread
 from tests.verifier.test_service import (
     K_MAX,
     VOCAB,
@@ -41,13 +40,6 @@ class PipelinedRandom(_Pipelined, RandomMethod):
 @pytest.fixture(scope="module")
 def model():
     return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 def run(loop, model, method, batch=4, k=3, max_tokens=40):

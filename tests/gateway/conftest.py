@@ -9,14 +9,6 @@ import openai
 import pytest
 
 from tests.gateway.stack import GatewayStack, tiny_target
-from tests.loop_thread import LoopThread
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture(scope="module")

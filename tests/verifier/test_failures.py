@@ -38,13 +38,6 @@ def model():
     return tiny_llama(VOCAB, seed=1)
 
 
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
 class Verifier:
     """A verifier without drafters whose process exit is recorded, not taken."""
 

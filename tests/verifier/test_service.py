@@ -49,13 +49,6 @@ def tiny_target() -> LlamaForCausalLM:
     return tiny_llama(VOCAB, seed=1, max_len=MAX_LEN)
 
 
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
 class ContextMethod(DraftMethod):
     """Test drafter: mirrors each sequence's context; subclasses draft from it."""
 
