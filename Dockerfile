@@ -1,7 +1,26 @@
-# One image for every specdec service; compose.yaml picks the command. CUDA base so
-# the verifier and the model drafters can use their GPU (the ngram drafter and the
-# gateway run on CPU in the same image).
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# Two images. `vllm`: the verifier on vLLM's engine (SPECDEC_ENGINE=vllm in compose.yaml),
+# vLLM's own image with this project on top. `specdec` (the last stage, built by
+# default): every service; compose.yaml picks the command.
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+
+FROM ${VLLM_IMAGE} AS vllm
+WORKDIR /app
+# Without its dependencies: vLLM's image brings torch, grpcio, protobuf and transformers
+# in versions our code runs with; the health service's package is the one it lacks.
+COPY pyproject.toml README.md compose.yaml ./
+COPY proto proto
+COPY specdec specdec
+COPY drafter drafter
+COPY verifier verifier
+COPY gateway gateway
+RUN pip install --no-cache-dir --no-deps . && pip install --no-cache-dir grpcio-health-checking
+# vLLM's image serves `vllm serve` as its entrypoint; compose gives the whole command.
+ENTRYPOINT []
+CMD ["specdec-verifier", "--help"]
+
+# CUDA base so the verifier and the model drafters can use their GPU (the ngram drafter
+# and the gateway run on CPU in the same image).
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS specdec
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 RUN apt-get update \

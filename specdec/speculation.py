@@ -31,6 +31,7 @@ DISABLED_REASONS: dict[str, int] = {
     "dynamic_k": common_pb2.DISABLED_REASON_DYNAMIC_K,
     "tokenizer_mismatch": common_pb2.DISABLED_REASON_TOKENIZER_MISMATCH,
     "drafter_max_len": common_pb2.DISABLED_REASON_DRAFTER_MAX_LEN,
+    "engine_sampling": common_pb2.DISABLED_REASON_ENGINE_SAMPLING,
 }
 
 # FinishReason -> OpenAI's finish_reason: "stop" for every natural end that is not

@@ -18,9 +18,11 @@ from gateway.__main__ import build_parser as gateway_parser
 from specdec import tls
 from specdec.launch import (
     COMPOSE_FILE,
+    VLLM_PYTHON_ENV,
     LocalService,
     LocalStack,
     RestartPolicy,
+    command_line,
     interpolate,
     local_services,
     service_flag,
@@ -74,6 +76,26 @@ def test_local_services_from_compose():
     gw, verifier = by_name["gateway"].argv, by_name["verifier"].argv
     assert gw[gw.index("--speculative-method") + 1] == "eagle3"
     assert verifier[verifier.index("--max-num-seqs") + 1] == "32"
+
+
+def test_the_verifier_on_vllm_runs_on_vllms_interpreter(tmp_path: Path, monkeypatch):
+    """SPECDEC_ENGINE=vllm: compose's verifier command asks for vLLM's engine, which the
+    launcher starts on vLLM's own interpreter; ours otherwise, and a clear error where
+    vLLM's environment is missing."""
+    verifier = {s.name: s for s in local_services(
+        environ={**ENV, "SPECDEC_ENGINE": "vllm", "VERIFIER_TP": "2"})}["verifier"].argv
+    assert verifier[verifier.index("--engine") + 1] == "vllm"
+    assert verifier[verifier.index("--tensor-parallel-size") + 1] == "2"
+    python = tmp_path / "python"
+    python.touch()
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(python))
+    assert command_line(verifier) == [str(python), "-m", "verifier", *verifier[1:]]
+    plain = {s.name: s for s in local_services(environ=ENV)}["verifier"].argv
+    assert plain[plain.index("--engine") + 1] == "specdec"
+    assert command_line(plain)[0].endswith("specdec-verifier")
+    monkeypatch.setenv(VLLM_PYTHON_ENV, str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="make vllm-venv"):
+        command_line(verifier)
 
 
 @pytest.mark.parametrize("local", [True, False], ids=["local", "compose-defaults"])

@@ -27,6 +27,14 @@ def parse_drafter(spec: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec-verifier", description=__doc__)
     p.add_argument("--model", help="Hugging Face model directory (default: the prepared default model)")
+    p.add_argument("--engine", default="specdec", choices=["specdec", "vllm"],
+                   help="the target's engine: ours, or vLLM's (installed beside: make vllm-venv) "
+                        "with our drafters as its proposer")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="vLLM engine: devices the target is split over")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.0,
+                   help="vLLM engine: size the KV cache as vLLM does, by this fraction of the "
+                        "device's memory (default: from --kv-cache-tokens)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--drafter", action="append", type=parse_drafter, default=[],
@@ -139,11 +147,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specdec-verifier: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve = _serve
+    if args.engine == "vllm":  # imports vLLM, which only its own environment has
+        from verifier.vllm.serve import serve
+    elif args.tensor_parallel_size != 1 or args.gpu_memory_utilization:
+        raise SystemExit("--tensor-parallel-size and --gpu-memory-utilization need --engine vllm")
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_serve(args, server_tls, drafter_tls))
-    return uvloop.run(_serve(args, server_tls, drafter_tls))
+        return asyncio.run(serve(args, server_tls, drafter_tls))
+    return uvloop.run(serve(args, server_tls, drafter_tls))
 
 
 if __name__ == "__main__":

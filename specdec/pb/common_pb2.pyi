@@ -35,6 +35,7 @@ class DisabledReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DISABLED_REASON_DYNAMIC_K: _ClassVar[DisabledReason]
     DISABLED_REASON_TOKENIZER_MISMATCH: _ClassVar[DisabledReason]
     DISABLED_REASON_DRAFTER_MAX_LEN: _ClassVar[DisabledReason]
+    DISABLED_REASON_ENGINE_SAMPLING: _ClassVar[DisabledReason]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -66,6 +67,7 @@ DISABLED_REASON_DEADLINE: DisabledReason
 DISABLED_REASON_DYNAMIC_K: DisabledReason
 DISABLED_REASON_TOKENIZER_MISMATCH: DisabledReason
 DISABLED_REASON_DRAFTER_MAX_LEN: DisabledReason
+DISABLED_REASON_ENGINE_SAMPLING: DisabledReason
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
