@@ -60,6 +60,7 @@ from bench.prompts import PROMPTS, Prompt
 from specdec.launch import EAGLE3_HEAD, LocalStack, free_port, local_services, on_free_ports
 from specdec.models.prepare import cache_dir, prepare_default_model
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
+from specdec.server import check_health
 from specdec.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -81,10 +82,16 @@ OURS = {"plain": {"method": "none"},
 # Dynamic K and the static Ks it is judged against, per drafter.
 DYNAMIC = {"ngram": ("ngram auto", ("ngram K=2", "ngram K=4")),
            "eagle3": ("eagle3 auto", ("eagle3 K=2", "eagle3 K=4"))}
-# vLLM: mode -> --speculative-config (None: plain).
+# vLLM: mode -> --speculative-config (None: plain). `remote ngram` is our ngram drafter
+# service as vLLM's proposer (verifier.vllm.RemoteProposer), beside vLLM's own ngram.
 VLLM = {"plain": None,
         "ngram K=4": {"method": "ngram", "num_speculative_tokens": 4,
-                      "prompt_lookup_min": 2, "prompt_lookup_max": 4}}
+                      "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+        "remote ngram K=4": {"method": "custom_class",
+                             "model": "verifier.vllm.RemoteProposer",
+                             "num_speculative_tokens": 4}}
+# Modes whose proposer drafts through one of our drafter services: mode -> its method.
+VLLM_REMOTE = {"remote ngram K=4": "ngram"}
 # The memory fraction is vLLM's CPU memory reservation; its default (0.92) refuses to
 # start beside our services' memory on a 24 GiB machine.
 VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
@@ -376,13 +383,35 @@ def run_ours(args, model_dir: Path, prompts: list[Prompt], log_dir: Path,
         stack.stop()
 
 
-def vllm_argv(python: Path, model_dir: Path, port: int, spec: dict | None) -> list[str]:
+def vllm_argv(python: Path, model_dir: Path, port: int, spec: dict | None,
+              drafters: dict[str, str] | None = None) -> list[str]:
+    """drafters: name -> HOST:PORT of our drafter services, for RemoteProposer."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             *VLLM_ARGS, "--enable-logging-iteration-details"]
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
+    if drafters:
+        argv += ["--additional-config", json.dumps({"specdec": {"drafters": drafters}})]
     return argv
+
+
+def start_drafter(method: str, model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """One of our drafter services on a free port, healthy; (process, HOST:PORT)."""
+    port = free_port()
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "drafter", "--method", method,
+                                 "--target", str(model_dir), "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while not check_health(address, timeout_s=1.0):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc)
+            raise RuntimeError(f"the {method} drafter did not start (log {log})")
+        time.sleep(0.5)
+    return proc, address
 
 
 def vllm_env(python: Path) -> dict[str, str]:
@@ -407,10 +436,19 @@ def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
         name = f"vllm {mode}"
         port = free_port()
         log = log_dir / f"vllm-{mode.replace(' ', '').replace('=', '')}.log"
+        drafter, drafters = None, None
+        if mode in VLLM_REMOTE:
+            if not (python.parent.parent / ".specdec-stamp").exists():
+                unavailable[name] = "this project is not installed beside vLLM (make vllm-venv)"
+                continue
+            method = VLLM_REMOTE[mode]
+            drafter, address = start_drafter(method, model_dir, log.with_suffix(".drafter.log"))
+            drafters = {method: address}
         print(f"{name}: starting `vllm serve` (log {log}) ...", flush=True)
         t0 = time.perf_counter()
         with log.open("w") as out:
-            proc = subprocess.Popen(vllm_argv(python, model_dir, port, spec), stdout=out,
+            proc = subprocess.Popen(vllm_argv(python, model_dir, port, spec, drafters),
+                                    stdout=out,
                                     env=vllm_env(python),
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
@@ -426,6 +464,8 @@ def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
             print(f"{name}: {e}", flush=True)
         finally:
             _stop(proc)
+            if drafter is not None:
+                _stop(drafter)
     return cells, startup, unavailable
 
 

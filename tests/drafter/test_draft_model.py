@@ -27,7 +27,6 @@ from tests.verifier.test_service import (
     Stack,
     _wait_for,
     generate,
-    loop,  # noqa: F401 - the fixture, shared
     model,  # noqa: F401 - the target fixture, shared
     prompts,
     run_concurrently,
