@@ -18,12 +18,16 @@ def built(tmp_path_factory) -> matrix.Matrix:
     return matrix.build_matrix(tmp_path_factory.mktemp("matrix"), settings)
 
 
-def accept_all(logits, draft_ids, draft_probs, num_drafts, metadata):
+def accept_all(logits, draft_ids, draft_probs, num_drafts, metadata, position_keys=None):
     """A broken rejection sampler: every draft is accepted. The token after the drafts
-    is still sampled correctly from p, so only the acceptance rule is wrong."""
+    is still sampled correctly from p (a seeded request's at its position), so only the
+    acceptance rule is wrong."""
     last = (num_drafts + 1).cumsum(0) - 1  # [B] each request's last row
+    if position_keys is not None:
+        position_keys = [None if key is None else (key[0], key[1] + n)
+                         for key, n in zip(position_keys, num_drafts.tolist(), strict=True)]
     final, _ = sampler.rejection_sample(logits.index_select(0, last), draft_ids[:0], None,
-                                          torch.zeros_like(num_drafts), metadata)
+                                          torch.zeros_like(num_drafts), metadata, position_keys)
     out = torch.full((len(num_drafts), int(num_drafts.max()) + 1), -1, dtype=torch.int64)
     start = 0
     for i, n in enumerate(num_drafts.tolist()):
