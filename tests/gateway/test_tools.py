@@ -335,7 +335,8 @@ def test_streamed_tool_calls_reassemble_to_the_whole_reply(client, max_tokens):
     whole = client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, temperature=0, max_tokens=max_tokens, n=2, seed=1,
         logprobs=True, tools=TOOLS, tool_choice="required",
-        extra_body={"speculative": {"method": "draft_model"}})
+        # A static K: without one dynamic K may leave a short reply undrafted.
+        extra_body={"speculative": {"method": "draft_model", "num_speculative_tokens": 4}})
     chunks = list(client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, temperature=0, max_tokens=max_tokens, n=2, seed=1,
         logprobs=True, tools=TOOLS, tool_choice="required", stream=True,
