@@ -88,6 +88,29 @@ def _field_error(prefix: str, e: ValueError) -> ValueError:
     return ValueError(f"{prefix}.{e}" if not str(e).startswith(prefix) else str(e))
 
 
+async def admit(messages, context: grpc.aio.ServicerContext, refused: str | None, held: int,
+                max_num_waiting: int) -> verifier_pb2.GenerateRequest | None:
+    """A Generate stream's first message, once it may run (None: the stream is already
+    over); aborts the call otherwise. refused: why this verifier takes no new requests
+    (None: it does); held: open streams past the batch. Every open stream is running,
+    queued, or about to be: past the batch plus the queue's bound, a new one would
+    only wait, and the gateway answers 429."""
+    try:
+        first = await messages.__anext__()
+    except StopAsyncIteration:
+        return None
+    if first.WhichOneof("kind") != "start":
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            "kind: the first message of Generate must be a start")
+    if refused is not None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, refused)
+    if max_num_waiting and held >= max_num_waiting:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"the verifier's queue is full ({held} requests waiting, "
+                            f"--max-num-waiting {max_num_waiting})")
+    return first
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: Engine, pool: DrafterPool, target: TargetInfo, *,
                  model_name: str = "", default_num_speculative_tokens: int = 4,
@@ -259,22 +282,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
         messages = request_iterator.__aiter__()
-        try:
-            first = await messages.__anext__()
-        except StopAsyncIteration:
+        first = await admit(messages, context, self._unavailable if not self._accepting else None,
+                            len(self._active) - self.engine.config.max_num_seqs,
+                            self.max_num_waiting)
+        if first is None:
             return
-        if first.WhichOneof("kind") != "start":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "kind: the first message of Generate must be a start")
-        if not self._accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable)
-        # Every open stream is running, queued, or about to be: past the batch plus the
-        # queue's bound, a new one would only wait; the gateway answers 429.
-        held = len(self._active) - self.engine.config.max_num_seqs
-        if self.max_num_waiting and held >= self.max_num_waiting:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the verifier's queue is full ({held} requests waiting, "
-                                f"--max-num-waiting {self.max_num_waiting})")
         try:
             request, policy = self.to_request(first.start)
         except ValueError as e:

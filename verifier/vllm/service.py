@@ -31,7 +31,7 @@ from specdec.sampling import SamplingParams
 from specdec.server import ADMITTED
 from specdec.speculation import DRAFTER_METHODS, METHODS, acceptance_length, method_name
 from verifier.drafter_client import TargetInfo
-from verifier.service import MAX_LOGPROBS, Policy
+from verifier.service import MAX_LOGPROBS, Policy, admit
 from verifier.vllm import sampling
 from verifier.vllm.policy import RequestPolicy
 from verifier.vllm.proposer import ProposerConfig
@@ -294,20 +294,11 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
         messages = request_iterator.__aiter__()
-        try:
-            first = await messages.__anext__()
-        except StopAsyncIteration:
+        first = await admit(messages, context,
+                            None if self._accepting else "verifier is shutting down",
+                            len(self._active) - self.max_num_seqs, self.max_num_waiting)
+        if first is None:
             return
-        if first.WhichOneof("kind") != "start":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "kind: the first message of Generate must be a start")
-        if not self._accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is shutting down")
-        held = len(self._active) - self.max_num_seqs
-        if self.max_num_waiting and held >= self.max_num_waiting:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the verifier's queue is full ({held} requests waiting, "
-                                f"--max-num-waiting {self.max_num_waiting})")
         try:
             rid, prompt, params, policy = self.to_request(first.start)
         except ValueError as e:
