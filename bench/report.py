@@ -28,6 +28,9 @@ END = "<!-- bench:end -->"
 # (results file, heading, what produced it). Files that do not exist yet are skipped.
 SECTIONS = [
     ("serving.md", "`make run` against `vllm serve`", "python -m bench.serving"),
+    ("serving_vllm_proposer.md", "`vllm serve` with our ngram drafter service as its proposer",
+     "python -m bench.serving --systems vllm --repeats 2 "
+     "--out bench/results/serving_vllm_proposer.json"),
     ("grid.md", "Serving grid: drafters x K x concurrency, beside in-process peers",
      "python -m bench.grid"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),
