@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,6 +46,7 @@ REPEATING = ("Repeat exactly: the quick brown fox jumps over the lazy dog. the q
 PROMPTS = [REPEATING, "List the numbers from 1 to 40 separated by commas.",
            "Write a Python function that checks whether a number is prime."]
 NEW_TOKENS = 48
+SERVING = re.compile(r"verifier \(vLLM.*\) serving \S+ on 127\.0\.0\.1:(\d+)")
 
 
 def _vllm_env() -> dict[str, str]:
@@ -104,13 +106,18 @@ class Stack:
         self.drafter = _Proc([sys.executable, "-m", "drafter", "--method", "ngram",
                               "--port", str(self.drafter_port), "--target", str(model_dir)],
                              log_dir / "drafter.log")
-        self.verifier_port = free_port()
+        # Port 0, read back from its log: a port picked now could be taken by the time
+        # vLLM's engine has started (a minute), by vLLM's own sockets among others.
+        log = log_dir / "verifier.log"
         self.verifier = _Proc(
             [str(PEERS_PYTHON), "-m", "verifier", "--engine", "vllm", "--model", str(model_dir),
-             "--port", str(self.verifier_port), "--drafter", f"ngram=127.0.0.1:{self.drafter_port}",
+             "--port", "0", "--drafter", f"ngram=127.0.0.1:{self.drafter_port}",
              "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
              "--kv-cache-tokens", "16384", "--no-cuda-graphs", "--num-speculative-tokens", "4"],
-            log_dir / "verifier.log", _vllm_env())
+            log, _vllm_env())
+        _wait("vLLM verifier's port", lambda: SERVING.search(log.read_text()) is not None,
+              [self.drafter, self.verifier], 600)
+        self.verifier_port = int(SERVING.search(log.read_text()).group(1))
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.verifier_port}")
         self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
         _wait("vLLM verifier", lambda: self.drafter_available(), [self.drafter, self.verifier], 600)
