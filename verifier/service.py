@@ -74,6 +74,23 @@ class Policy:
     def effective_k(self) -> int:
         return self.num_speculative_tokens if self.enabled and self.drafter is not None else 0
 
+    def apply(self, update: verifier_pb2.GenerateRequest.PolicyUpdate,
+              max_num_speculative_tokens: int) -> None:
+        """A PolicyUpdate of the gateway's; ValueError naming the field it cannot take."""
+        if update.HasField("num_speculative_tokens"):
+            if update.num_speculative_tokens > max_num_speculative_tokens:
+                raise ValueError(f"policy_update.num_speculative_tokens: "
+                                 f"{update.num_speculative_tokens} exceeds the maximum "
+                                 f"{max_num_speculative_tokens}")
+            self.num_speculative_tokens = update.num_speculative_tokens
+        if update.HasField("enabled"):
+            if update.enabled and self.method == common_pb2.SPEC_METHOD_NONE:
+                raise ValueError("policy_update.enabled: the request's method is NONE")
+            self.disabled_reason = (common_pb2.DISABLED_REASON_NONE if update.enabled
+                                    else update.disabled_reason or common_pb2.DISABLED_REASON_REQUEST)
+        if update.HasField("auto_k"):
+            self.auto_k = update.auto_k
+
 
 @dataclass(slots=True)
 class _Stats:
@@ -222,20 +239,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _apply_update(self, request_id: str, policy: Policy,
                       update: verifier_pb2.GenerateRequest.PolicyUpdate) -> None:
-        max_num_speculative_tokens = self.engine.config.max_num_speculative_tokens
-        if update.HasField("num_speculative_tokens"):
-            if update.num_speculative_tokens > max_num_speculative_tokens:
-                raise ValueError(f"policy_update.num_speculative_tokens: "
-                                 f"{update.num_speculative_tokens} exceeds the maximum "
-                                 f"{max_num_speculative_tokens}")
-            policy.num_speculative_tokens = update.num_speculative_tokens
-        if update.HasField("enabled"):
-            if update.enabled and policy.method == common_pb2.SPEC_METHOD_NONE:
-                raise ValueError("policy_update.enabled: the request's method is NONE")
-            policy.disabled_reason = (common_pb2.DISABLED_REASON_NONE if update.enabled
-                                      else update.disabled_reason or common_pb2.DISABLED_REASON_REQUEST)
-        if update.HasField("auto_k"):
-            policy.auto_k = update.auto_k
+        policy.apply(update, self.engine.config.max_num_speculative_tokens)
         self.worker.set_num_speculative_tokens(request_id, policy.effective_k)
 
     def _response(self, out: StepOutput, policy: Policy, stats: _Stats) -> verifier_pb2.GenerateResponse:

@@ -223,22 +223,6 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                   speculative=bool(self.drafters))
         return request_id, prompt, params, policy
 
-    def _apply_update(self, policy: Policy, update: verifier_pb2.GenerateRequest.PolicyUpdate
-                      ) -> None:
-        if update.HasField("num_speculative_tokens"):
-            if update.num_speculative_tokens > self.max_num_speculative_tokens:
-                raise ValueError(f"policy_update.num_speculative_tokens: "
-                                 f"{update.num_speculative_tokens} exceeds the maximum "
-                                 f"{self.max_num_speculative_tokens}")
-            policy.num_speculative_tokens = update.num_speculative_tokens
-        if update.HasField("enabled"):
-            if update.enabled and policy.method == common_pb2.SPEC_METHOD_NONE:
-                raise ValueError("policy_update.enabled: the request's method is NONE")
-            policy.disabled_reason = (common_pb2.DISABLED_REASON_NONE if update.enabled
-                                      else update.disabled_reason or common_pb2.DISABLED_REASON_REQUEST)
-        if update.HasField("auto_k"):
-            policy.auto_k = update.auto_k
-
     def _response(self, request_id: str, out: Any, policy: Policy, k: int, stats: _Stats,
                   cancelled: bool) -> verifier_pb2.GenerateResponse:
         """One GenerateResponse from a RequestOutput delta. k: the K in force for its step."""
@@ -317,7 +301,7 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 kind = msg.WhichOneof("kind")
                 if kind == "policy_update":
                     try:
-                        self._apply_update(policy, msg.policy_update)
+                        policy.apply(msg.policy_update, self.max_num_speculative_tokens)
                     except ValueError as e:
                         errors.append(e)
                     else:
