@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from specdec.pb import common_pb2
@@ -99,6 +100,55 @@ def _regex_escape(text: str) -> str:
     return "".join("\\" + c if c in r"\^$.|?*+()[]{}/" else c for c in text)
 
 
+@dataclass(frozen=True, slots=True)
+class GrammarSource:
+    """What xgrammar compiles for a StructuredOutput. kind: json_schema (text: the
+    schema), json_object (text empty: xgrammar's built-in JSON grammar), regex (a choice
+    list arrives as the regex of its alternatives) or grammar (EBNF); where: the request
+    field it came from, which errors name. Both verifier engines compile from this, so
+    the grammar a request gets does not depend on the engine."""
+
+    kind: str
+    text: str
+    where: str
+
+
+def grammar_source(spec: common_pb2.StructuredOutput,
+                   field: str = "structured_output") -> GrammarSource:
+    """The spec's grammar text, checked short of compiling; ValueError naming
+    `field`.<kind>."""
+    which = spec.WhichOneof("kind")
+    if which is None:
+        raise ValueError(f"{field}: names no grammar (json_schema, json_object, regex, "
+                         f"choice or grammar)")
+    where = f"{field}.{which}"
+    if which == "json_object":
+        if not spec.json_object:
+            raise ValueError(f"{where}: must be true when set")
+        return GrammarSource("json_object", "", where)
+    if which == "json_schema":
+        _check_size(where, spec.json_schema)
+        try:
+            schema = json.loads(spec.json_schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"{where}: a JSON Schema is an object or a boolean")
+        return GrammarSource("json_schema", spec.json_schema, where)
+    if which == "choice":
+        choices = list(spec.choice.choices)
+        if not choices:
+            raise ValueError(f"{where}: must list at least one choice")
+        if len(choices) > MAX_CHOICES:
+            raise ValueError(f"{where}: at most {MAX_CHOICES} choices")
+        _check_size(where, "".join(choices))
+        return GrammarSource("regex", "|".join(f"({_regex_escape(x)})" for x in choices),
+                             where)
+    text = getattr(spec, which)  # regex or grammar
+    _check_size(where, text)
+    return GrammarSource(which, text, where)
+
+
 class Grammars:
     """Compiles StructuredOutput specs for one tokenizer; thread-safe, with a cache.
 
@@ -127,44 +177,23 @@ class Grammars:
 
     def compile(self, spec: common_pb2.StructuredOutput, field: str = "structured_output"):
         """The compiled grammar; ValueError naming `field`.<kind> for a bad one."""
-        which = spec.WhichOneof("kind")
-        if which is None:
-            raise ValueError(f"{field}: names no grammar (json_schema, json_object, regex, "
-                             f"choice or grammar)")
-        where = f"{field}.{which}"
+        source = grammar_source(spec, field)
         try:
             with self._lock:
                 c = self._compiler_now()
-                if which == "json_object":
-                    if not spec.json_object:
-                        raise ValueError(f"{where}: must be true when set")
+                if source.kind == "json_object":
                     return c.compile_builtin_json_grammar()
-                if which == "json_schema":
-                    text = spec.json_schema
-                    _check_size(where, text)
-                    try:
-                        schema = json.loads(text)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{where}: not JSON: {e}") from None
-                    if not isinstance(schema, (dict, bool)):
-                        raise ValueError(f"{where}: a JSON Schema is an object or a boolean")
-                    return c.compile_json_schema(text, any_whitespace=True, strict_mode=True)
-                if which == "regex":
-                    _check_size(where, spec.regex)
-                    return c.compile_regex(spec.regex)
-                if which == "choice":
-                    choices = list(spec.choice.choices)
-                    if not choices:
-                        raise ValueError(f"{where}: must list at least one choice")
-                    if len(choices) > MAX_CHOICES:
-                        raise ValueError(f"{where}: at most {MAX_CHOICES} choices")
-                    _check_size(where, "".join(choices))
-                    return c.compile_regex("|".join(f"({_regex_escape(x)})" for x in choices))
-                _check_size(where, spec.grammar)
-                return c.compile_grammar(spec.grammar)
+                if source.kind == "json_schema":
+                    # vLLM's xgrammar backend compiles a schema with these options by
+                    # default, which the vLLM engine's exactness rests on.
+                    return c.compile_json_schema(source.text, any_whitespace=True,
+                                                 strict_mode=True)
+                if source.kind == "regex":
+                    return c.compile_regex(source.text)
+                return c.compile_grammar(source.text)
         except RuntimeError as e:
             # xgrammar's parse errors: keep the message, drop its source location.
-            raise ValueError(f"{where}: {error_text(e)}") from None
+            raise ValueError(f"{source.where}: {error_text(e)}") from None
 
     def matcher(self, compiled) -> GrammarState:
         """A fresh matcher at the grammar's start."""

@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache capacity in tokens (default: max-num-seqs x max-model-len / 2)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", help="torch device of the target (default cpu); with --engine "
+                                     "vllm, the platform vLLM runs on (checked)")
     p.add_argument("--attention", default="sdpa")
     p.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs", action="store_false",
                    help="on a GPU, run every step eagerly instead of replaying CUDA graphs")
@@ -74,6 +75,35 @@ def build_parser() -> argparse.ArgumentParser:
                         "another replica) and the process exits with status 3 (0 = no limit)")
     tls.add_server_arguments(p, os.environ, what="the Verifier API")
     return p
+
+
+# Flags one engine alone reads -> (that engine, values that ask nothing of the other).
+# Given to the other engine they are refused rather than ignored; compose's verifier
+# command passes --threads and --tensor-parallel-size to both engines, at those values.
+ENGINE_FLAGS: dict[str, tuple[str, tuple]] = {
+    "--attention": ("specdec", ()),
+    "--block-size": ("specdec", ()),
+    "--step-timeout-s": ("specdec", ()),
+    "--threads": ("specdec", (0,)),
+    "--tensor-parallel-size": ("vllm", (1,)),
+    "--gpu-memory-utilization": ("vllm", ()),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; exits 2 naming a flag the chosen engine does not read."""
+    parser = build_parser()
+    # Explicit flags are told from defaults by a value no flag can take.
+    unset = object()
+    dests = {flag: flag[2:].replace("-", "_") for flag in ENGINE_FLAGS}
+    args = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(dests.values(), unset)))
+    for flag, (engine, neutral) in ENGINE_FLAGS.items():
+        value = getattr(args, dests[flag])
+        if value is unset:
+            setattr(args, dests[flag], parser.get_default(dests[flag]))
+        elif engine != args.engine and value not in neutral:
+            parser.error(f"{flag} does not apply to --engine {args.engine}")
+    return args
 
 
 async def _serve(args: argparse.Namespace, server_tls: tls.TlsConfig | None,
@@ -96,7 +126,7 @@ async def _serve(args: argparse.Namespace, server_tls: tls.TlsConfig | None,
     def load():
         if args.threads:
             torch.set_num_threads(args.threads)
-        return load_model(model_dir, dtype=args.dtype, device=args.device,
+        return load_model(model_dir, dtype=args.dtype, device=args.device or "cpu",
                           attention=args.attention)
 
     model = engine_thread.call(load)
@@ -139,7 +169,7 @@ async def _serve(args: argparse.Namespace, server_tls: tls.TlsConfig | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         server_tls = tls.server_from_args(args)
         drafter_tls = tls.TlsConfig.from_env()  # this verifier's side of its drafter links
@@ -150,8 +180,6 @@ def main(argv: list[str] | None = None) -> int:
     serve = _serve
     if args.engine == "vllm":  # imports vLLM, which only its own environment has
         from verifier.vllm.serve import serve
-    elif args.tensor_parallel_size != 1 or args.gpu_memory_utilization:
-        raise SystemExit("--tensor-parallel-size and --gpu-memory-utilization need --engine vllm")
     try:
         import uvloop
     except ImportError:

@@ -12,7 +12,8 @@ INTERNAL and the REQUEST_FAILED trailing metadata (specdec/server.py), which the
 gateway does not replay elsewhere. When the engine can step no more (the
 watchdog trips), health goes NOT_SERVING, every request ends with UNAVAILABLE,
 which the gateway resumes on another replica, and the process exits with
-EXIT_ENGINE_FAILED for its supervisor to restart it.
+EXIT_ENGINE_FAILED for its supervisor to restart it. `serve` runs the Verifier API
+over vLLM's engine the same way (verifier/vllm/serve.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from opentelemetry import trace
@@ -39,7 +41,7 @@ from specdec.tls import TlsConfig
 from verifier.drafter_client import TargetInfo
 from verifier.drafting import DrafterPool
 from verifier.engine import Engine, FinishReason, Request, StepOutput
-from verifier.watchdog import Watchdog
+from verifier.watchdog import Watchdog, Watched
 from verifier.worker import EngineFailed, EngineThread, EngineWorker, RequestFailed
 
 log = logging.getLogger(__name__)
@@ -446,9 +448,24 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
+class Servicer(Protocol):
+    """What `serve` runs: VerifierServicer over our engine, or vLLM's servicer
+    (verifier/vllm/service.py)."""
+
+    def start(self) -> None: ...
+
+    def fail_all(self, reason: str) -> None:
+        """The engine can step no more: refuse new requests, end those in flight with
+        UNAVAILABLE."""
+
+    async def drain(self, grace_s: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(slots=True)
 class VerifierService:
-    servicer: VerifierServicer
+    servicer: Servicer
     grpc: GrpcService
     watchdog: Watchdog
     # Called with EXIT_ENGINE_FAILED once the watchdog tripped and the requests in flight
@@ -477,12 +494,13 @@ class VerifierService:
         await asyncio.to_thread(self.servicer.close)
 
 
-async def serve(servicer: VerifierServicer, address: str, *, step_timeout_s: float = 0.0,
-                terminate: Callable[[int], None] | None = None,
+async def serve(servicer: Servicer, address: str, *, watched: Watched | None = None,
+                step_timeout_s: float = 0.0, terminate: Callable[[int], None] | None = None,
                 token: str | None = None, tls: TlsConfig | None = None) -> VerifierService:
-    """step_timeout_s: the watchdog's limit on one step (0: none; a failed engine
-    still trips it); terminate: see VerifierService.terminate; token: required of every
-    call but health's (specdec.server.TokenAuth); tls: serve over TLS."""
+    """watched: the engine the watchdog reads (default: a VerifierServicer's worker);
+    step_timeout_s: its limit on one step (0: none; a failed engine still trips it);
+    terminate: see VerifierService.terminate; token: required of every call but
+    health's (specdec.server.TokenAuth); tls: serve over TLS."""
     servicer.start()
     service = await start_server(
         address, lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server),
@@ -493,7 +511,9 @@ async def serve(servicer: VerifierServicer, address: str, *, step_timeout_s: flo
     def trip(reason: str) -> None:
         asyncio.run_coroutine_threadsafe(verifier.engine_failed(reason), loop)
 
-    verifier = VerifierService(servicer, service, Watchdog(servicer.worker, step_timeout_s, trip),
+    if watched is None:
+        watched = servicer.worker
+    verifier = VerifierService(servicer, service, Watchdog(watched, step_timeout_s, trip),
                                terminate)
     verifier.watchdog.start()
     return verifier

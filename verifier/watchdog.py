@@ -1,7 +1,7 @@
-"""Watches the engine worker from a thread of its own and trips, once, when the
-engine can step no more: it failed for good (`EngineWorker.fatal`: a broken
-engine, or its loop died) or one step has run longer than `step_timeout_s` (a
-hung device, a deadlock). The service then goes NOT_SERVING, ends the requests in
+"""Watches an engine from a thread of its own and trips, once, when it can step no
+more: it failed for good (`fatal`: our EngineWorker's broken engine or dead loop,
+vLLM's dead engine core) or one step has run longer than `step_timeout_s` (a hung
+device, a deadlock). The service then goes NOT_SERVING, ends the requests in
 flight with UNAVAILABLE (the gateway resumes them on another replica) and exits
 non-zero for its supervisor to start it afresh (verifier/service.py).
 
@@ -16,21 +16,33 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-
-from verifier.worker import EngineWorker
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
 
+class Watched(Protocol):
+    """What the watchdog reads of an engine: verifier.worker.EngineWorker, or vLLM's
+    (verifier/vllm/serve.py)."""
+
+    @property
+    def fatal(self) -> BaseException | None:
+        """Why the engine failed for good; None while it has not."""
+
+    @property
+    def step_started(self) -> float | None:
+        """time.monotonic() the running step started at; None between steps."""
+
+
 class Watchdog:
-    def __init__(self, worker: EngineWorker, step_timeout_s: float,
+    def __init__(self, engine: Watched, step_timeout_s: float,
                  on_trip: Callable[[str], None], poll_s: float = 0.1):
         """step_timeout_s: longest a step may run (0: no limit; the first steps on a
         GPU compile kernels and capture graphs, so leave room); on_trip(reason) is
         called once, on the watchdog's thread."""
         if step_timeout_s < 0:
             raise ValueError(f"step_timeout_s must be >= 0, got {step_timeout_s}")
-        self.worker = worker
+        self.engine = engine
         self.step_timeout_s = step_timeout_s
         self.on_trip = on_trip
         self.poll_s = poll_s
@@ -40,10 +52,10 @@ class Watchdog:
 
     def check(self) -> str | None:
         """Why the engine can step no more, or None while it can."""
-        fatal = self.worker.fatal
+        fatal = self.engine.fatal
         if fatal is not None:
             return f"engine failed: {type(fatal).__name__}: {fatal}"
-        started = self.worker.step_started
+        started = self.engine.step_started
         if (self.step_timeout_s and started is not None
                 and time.monotonic() - started > self.step_timeout_s):
             return f"a step has run for more than {self.step_timeout_s:g} s"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -26,6 +27,7 @@ from verifier.drafter_client import TargetInfo
 from verifier.drafting import DrafterPool
 from verifier.engine import Engine, EngineConfig
 from verifier.service import EXIT_ENGINE_FAILED, VerifierServicer, serve
+from verifier.vllm.serve import EngineLiveness
 from verifier.watchdog import Watchdog
 from verifier.worker import EngineWorker
 
@@ -179,6 +181,16 @@ def test_the_watchdog_reads_the_worker(model):
     assert Watchdog(worker, 0.0, lambda reason: None).check() is None  # 0: no limit
     worker.fatal = RuntimeError("CUDA error: an illegal memory access")
     assert dog.check() == "engine failed: RuntimeError: CUDA error: an illegal memory access"
+
+
+def test_the_watchdog_reads_vllms_engine():
+    """--engine vllm: AsyncLLM.errored (its engine core died, or its output loop) trips it;
+    vLLM's steps are not timed here (they run in its engine core)."""
+    engine = SimpleNamespace(errored=False, dead_error=RuntimeError("EngineCore died"))
+    dog = Watchdog(EngineLiveness(engine), step_timeout_s=5.0, on_trip=lambda reason: None)
+    assert dog.check() is None
+    engine.errored = True
+    assert dog.check() == "engine failed: RuntimeError: EngineCore died"
 
 
 def test_the_cli_exits_with_status_3_when_a_step_overruns(smollm2_dir):

@@ -4,9 +4,11 @@ ngram drafter and a gateway from this environment. One vLLM engine for the modul
 start takes about a minute here).
 
 Greedy output equals our engine's own greedy decoding with the remote ngram drafter's
-drafts accepted; a request with speculation off, or with its own K, gets it; a drafter
+drafts accepted, under each kind of structured output too; a request with speculation
+off, or with its own K, gets it; a drafter
 killed mid-request changes no token and is reconnected; sampled tokens follow the
-target's law (chi-square).
+target's law (chi-square). Last, as it ends the module's verifier: vLLM's engine core
+killed mid-request trips the watchdog (UNAVAILABLE, NOT_SERVING, exit status 3).
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.stats import chi_square_p_value
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.ports import free_port
 from tests.tiny import next_token_logits
+from verifier.service import EXIT_ENGINE_FAILED
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
@@ -46,6 +50,30 @@ REPEATING = ("Repeat exactly: the quick brown fox jumps over the lazy dog. the q
 PROMPTS = [REPEATING, "List the numbers from 1 to 40 separated by commas.",
            "Write a Python function that checks whether a number is prime."]
 NEW_TOKENS = 48
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+# kind -> (user message, grammar, the text's check); prompts whose greedy answer ends
+# within NEW_TOKENS, and whose JSON shares n-grams with the prompt for the drafter.
+STRUCTURED = {
+    "json_schema": ('Bob is 42 years old. Reply with JSON like {"name": "Alice", "age": 30}.',
+                    common_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA)),
+                    lambda text: isinstance(json.loads(text)["age"], int)
+                    and len(json.loads(text)["name"]) <= 12),
+    "json_object": ('Reply with exactly this JSON: {"ok": true, "items": [1, 2, 3]}',
+                    common_pb2.StructuredOutput(json_object=True),
+                    lambda text: isinstance(json.loads(text), (dict, list))),
+    "regex": ("What is the date of the first moon landing? Answer as YYYY-MM-DD.",
+              common_pb2.StructuredOutput(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+              lambda text: re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text)),
+    "choice": ("Is the sentence 'I love this movie' positive, negative or neutral?",
+               common_pb2.StructuredOutput(choice=common_pb2.Choices(
+                   choices=["positive", "negative", "neutral"])),
+               lambda text: text in ("positive", "negative", "neutral")),
+    "grammar": ("Is the sky blue? Answer yes or no.",
+                common_pb2.StructuredOutput(grammar='root ::= "The answer is " ("yes" | "no") "."'),
+                lambda text: re.fullmatch(r"The answer is (yes|no)\.", text)),
+}
 SERVING = re.compile(r"verifier \(vLLM.*\) serving \S+ on 127\.0\.0\.1:(\d+)")
 
 
@@ -185,6 +213,38 @@ def ours(smollm2_dir, prompts) -> list[list[int]]:
     return greedy_generate(load_model(smollm2_dir, dtype="float32"), prompts, NEW_TOKENS)
 
 
+@pytest.fixture(scope="module")
+def structured_prompts(smollm2_dir) -> dict[str, list[int]]:
+    from specdec.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(smollm2_dir)
+    return {kind: tok.apply_chat_template([{"role": "user", "content": text}])
+            for kind, (text, _, _) in STRUCTURED.items()}
+
+
+@pytest.fixture(scope="module")
+def ours_structured(smollm2_dir, structured_prompts) -> dict[str, list[int]]:
+    """Our engine's greedy decoding of each kind of structured output (it equals plain
+    decoding under the grammar: tests/verifier/test_structured.py)."""
+    from specdec.models import load_model
+    from specdec.sampling import SamplingParams
+    from specdec.structured import Grammars
+    from specdec.tokenizer import Tokenizer
+    from tests.verifier.test_engine import run
+    from verifier.engine import Engine, EngineConfig, Request
+
+    tok = Tokenizer.from_dir(smollm2_dir)
+    model = load_model(smollm2_dir, dtype="float32")
+    grammars = Grammars(tok.hf, model.config.vocab_size, tok.eos_token_ids)
+    requests = [Request(kind, structured_prompts[kind], NEW_TOKENS,
+                        SamplingParams(temperature=0.0),
+                        grammar=grammars.matcher(grammars.compile(spec)))
+                for kind, (_, spec, _) in STRUCTURED.items()]
+    engine = Engine(model, EngineConfig(max_num_seqs=len(requests), max_model_len=512), None,
+                    tok.eos_token_ids)
+    return run(engine, requests)
+
+
 def test_greedy_equals_our_engine_with_drafts_accepted(stack, prompts, ours):
     accepted = 0
     for prompt, want in zip(prompts, ours, strict=True):
@@ -228,9 +288,38 @@ def test_drafter_killed_mid_request_changes_nothing(stack, prompts, ours):
     assert last.spec_decode.num_accepted_tokens > 0
 
 
+def test_structured_outputs_equal_our_engine(stack, smollm2_dir, structured_prompts,
+                                            ours_structured):
+    """Each kind of grammar, greedy with ngram drafts: vLLM cuts drafts at the first
+    token the grammar forbids and masks every verified position, so the output is our
+    engine's, token for token, and follows the grammar."""
+    from specdec.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(smollm2_dir)
+    accepted = 0
+    for kind, (_, spec, valid) in STRUCTURED.items():
+        got, last = stack.generate(structured_prompts[kind], ignore_eos=False,
+                                   structured_output=spec)
+        want = ours_structured[kind]
+        assert got == want, (kind, tok.decode(got), tok.decode(want))
+        assert last.finish_reason == common_pb2.FINISH_REASON_EOS, kind
+        assert valid(tok.decode(got[:-1])), (kind, tok.decode(got))
+        assert last.spec_decode.method == common_pb2.SPEC_METHOD_NGRAM
+        accepted += last.spec_decode.num_accepted_tokens
+    assert accepted > 0
+
+
 @pytest.mark.parametrize("field,sampling", [
     ("bad_words", {"bad_words": [common_pb2.TokenIds(ids=[1, 2])]}),
     ("top_k", {"temperature": 1.0, "top_k": 3}),  # vLLM 0.32 fails on it under speculation
+    # xgrammar ignores multipleOf, so vLLM's "auto" backend would take it to another one.
+    ("start.sampling.structured_output.json_schema: ", {
+        "ignore_eos": False, "structured_output": common_pb2.StructuredOutput(
+            json_schema='{"type": "integer", "multipleOf": 3}')}),
+    # vLLM's logprobs under a grammar are those of the masked logits.
+    ("start.sampling.logprobs: ", {
+        "ignore_eos": False, "logprobs": 2,
+        "structured_output": common_pb2.StructuredOutput(regex="[0-9]+")}),
 ])
 def test_refuses_what_vllm_cannot_honour(stack, prompts, field, sampling):
     with pytest.raises(grpc.RpcError) as e:
@@ -297,3 +386,46 @@ def test_sampled_tokens_follow_the_target(stack, smollm2_dir):
         observed[cells.get(tuple(tokens), len(cells))] += 1
     expected = torch.tensor([*law.values(), 0.0], dtype=torch.float64) * n
     assert chi_square_p_value(observed[None], expected[None]) > 1e-3
+
+
+def _engine_core(pid: int) -> int:
+    """The pid of vLLM's engine-core process (titled VLLM::EngineCore) among `pid`'s
+    children."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == pid and b"EngineCore" in cmdline:
+            return int(stat.parent.name)
+    raise LookupError(f"no engine-core child of {pid}")
+
+
+def test_a_dead_engine_core_takes_the_verifier_down(stack, prompts):
+    """Runs last: it ends the module's verifier. vLLM's engine core killed mid-request:
+    the stream ends with UNAVAILABLE (the gateway resumes it on another replica), health
+    goes NOT_SERVING and the process exits with status 3 for its supervisor to restart."""
+    core = _engine_core(stack.verifier.proc.pid)
+
+    def kill_after_first(i: int) -> None:
+        if i == 1:
+            os.kill(core, signal.SIGKILL)
+
+    with pytest.raises(grpc.RpcError) as e:
+        stack.generate(prompts[0], max_tokens=1000, on_response=kill_after_first)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert "engine failed" in e.value.details()
+
+    health = health_pb2_grpc.HealthStub(stack.channel)
+    statuses = set()
+    deadline = time.monotonic() + 30
+    while stack.verifier.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            statuses.add(health.Check(health_pb2.HealthCheckRequest(), timeout=1).status)
+        except grpc.RpcError:
+            pass  # exiting
+        time.sleep(0.05)
+    assert stack.verifier.proc.wait(timeout=5) == EXIT_ENGINE_FAILED
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses
+    assert "watchdog: engine failed: EngineDeadError" in stack.verifier.log.read_text()

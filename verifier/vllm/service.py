@@ -126,6 +126,7 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
                          for name in config.drafters}
         self._active: set[str] = set()
         self._accepting = True
+        self._unavailable = "verifier is shutting down"  # why new requests are refused
         self._refresher: asyncio.Task | None = None
 
     # -- drafters ------------------------------------------------------------------
@@ -279,7 +280,7 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Generate(self, request_iterator, context: grpc.aio.ServicerContext):
         messages = request_iterator.__aiter__()
         first = await admit(messages, context,
-                            None if self._accepting else "verifier is shutting down",
+                            None if self._accepting else self._unavailable,
                             len(self._active) - self.max_num_seqs, self.max_num_waiting)
         if first is None:
             return
@@ -328,7 +329,15 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if finished:
                     break
             if not self._accepting and not finished:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier is shutting down")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self._unavailable)
+        except Exception as e:
+            if isinstance(e, grpc.aio.AbortError) or not self.engine.errored:
+                raise
+            # vLLM's engine is gone (its engine core died, or its output loop), and vLLM
+            # fails every stream. UNAVAILABLE: the gateway resumes the request on another
+            # replica, while the watchdog takes this one down.
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"verifier engine failed ({type(e).__name__}: {e})")
         finally:
             reader.cancel()
             if not finished:  # the client went away, or the server is stopping
@@ -378,6 +387,16 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await self.engine.abort(rid)
         if self._refresher is not None:
             self._refresher.cancel()
+
+    def fail_all(self, reason: str) -> None:
+        """The engine can step no more (the watchdog tripped): refuse new requests. Those
+        in flight end with UNAVAILABLE already: vLLM fails their streams."""
+        self._accepting = False
+        self._unavailable = reason
+
+    def close(self) -> None:
+        """Shut vLLM's engine down (its processes); safe off the event loop."""
+        self.engine.shutdown()
 
 
 def _finish_reason(completion: Any, stop_token_ids: frozenset[int], cancelled: bool) -> int:

@@ -1,0 +1,290 @@
+"""RemoteProposer (verifier/vllm/proposer.py) without vLLM: a stand-in model runner
+builds it, as vLLM's does in its constructor, and fake drafter services answer its Draft
+streams on loopback. Each request's method and K come from its extra_args, a request
+with speculation off gets no drafts, drafts follow the rows of input_batch.req_ids, and
+a slow, gone or broken drafter costs that step's drafts, never an exception."""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent import futures
+from types import ModuleType, SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+
+from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
+from verifier.vllm.policy import RequestPolicy
+from verifier.vllm.proposer import ProposerConfig, RemoteProposer
+
+VOCAB = 1000
+MAX_MODEL_LEN = 256
+MAX_NUM_REQS = 8
+MAX_K = 4  # the speculative config's num_speculative_tokens
+DEFAULT_K = 3  # ProposerConfig.num_speculative_tokens: K of requests that name none
+
+
+class GPUModelRunner:
+    """Stands in for vllm.v1.worker.gpu_model_runner.GPUModelRunner."""
+
+
+class Runner(GPUModelRunner):
+    """What the proposer reads of vLLM's model runner: `requests[id].sampling_params`
+    and `input_batch.req_ids`; it builds the proposer in its constructor, as vLLM's does."""
+
+    def __init__(self, vllm_config):
+        self.requests: dict[str, SimpleNamespace] = {}
+        self.input_batch = SimpleNamespace(req_ids=[])
+        self.drafter = RemoteProposer(vllm_config)
+
+
+@pytest.fixture
+def tp_rank(monkeypatch) -> list[int]:
+    """vLLM's modules the proposer imports, as stubs; the list holds this process's
+    tensor-parallel rank."""
+    rank = [0]
+    parallel_state = ModuleType("vllm.distributed.parallel_state")
+    parallel_state.get_tensor_model_parallel_rank = lambda: rank[0]
+    gpu_model_runner = ModuleType("vllm.v1.worker.gpu_model_runner")
+    gpu_model_runner.GPUModelRunner = GPUModelRunner
+    for name in ("vllm", "vllm.distributed", "vllm.v1", "vllm.v1.worker"):
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    monkeypatch.setitem(sys.modules, parallel_state.__name__, parallel_state)
+    monkeypatch.setitem(sys.modules, gpu_model_runner.__name__, gpu_model_runner)
+    return rank
+
+
+class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
+    """Drafts last + offset + 1, ..., last + offset + K after each sequence's context
+    (so a draft tells which context and which drafter it came from), answering each
+    request after `delay_s`; `broken` ends its streams with an error."""
+
+    def __init__(self, method: int, offset: int):
+        self.method, self.offset = method, offset
+        self.delay_s = 0.0
+        self.broken = False
+        self.contexts: dict[int, list[int]] = {}
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        drafter_pb2_grpc.add_DrafterServicer_to_server(self, self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def Info(self, request, context):
+        return drafter_pb2.InfoResponse(
+            method=self.method, max_num_speculative_tokens=8,
+            tokenizer=common_pb2.TokenizerFingerprint(vocab_size=VOCAB))
+
+    def Draft(self, request_iterator, context):
+        for req in request_iterator:
+            if self.broken:
+                context.abort(grpc.StatusCode.INTERNAL, "drafter bug")
+            proposals = []
+            for e in req.entries:
+                kind = e.WhichOneof("kind")
+                if kind == "free":
+                    self.contexts.pop(e.seq_id, None)
+                    continue
+                if kind == "start":
+                    self.contexts[e.seq_id] = [*e.start.prompt_token_ids,
+                                               *e.start.output_token_ids]
+                    k = e.start.num_speculative_tokens
+                else:
+                    self.contexts[e.seq_id] += e.advance.new_token_ids
+                    k = e.advance.num_speculative_tokens
+                last = self.contexts[e.seq_id][-1]
+                if k:
+                    proposals.append(drafter_pb2.DraftProposal(
+                        seq_id=e.seq_id, round=e.round,
+                        token_ids=[(last + self.offset + j) % VOCAB for j in range(1, k + 1)]))
+            time.sleep(self.delay_s)
+            yield drafter_pb2.DraftResponse(step=req.step, proposals=proposals)
+
+
+def drafts_after(last: int, k: int, offset: int = 0) -> list[int]:
+    return [(last + offset + j) % VOCAB for j in range(1, k + 1)]
+
+
+@pytest.fixture
+def drafters():
+    ds = {"ngram": FakeDrafter(common_pb2.SPEC_METHOD_NGRAM, 0),
+          "suffix": FakeDrafter(common_pb2.SPEC_METHOD_SUFFIX, 500)}
+    yield ds
+    for d in ds.values():
+        d.server.stop(0)
+
+
+class Engine:
+    """vLLM's side of the steps: each request's tokens in the runner's rows, and the
+    proposer called after every step as vLLM's runner calls it."""
+
+    def __init__(self, drafters: dict[str, str], *, deadline_ms: float = 2000.0):
+        config = ProposerConfig(drafters=drafters, draft_deadline_ms=deadline_ms,
+                                num_speculative_tokens=DEFAULT_K)
+        self.runner = Runner(SimpleNamespace(
+            additional_config=config.to_additional_config(),
+            speculative_config=SimpleNamespace(num_speculative_tokens=MAX_K),
+            model_config=SimpleNamespace(
+                max_model_len=MAX_MODEL_LEN, model="/nonexistent",
+                hf_text_config=SimpleNamespace(vocab_size=VOCAB, hidden_size=16,
+                                               num_hidden_layers=2))))
+        self.proposer: RemoteProposer = self.runner.drafter
+        self.proposer.load_model(None)  # vLLM's call once the target is loaded: connect
+        for client in self.proposer.pool.clients.values():
+            if client.address.endswith(":1"):
+                continue  # nothing listens there
+            assert client.wait_available(10), client.error
+        self.tokens: dict[str, list[int]] = {}
+
+    def add(self, req_id: str, prompt: list[int], **extra_args) -> None:
+        self.runner.requests[req_id] = SimpleNamespace(
+            sampling_params=SimpleNamespace(extra_args=extra_args))
+        self.tokens[req_id] = list(prompt)
+
+    def step(self, sampled: dict[str, list[int]]) -> list[list[int]]:
+        """One step whose batch rows are `sampled`'s keys in order (each request's new
+        tokens; [] for a partial prefill chunk); the proposer's drafts per row."""
+        self.runner.input_batch.req_ids = list(sampled)
+        num_tokens = np.zeros(MAX_NUM_REQS, dtype=np.int64)  # [max_num_reqs]
+        token_ids = np.zeros((MAX_NUM_REQS, MAX_MODEL_LEN), dtype=np.int64)  # [max_num_reqs, max_model_len]
+        for row, (req_id, new) in enumerate(sampled.items()):
+            self.tokens[req_id] += new
+            num_tokens[row] = len(self.tokens[req_id])
+            token_ids[row, :num_tokens[row]] = self.tokens[req_id]
+        return self.proposer.propose([list(t) for t in sampled.values()], num_tokens, token_ids)
+
+    def finish(self, req_id: str) -> None:
+        del self.runner.requests[req_id]
+
+    def close(self) -> None:
+        self.proposer.close()
+
+
+@pytest.fixture
+def engine(tp_rank, drafters):
+    e = Engine({name: d.address for name, d in drafters.items()})
+    yield e
+    e.close()
+
+
+def test_method_and_k_come_from_each_requests_extra_args(engine):
+    engine.add("a", [1, 2], specdec_num_speculative_tokens=2)  # the first drafter's method
+    engine.add("b", [3, 4])  # defaults: the first drafter, DEFAULT_K
+    engine.add("c", [5, 6], specdec_method="suffix")
+    engine.add("d", [7, 8], specdec_drafter="suffix", specdec_num_speculative_tokens=9)
+    engine.add("off", [9, 10], specdec_method="none")
+    engine.add("k0", [11, 12], specdec_num_speculative_tokens=0)
+    engine.add("bad", [13, 14], specdec_method="nope")  # unknown: no drafts, no error
+    new = {"a": [100], "b": [200], "c": [300], "d": [400], "off": [500], "k0": [600],
+           "bad": [700]}
+    assert engine.step(new) == [drafts_after(100, 2), drafts_after(200, DEFAULT_K),
+                                drafts_after(300, DEFAULT_K, 500),
+                                drafts_after(400, MAX_K, 500),  # K capped at the config's
+                                [], [], []]
+    # The next step: two drafts of "a" accepted plus its sampled token.
+    new = {"a": [101, 102, 150], "b": [201], "c": [301], "d": [401], "off": [501],
+           "k0": [601], "bad": [701]}
+    assert engine.step(new) == [drafts_after(150, 2), drafts_after(201, DEFAULT_K),
+                                drafts_after(301, DEFAULT_K, 500),
+                                drafts_after(401, MAX_K, 500), [], [], []]
+
+
+def test_drafts_follow_the_rows_of_input_batch(engine):
+    # K per request, so that a draft tells whose policy it was made under too.
+    engine.add("a", [1, 2], specdec_num_speculative_tokens=1)
+    engine.add("b", [3, 4], specdec_num_speculative_tokens=2)
+    engine.add("long", list(range(20, 40)), specdec_num_speculative_tokens=3)
+    # "long"'s prompt is a partial prefill chunk: nothing sampled, nothing drafted.
+    assert engine.step({"a": [10], "long": [], "b": [20]}) == [
+        drafts_after(10, 1), [], drafts_after(20, 2)]
+    # vLLM reorders its rows (condensing the batch after a request left, say).
+    assert engine.step({"long": [77], "b": [21], "a": [11]}) == [
+        drafts_after(77, 3), drafts_after(21, 2), drafts_after(11, 1)]
+    engine.finish("a")
+    assert engine.step({"b": [22], "long": [78]}) == [drafts_after(22, 2), drafts_after(78, 3)]
+
+
+def test_policy_updates_set_k_by_the_requests_key(engine):
+    engine.add("vllm-id-0", [1, 2],
+               **RequestPolicy(num_speculative_tokens=2, request_id="r1").to_extra_args())
+    assert engine.step({"vllm-id-0": [10]}) == [drafts_after(10, 2)]
+    engine.proposer.set_num_speculative_tokens({"r1": 1})
+    assert engine.step({"vllm-id-0": [11]}) == [drafts_after(11, 1)]
+    engine.proposer.set_num_speculative_tokens({"r1": 0})  # speculation off mid-request
+    assert engine.step({"vllm-id-0": [12]}) == [[]]
+
+
+def test_a_slow_drafter_costs_the_step_its_drafts(tp_rank, drafters):
+    engine = Engine({"ngram": drafters["ngram"].address}, deadline_ms=100)
+    try:
+        engine.add("a", [1, 2])
+        drafters["ngram"].delay_s = 1.0
+        t0 = time.monotonic()
+        assert engine.step({"a": [10]}) == [[]]
+        assert time.monotonic() - t0 < 0.9  # the deadline, not the drafter, ended the step
+        drafters["ngram"].delay_s = 0.0
+        # Steps go on without drafts until the late answer is in, then draft again.
+        for last in range(11, 100):
+            drafts = engine.step({"a": [last]})
+            if drafts != [[]]:
+                break
+            time.sleep(0.05)
+        assert drafts == [drafts_after(last, DEFAULT_K)]
+    finally:
+        engine.close()
+
+
+def test_a_drafter_that_breaks_or_goes_away_costs_drafts_only(tp_rank, drafters):
+    engine = Engine({"ngram": drafters["ngram"].address, "suffix": drafters["suffix"].address,
+                     "draft_model": "127.0.0.1:1"})
+    try:
+        engine.add("a", [1, 2])
+        engine.add("b", [3, 4], specdec_method="suffix")
+        engine.add("c", [5, 6], specdec_method="draft_model")  # never reachable
+        assert engine.step({"a": [10], "b": [20], "c": [30]}) == [
+            drafts_after(10, DEFAULT_K), drafts_after(20, DEFAULT_K, 500), []]
+        drafters["ngram"].broken = True
+        drafters["suffix"].server.stop(0)
+        assert engine.step({"a": [11], "b": [21], "c": [31]}) == [[], [], []]
+        assert engine.step({"a": [12], "b": [22], "c": [32]}) == [[], [], []]
+    finally:
+        engine.close()
+
+
+def test_a_failure_inside_the_proposer_costs_the_step_its_drafts(engine, monkeypatch):
+    engine.add("a", [1, 2])
+    assert engine.step({"a": [10]}) == [drafts_after(10, DEFAULT_K)]
+
+    def broken(wanted, tokens):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(engine.proposer.pool, "propose", broken)
+    assert engine.step({"a": [11]}) == [[]]
+    monkeypatch.undo()
+    assert engine.step({"a": [12]}) == [drafts_after(12, DEFAULT_K)]
+
+
+def test_only_the_first_tensor_parallel_rank_drafts(tp_rank, drafters):
+    tp_rank[0] = 1
+    engine = Engine({"ngram": drafters["ngram"].address})
+    try:
+        assert engine.proposer.pool.clients == {}  # no streams on this rank
+        engine.add("a", [1, 2])
+        assert engine.step({"a": [10]}) == [[]]
+        assert engine.proposer.drafters() == []
+    finally:
+        engine.close()
+
+
+def test_it_must_be_built_by_vllms_model_runner(tp_rank):
+    config = ProposerConfig(drafters={})
+    with pytest.raises(RuntimeError, match="must be built by vLLM's model runner"):
+        RemoteProposer(SimpleNamespace(additional_config=config.to_additional_config()))
+
+
+def test_drafter_states_for_the_load_report(engine, drafters):
+    states = {d["name"]: d for d in engine.proposer.drafters()}
+    assert states["ngram"] == {"name": "ngram", "method": common_pb2.SPEC_METHOD_NGRAM,
+                               "available": True, "max_num_speculative_tokens": MAX_K}
+    assert states["suffix"]["method"] == common_pb2.SPEC_METHOD_SUFFIX
