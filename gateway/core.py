@@ -19,6 +19,7 @@ from gateway import tools
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.policy.admission import Decision, Deployment, decide
+from gateway.policy.batch_k import BatchKs
 from gateway.policy.dynamic_k import PRIOR_STEPS, DynamicK, ProfileSource
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import OnlineProfile
@@ -125,6 +126,7 @@ class Gateway:
         self.metrics.watch_step_cost(self.online_profile.cost)
         # Compiles a request's grammar to refuse a bad one before it reaches a verifier.
         self.grammars = Grammars(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_ids)
+        self.batches = BatchKs()  # per replica: its dynamic-K requests choose K together
         self.service_times = ServiceTimes()  # per replica: how long a request holds a slot
         # Requests admitted and not finished, per replica: streams start only when their
         # client reads them, so a burst would otherwise all see an idle replica.
@@ -328,7 +330,7 @@ class Gateway:
                           self.replicas, self.tokenizer, self.metrics, self.online_profile,
                           deadline=t0 + timeout if timeout else None, release=release,
                           service_times=self.service_times,
-                          resume_wait_s=self.config.resume_wait_s)
+                          resume_wait_s=self.config.resume_wait_s, batches=self.batches)
 
     def _admit(self, replica: Replica, max_tokens: int) -> None:
         """Overloaded (429) where this request would wait past the maximum queue time on

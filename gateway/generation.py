@@ -22,6 +22,7 @@ from opentelemetry import propagate, trace
 
 from gateway.metrics import GatewayMetrics
 from gateway.policy.admission import Decision
+from gateway.policy.batch_k import BatchKs
 from gateway.policy.dynamic_k import DynamicK
 from gateway.policy.online_profile import OnlineProfile, StepSample
 from gateway.policy.shedding import ServiceTimes
@@ -74,11 +75,13 @@ class Generation:
                  replicas: ReplicaPool, tokenizer: Tokenizer, metrics: GatewayMetrics,
                  online_profile: OnlineProfile | None = None, *, deadline: float | None = None,
                  release: Callable[[], None] | None = None,
-                 service_times: ServiceTimes | None = None, resume_wait_s: float = 0.0):
+                 service_times: ServiceTimes | None = None, resume_wait_s: float = 0.0,
+                 batches: BatchKs | None = None):
         """deadline: time.perf_counter() by which the last token must be in (None: no
         limit); release: called once when the generation is over, read or not;
         service_times: fed how long the request held its replica's slot; resume_wait_s:
-        how long a request whose replicas all failed waits for one to serve again."""
+        how long a request whose replicas all failed waits for one to serve again;
+        batches: each replica's dynamic-K requests, which choose their K together."""
         self.deadline = deadline
         self.resume_wait_s = resume_wait_s
         self._opened: tuple[Replica, grpc.aio.StreamStreamCall] | None = None  # by start()
@@ -101,6 +104,7 @@ class Generation:
         # The current stream's cumulative SpecDecodeStats (streams restart counting).
         self.spec = common_pb2.SpecDecodeStats()
         self.dynamic = dynamic  # None: K stays decision.num_speculative_tokens
+        self.batches = batches
         self.num_speculative_tokens = decision.num_speculative_tokens
         self.enabled = decision.disabled_reason is None and decision.num_speculative_tokens > 0
         self.summary = SpecDecodeSummary(method=decision.method,
@@ -172,6 +176,8 @@ class Generation:
             self._opened = None
             replica.inflight -= 1
             call.cancel()
+        if self.dynamic is not None:
+            self.dynamic.leave()
         release, self._release = self._release, None
         if release is not None:
             release()
@@ -272,6 +278,8 @@ class Generation:
                                      timeout=timeout)
         replica.inflight += 1
         self.first_on_stream = True
+        if self.dynamic is not None and self.batches is not None:
+            self.dynamic.join(self.batches.of(replica.address))
         try:
             await call.write(self._start(replica))
         except BaseException:
@@ -423,7 +431,7 @@ class Generation:
         if not step.step:
             return None  # no step behind this response
         self.dynamic.observe(step.num_drafted, step.num_accepted)
-        k = self.dynamic.next_k(max(step.batch_size, 1))
+        k = self.dynamic.next_k(max(step.batch_size, 1), step.step)
         if k is None or k == (self.num_speculative_tokens if self.enabled else 0):
             return None
         self.metrics.k_updates.inc()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from gateway.policy.batch_k import BatchK
 from gateway.policy.goodput import choose_k, rate_at
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.values import check_count, is_number
@@ -134,6 +135,19 @@ class DynamicK:
         self.max_num_speculative_tokens = max_num_speculative_tokens
         self.prior_steps = prior_steps
         self.acceptance = OnlineAcceptance(half_life_steps)
+        self.batch: BatchK | None = None  # the replica's batch it chooses K with
+
+    def join(self, batch: BatchK) -> None:
+        """From now on K is chosen with `batch`'s other members (its stream opened on
+        that batch's replica), no longer in `self.batch`'s."""
+        self.leave()
+        batch.join(self)
+        self.batch = batch
+
+    def leave(self) -> None:
+        if self.batch is not None:
+            self.batch.leave(self)
+            self.batch = None
 
     @property
     def prior(self) -> tuple[float, ...]:
@@ -152,12 +166,19 @@ class DynamicK:
         return self.acceptance.rates(self.prior, self.prior_steps,
                                      self.max_num_speculative_tokens)
 
-    def next_k(self, batch_size: float) -> int | None:
+    def next_k(self, batch_size: float, step: int | None = None) -> int | None:
         """The best K at this batch size; None while there is no profile yet (an
-        online one still learning), in which case the caller keeps its K."""
+        online one still learning), in which case the caller keeps its K.
+
+        With `step` (the verifier's step number) and a batch joined, K is chosen with
+        the batch's other dynamic-K requests (batch_k.py); otherwise alone, as if every
+        sequence of the batch drafted alike (a stream's first K, before any step).
+        """
         profile = self.profile()
         if profile is None:
             return None
+        if step is not None and self.batch is not None:
+            return self.batch.next_k(self, profile, int(batch_size), step)
         prior = profile.acceptance.get(self.method, (NEUTRAL_ACCEPTANCE,))
         rates = self.acceptance.rates(prior, self.prior_steps, self.max_num_speculative_tokens)
         return choose_k(profile, batch_size, rates, self.max_num_speculative_tokens, self.method)

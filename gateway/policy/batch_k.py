@@ -1,0 +1,144 @@
+"""Dynamic K over a replica's whole batch: one choice for all the dynamic-K requests
+running on it, each step, rather than one per request.
+
+Why not per request: a request choosing alone scores each k by its own goodput
+AL_i(k) / ITL(B, k), the step time of a batch where every sequence drafts k. That
+is right only when all requests are alike. They are not: an ngram drafter copying
+a prompt's block is accepted nearly always while the one beside it writes new text,
+and under load a row of the forward costs the whole batch. What a step is worth is
+the batch's tokens over the step's time,
+
+    G = (B + sum over drafted positions (i, j) of reach_ij) / T(B, n),
+
+with B sequences, n draft rows in all and reach_ij = a_i1 * ... * a_ij the chance
+that request i's position j is accepted (its rates, as DynamicK keeps them). A
+position's worth does not depend on the others', and reach falls along j, so the
+best set of n rows is the n positions of highest reach (each request's first
+positions first), and the best n is found by walking them in that order: O(B K)
+evaluations of T per step.
+
+T comes from the same profile a request reads (a `specdec profile` table or the
+online model), at the batch's mean K: T(B, n) = ITL(B, n / B), plus for each
+drafter method its own cost over the shared table at its rows. A drafter's fixed
+cost per step is then paid once, however many requests it drafts for.
+
+Requests outside the choice (static K, plain, another gateway's) count as one row
+each: B is the step's batch size as the verifier reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from gateway.policy.goodput import rate_at
+from gateway.policy.itl_profile import ItlProfile
+
+
+class Member(Protocol):
+    """A dynamic-K request as the batch sees it (dynamic_k.DynamicK)."""
+
+    method: str
+    max_num_speculative_tokens: int
+
+    def rates(self) -> Sequence[float]: ...
+
+
+def step_time(profile: ItlProfile, batch_size: float, rows: dict[str, int]) -> float:
+    """Modelled ms of a step of `batch_size` sequences with rows[method] draft rows."""
+    n = sum(rows.values())
+    t = profile.itl(batch_size, n / batch_size)
+    for method, n_m in rows.items():
+        if n_m and method in profile.method_itl_ms:
+            t += _drafter_cost(profile, batch_size, n_m / batch_size, method)
+    return t
+
+
+def _drafter_cost(profile: ItlProfile, batch_size: float, k: float, method: str) -> float:
+    """What `method`'s drafting adds to a step where it drafts k per sequence on average.
+
+    The table has it at whole K, where every sequence drafts: from K = 1 on, read it
+    there; below, the line through K = 1 and 2 is extended. Interpolating toward
+    K = 0 instead would charge a drafter's fixed cost in proportion to its rows, and a
+    batch where few sequences draft would look nearly free of it.
+    """
+    def extra(kk: float) -> float:
+        return max(profile.itl(batch_size, kk, method) - profile.itl(batch_size, kk), 0.0)
+
+    if k >= 1 or profile.ks[-1] < 2:
+        return extra(max(k, 1.0))
+    one = extra(1.0)
+    return min(max(one - (1.0 - k) * (extra(2.0) - one), 0.0), one)
+
+
+def allocate(profile: ItlProfile, batch_size: int, members: Iterable[Member]) -> list[int]:
+    """Each member's K (in `members`' order) maximizing the batch's tokens per ms."""
+    members = list(members)
+    batch = float(max(batch_size, len(members), 1))
+    # (-reach, member, position): sorted, every prefix takes each member's positions
+    # from the first on (reach never rises along a member's positions; ties keep order).
+    positions = []
+    for i, m in enumerate(members):
+        rates = m.rates()
+        reach = 1.0
+        for j in range(min(m.max_num_speculative_tokens, profile.ks[-1])):
+            reach *= rate_at(rates, j)
+            positions.append((-reach, i, j))
+    positions.sort()
+    rows = {m.method: 0 for m in members}
+    tokens = batch
+    best_n, best = 0, batch / step_time(profile, batch, rows)
+    for n, (neg_reach, i, _) in enumerate(positions, 1):
+        tokens -= neg_reach
+        rows[members[i].method] += 1
+        goodput = tokens / step_time(profile, batch, rows)
+        if goodput > best:
+            best_n, best = n, goodput
+    ks = [0] * len(members)
+    for _, i, _ in positions[:best_n]:
+        ks[i] += 1
+    return ks
+
+
+class BatchK:
+    """The dynamic-K requests running on one replica, and their K for its latest step.
+
+    The first request to hear of a step computes every member's K; the others read
+    theirs, so the choice costs one walk per step, not one per request. Members
+    join when their stream opens on the replica and leave when it ends.
+    """
+
+    def __init__(self) -> None:
+        self._members: dict[int, Member] = {}  # id -> member, in joining order
+        self._step: int | None = None
+        self._ks: dict[int, int] = {}  # id -> K chosen at self._step
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def join(self, member: Member) -> None:
+        self._members[id(member)] = member
+        self._step = None  # the next step chooses with it
+
+    def leave(self, member: Member) -> None:
+        if self._members.pop(id(member), None) is not None:
+            self._step = None
+
+    def next_k(self, member: Member, profile: ItlProfile, batch_size: int,
+               step: int) -> int:
+        if step != self._step or id(member) not in self._ks:
+            members = list(self._members.values())
+            self._ks = dict(zip(map(id, members), allocate(profile, batch_size, members),
+                                strict=True))
+            self._step = step
+        return self._ks.get(id(member), 0)
+
+
+class BatchKs:
+    """One BatchK per replica address."""
+
+    def __init__(self) -> None:
+        self._by_replica: dict[str, BatchK] = {}
+
+    def of(self, address: str) -> BatchK:
+        return self._by_replica.setdefault(address, BatchK())

@@ -1,0 +1,131 @@
+"""Dynamic K over a replica's batch: the allocation is the best split of draft rows
+(checked against every split of a small batch), it follows the requests' rates, and
+one choice serves all members of a step."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from gateway.policy.batch_k import BatchK, BatchKs, allocate, step_time
+from gateway.policy.dynamic_k import DynamicK
+from gateway.policy.goodput import acceptance_length, choose_k
+from gateway.policy.itl_profile import ItlProfile
+from gateway.policy.online_profile import StepCost, batch_grid
+
+
+def linear_profile(a: float, per_row: float, max_batch: int = 16, max_k: int = 4,
+                   drafter_fixed: float = 0.0, method: str = "ngram") -> ItlProfile:
+    """Step time a + per_row * rows (+ drafter_fixed when any row is drafted), as the
+    online model writes it: StepCost with a straight forward line."""
+    cost = StepCost(a=a, b=per_row, w=0.0, d={method: drafter_fixed}, e={method: 0.0})
+    sizes, ks = batch_grid(max_batch), tuple(range(max_k + 1))
+    return ItlProfile(batch_sizes=sizes, ks=ks,
+                      itl_ms=tuple(tuple(cost.itl(b, k) for k in ks) for b in sizes),
+                      method_itl_ms={method: tuple(tuple(cost.itl(b, k, method) for k in ks)
+                                                   for b in sizes)})
+
+
+def member(profile: ItlProfile, rates: tuple[float, ...], max_k: int = 4,
+           method: str = "ngram") -> DynamicK:
+    """A DynamicK whose rates are exactly `rates` (the prior, with no evidence)."""
+    prof = ItlProfile(batch_sizes=profile.batch_sizes, ks=profile.ks, itl_ms=profile.itl_ms,
+                      acceptance={method: rates}, method_itl_ms=profile.method_itl_ms)
+    return DynamicK(lambda: prof, method, max_k)
+
+
+def batch_goodput(profile: ItlProfile, batch: int, members: list[DynamicK],
+                  ks: tuple[int, ...]) -> float:
+    tokens = batch + sum(acceptance_length(m.rates(), k) - 1 for m, k in zip(members, ks,
+                                                                              strict=True))
+    rows: dict[str, int] = {}
+    for m, k in zip(members, ks, strict=True):
+        rows[m.method] = rows.get(m.method, 0) + k
+    return tokens / step_time(profile, batch, rows)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_allocation_is_the_best_split_of_draft_rows(seed):
+    rng = random.Random(seed)
+    profile = linear_profile(a=rng.uniform(10, 40), per_row=rng.uniform(0.2, 4.0),
+                             drafter_fixed=rng.uniform(0, 8))
+    members = [member(profile, tuple(rng.uniform(0.1, 0.95) for _ in range(4)))
+               for _ in range(3)]
+    batch = rng.choice((3, 5, 8))  # the others are plain sequences
+    ks = allocate(profile, batch, members)
+    best = max(itertools.product(range(5), repeat=3),
+               key=lambda v: batch_goodput(profile, batch, members, v))
+    assert batch_goodput(profile, batch, members, tuple(ks)) == pytest.approx(
+        batch_goodput(profile, batch, members, best), rel=1e-12)
+
+
+def test_rows_go_to_the_requests_that_are_accepted():
+    # A row costs 2 ms of a 40 ms step at batch 8: worth drafting only positions that
+    # are accepted more often than about (8 tokens / 40 ms) * 2 ms = 0.4.
+    profile = linear_profile(a=40, per_row=2.0, max_k=4)
+    copying = member(profile, (0.95,))
+    writing = member(profile, (0.3,))
+    ks = allocate(profile, 8, [copying, writing, member(profile, (0.95,))])
+    assert ks[1] == 0
+    assert ks[0] == ks[2] == 4
+
+
+def test_alike_requests_get_what_each_would_choose_alone():
+    # Everyone alike on a linear step time: the batch's choice is the common K each
+    # request's own goodput picks (the per-request rule is right when all are alike).
+    profile = linear_profile(a=30, per_row=1.5, max_k=4)
+    rates = (0.7, 0.6, 0.5, 0.5)
+    members = [member(profile, rates) for _ in range(4)]
+    alone = choose_k(profile, 4, rates, 4, "ngram")
+    assert allocate(profile, 4, members) == [alone] * 4
+    assert 0 < alone < 4
+
+
+def test_step_time_pays_each_drafters_cost_once():
+    # Two drafters in one batch: the forward of all rows, plus each drafter's fixed
+    # cost once and its cost per draft token for its own rows (the online model's law).
+    cost = StepCost(a=20, b=1.0, w=0.5, d={"ngram": 1.0, "eagle3": 6.0},
+                    e={"ngram": 0.0, "eagle3": 0.5})
+    sizes, ks = batch_grid(8), tuple(range(5))
+    profile = ItlProfile(batch_sizes=sizes, ks=ks,
+                         itl_ms=tuple(tuple(cost.itl(b, k) for k in ks) for b in sizes),
+                         method_itl_ms={m: tuple(tuple(cost.itl(b, k, m) for k in ks)
+                                                 for b in sizes) for m in ("ngram", "eagle3")})
+    forward = 20 + 1.0 * (8 + 2 + 4) + 0.5
+    assert step_time(profile, 8, {"ngram": 2, "eagle3": 4}) == pytest.approx(
+        forward + 1.0 + 6.0 + 0.5 * 4)
+    assert step_time(profile, 8, {"ngram": 0, "eagle3": 0}) == pytest.approx(20 + 8 + 0.5)
+
+
+def test_one_choice_per_step_for_all_members():
+    profile = linear_profile(a=40, per_row=2.0, max_k=4)
+    batch = BatchK()
+    a, b = member(profile, (0.95,)), member(profile, (0.3,))
+    a.join(batch)
+    b.join(batch)
+    assert len(batch) == 2
+    # Batch 8: six plain sequences beside them.
+    assert a.next_k(8, step=7) == 4 and b.next_k(8, step=7) == 0
+    # b's drafts start being accepted: nothing changes within step 7, its next step
+    # chooses with the new rates.
+    for _ in range(40):
+        b.observe(4, 4)
+    assert b.next_k(8, step=7) == 0
+    assert b.next_k(8, step=8) == 4
+    b.leave()
+    assert len(batch) == 1 and b.batch is None
+    # Out of the batch a request chooses alone again.
+    assert b.next_k(8, step=9) == choose_k(profile, 8, b.rates(), 4, "ngram")
+
+
+def test_joining_another_replicas_batch_leaves_the_first():
+    profile = linear_profile(a=40, per_row=2.0)
+    batches = BatchKs()
+    m = member(profile, (0.9,))
+    m.join(batches.of("verifier-a:1"))
+    m.join(batches.of("verifier-b:1"))
+    assert len(batches.of("verifier-a:1")) == 0
+    assert len(batches.of("verifier-b:1")) == 1
+    assert batches.of("verifier-b:1") is m.batch
