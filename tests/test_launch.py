@@ -22,6 +22,7 @@ from specdec.launch import (
     LocalService,
     LocalStack,
     RestartPolicy,
+    command_environ,
     command_line,
     interpolate,
     local_services,
@@ -86,13 +87,22 @@ def test_the_verifier_on_vllm_runs_on_vllms_interpreter(tmp_path: Path, monkeypa
         environ={**ENV, "SPECDEC_ENGINE": "vllm", "VERIFIER_TP": "2"})}["verifier"].argv
     assert verifier[verifier.index("--engine") + 1] == "vllm"
     assert verifier[verifier.index("--tensor-parallel-size") + 1] == "2"
-    python = tmp_path / "python"
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
     python.touch()
     monkeypatch.setenv(VLLM_PYTHON_ENV, str(python))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert command_line(verifier) == [str(python), "-m", "verifier", *verifier[1:]]
+    # vLLM's environment's Intel OpenMP is preloaded, as vLLM's CPU guide asks.
+    assert command_environ(verifier).get("LD_PRELOAD") is None
+    (tmp_path / "venv" / "lib").mkdir()
+    (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
+    assert command_environ(verifier)["LD_PRELOAD"] == str(tmp_path / "venv" / "lib" /
+                                                          "libiomp5.so")
     plain = {s.name: s for s in local_services(environ=ENV)}["verifier"].argv
     assert plain[plain.index("--engine") + 1] == "specdec"
     assert command_line(plain)[0].endswith("specdec-verifier")
+    assert command_environ(plain) is None
     monkeypatch.setenv(VLLM_PYTHON_ENV, str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="make vllm-venv"):
         command_line(verifier)

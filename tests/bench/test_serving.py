@@ -99,6 +99,58 @@ def test_render_names_a_missing_vllm_and_the_ratios():
     assert "| ours best / vLLM best | - |" in text
 
 
+def test_a_vllm_engine_verifier_reports_steps_and_tokens_only():
+    probe = serving.Probe({})
+    zero = {"steps": 0, "tokens": 0, "sequences": 0, "rows": 0, "forward_ms": 0.0}
+    got = probe.breakdown({"cpu_s": {}, "engine": zero},
+                          {"cpu_s": {}, "engine": {**zero, "steps": 4, "tokens": 10}}, 1.0)
+    assert got == {"cpu_share": {}, "steps": 4, "tokens_per_step": 2.5}
+
+
+def test_added_drafters_are_started_like_ngram_and_dialled_by_the_verifier():
+    env = {"SPECDEC_MODEL_ROOT": "/models", "SPECDEC_MODEL": "M", "SPECDEC_ENGINE": "vllm"}
+    services = serving.with_drafters(serving.local_services(environ=env), ("suffix",))
+    by_name = {s.name: s for s in services}
+    suffix, verifier = by_name["suffix"], by_name["verifier"]
+    assert services[0] is suffix
+    assert suffix.argv == ("specdec-drafter", "--method", "suffix", "--target", "/models/M",
+                           "--host", "127.0.0.1", "--port", "50064")
+    assert suffix.health == "127.0.0.1:50064" and "suffix" in verifier.depends_on
+    assert verifier.argv[-2:] == ("--drafter", "suffix=127.0.0.1:50064")
+    moved, ports = serving.on_free_ports(services)
+    assert f"suffix=127.0.0.1:{ports[50064]}" in dict(
+        (s.name, s) for s in moved)["verifier"].argv
+
+
+def test_render_compares_the_two_engines_of_the_embedded_default():
+    def cell(tok_s, identical=2):
+        return {"tok_s": tok_s, "ttft_ms_p50": 100.0, "ttft_ms_p99": 150.0,
+                "itl_ms_p50": 20.0, "itl_ms_p99": 40.0, "acceptance_length": None,
+                "identical": identical, "requests": 2}
+
+    result = {
+        "model": "M", "device_name": "CPU", "cpus": 2, "versions": {"torch": "2"},
+        "config": {"concurrency": [1], "requests": 2, "max_tokens": 8, "repeats": 1,
+                   "prompts": ["a", "b"]},
+        "load_average_1min": [0.1, 0.2], "wall_s": 60.0, "startup_s": {},
+        "summary": {"ours plain": {"1": cell(10.0)}, "ours default": {"1": cell(15.0)},
+                    "ours-vllm plain": {"1": cell(20.0, identical=1)},
+                    "ours-vllm default": {"1": cell(30.0)},
+                    "vllm plain": {"1": cell(25.0)}},
+        "unavailable": {"vllm remote suffix K=4": "no stamp"}, "preload": {},
+    }
+    result["notes"] = serving.notes(result)
+    text = serving.render(result)
+    assert "| ours-vllm plain | 20.0 | 100 | 150 | 20.0 | 40.0 | - | - | 1/2 |" in text
+    assert "| vllm remote suffix K=4 | unavailable: no stamp" in text
+    assert "| vLLM's engine / ours, plain | 2.00 |" in text
+    assert "| default / plain, vLLM's engine | 1.50 |" in text
+    assert "| vLLM's engine behind our gateway / `vllm serve`, plain | 0.80 |" in text
+    assert "| vLLM's engine, plain: replies same as ours plain | 1/2 |" in text
+    assert "| ours best / vLLM best | 0.60 (ours default / vllm plain) |" in text  # ours-vllm apart
+    assert "`vllm remote suffix K=4` = `--speculative-config" in text
+
+
 @pytest.mark.slow
 @pytest.mark.model
 def test_a_reduced_run_of_our_stack_and_engine(tmp_path):

@@ -30,6 +30,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.stats import chi_square_p_value
+from specdec.launch import vllm_environ
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from tests.ports import free_port
 from tests.tiny import next_token_logits
@@ -79,11 +80,7 @@ SERVING = re.compile(r"verifier \(vLLM.*\) serving \S+ on 127\.0\.0\.1:(\d+)")
 
 def _vllm_env() -> dict[str, str]:
     """vLLM's CPU backend as bench/serving.py runs it, with a small KV cache."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    iomp = PEERS_PYTHON.parent.parent / "lib" / "libiomp5.so"
-    if iomp.exists():
-        env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
-    return env
+    return vllm_environ(PEERS_PYTHON, dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind"))
 
 
 class _Proc:
