@@ -430,7 +430,8 @@ class Generation:
         step = resp.step_stats
         if not step.step:
             return None  # no step behind this response
-        self.dynamic.observe(step.num_drafted, step.num_accepted)
+        self.dynamic.observe(step.num_drafted, step.num_accepted,
+                             asked=step.num_speculative_tokens > 0)
         k = self.dynamic.next_k(max(step.batch_size, 1), step.step)
         if k is None or k == (self.num_speculative_tokens if self.enabled else 0):
             return None

@@ -43,9 +43,12 @@ class Member(Protocol):
 
     def rates(self) -> Sequence[float]: ...
 
+    def availability(self) -> float: ...
 
-def step_time(profile: ItlProfile, batch_size: float, rows: dict[str, int]) -> float:
-    """Modelled ms of a step of `batch_size` sequences with rows[method] draft rows."""
+
+def step_time(profile: ItlProfile, batch_size: float, rows: dict[str, float]) -> float:
+    """Modelled ms of a step of `batch_size` sequences with rows[method] draft rows
+    (expected rows: a fraction where a drafter may have none)."""
     n = sum(rows.values())
     t = profile.itl(batch_size, n / batch_size)
     for method, n_m in rows.items():
@@ -85,12 +88,15 @@ def allocate(profile: ItlProfile, batch_size: int, members: Iterable[Member]) ->
             reach *= rate_at(rates, j)
             positions.append((-reach, i, j))
     positions.sort()
-    rows = {m.method: 0 for m in members}
+    # A drafter that has nothing to propose for a step (q: how often it has) feeds
+    # no row and yields nothing: a position counts q rows and q * reach tokens.
+    available = [m.availability() for m in members]
+    rows = {m.method: 0.0 for m in members}
     tokens = batch
     best_n, best = 0, batch / step_time(profile, batch, rows)
     for n, (neg_reach, i, _) in enumerate(positions, 1):
-        tokens -= neg_reach
-        rows[members[i].method] += 1
+        tokens -= available[i] * neg_reach
+        rows[members[i].method] += available[i]
         goodput = tokens / step_time(profile, batch, rows)
         if goodput > best:
             best_n, best = n, goodput

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from gateway.policy.batch_k import BatchK, BatchKs, allocate, step_time
-from gateway.policy.dynamic_k import DynamicK
+from gateway.policy.dynamic_k import AVAILABILITY_PRIOR_STEPS, HALF_LIFE_STEPS, DynamicK
 from gateway.policy.goodput import acceptance_length, choose_k
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import StepCost, batch_grid
@@ -29,21 +29,31 @@ def linear_profile(a: float, per_row: float, max_batch: int = 16, max_k: int = 4
 
 
 def member(profile: ItlProfile, rates: tuple[float, ...], max_k: int = 4,
-           method: str = "ngram") -> DynamicK:
+           method: str = "ngram", **kwargs) -> DynamicK:
     """A DynamicK whose rates are exactly `rates` (the prior, with no evidence)."""
     prof = ItlProfile(batch_sizes=profile.batch_sizes, ks=profile.ks, itl_ms=profile.itl_ms,
                       acceptance={method: rates}, method_itl_ms=profile.method_itl_ms)
-    return DynamicK(lambda: prof, method, max_k)
+    return DynamicK(lambda: prof, method, max_k, **kwargs)
 
 
 def batch_goodput(profile: ItlProfile, batch: int, members: list[DynamicK],
                   ks: tuple[int, ...]) -> float:
-    tokens = batch + sum(acceptance_length(m.rates(), k) - 1 for m, k in zip(members, ks,
-                                                                              strict=True))
-    rows: dict[str, int] = {}
+    """Expected tokens per ms of a step where member i asks for ks[i] drafts (and gets
+    them with probability availability())."""
+    tokens, rows = float(batch), {}
     for m, k in zip(members, ks, strict=True):
-        rows[m.method] = rows.get(m.method, 0) + k
+        q = m.availability()
+        tokens += q * (acceptance_length(m.rates(), k) - 1)
+        rows[m.method] = rows.get(m.method, 0.0) + q * k
     return tokens / step_time(profile, batch, rows)
+
+
+def with_availability(m: DynamicK, answered: int, asked: int) -> DynamicK:
+    for i in range(asked):
+        m.observe(1 if i < answered else 0, 0, asked=True)
+    # Judged drafts move the rates: put them back to the prior's.
+    m.acceptance = type(m.acceptance)()
+    return m
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -51,7 +61,9 @@ def test_allocation_is_the_best_split_of_draft_rows(seed):
     rng = random.Random(seed)
     profile = linear_profile(a=rng.uniform(10, 40), per_row=rng.uniform(0.2, 4.0),
                              drafter_fixed=rng.uniform(0, 8))
-    members = [member(profile, tuple(rng.uniform(0.1, 0.95) for _ in range(4)))
+    members = [with_availability(member(profile, tuple(rng.uniform(0.1, 0.95)
+                                                       for _ in range(4))),
+                                 answered=rng.randint(0, 6), asked=6)
                for _ in range(3)]
     batch = rng.choice((3, 5, 8))  # the others are plain sequences
     ks = allocate(profile, batch, members)
@@ -59,6 +71,27 @@ def test_allocation_is_the_best_split_of_draft_rows(seed):
                key=lambda v: batch_goodput(profile, batch, members, v))
     assert batch_goodput(profile, batch, members, tuple(ks)) == pytest.approx(
         batch_goodput(profile, batch, members, best), rel=1e-12)
+
+
+def test_availability_is_the_share_of_asked_steps_that_drafted():
+    m = member(linear_profile(a=40, per_row=2.0), (0.5,))
+    assert m.availability() == 1.0  # the prior: a drafter answers
+    for _ in range(200):
+        m.observe(3, 1, asked=True)
+        m.observe(0, 0, asked=True)  # asked, nothing to propose
+    # Half of the asked steps the half-life keeps (1 / (1 - 2^(-1/h)) of them), beside the
+    # prior's 4 answered steps.
+    kept = 1 / (1 - 0.5 ** (1 / HALF_LIFE_STEPS))
+    assert m.availability() == pytest.approx((kept / 2 + AVAILABILITY_PRIOR_STEPS)
+                                             / (kept + AVAILABILITY_PRIOR_STEPS), abs=0.03)
+    before = m.availability()
+    for _ in range(20):
+        m.observe(0, 0, asked=False)  # K = 0: nothing new, the old evidence fades
+    assert before < m.availability() < 1.0
+    for _ in range(200):
+        m.observe(0, 0, asked=True)
+    assert m.availability() == pytest.approx(
+        AVAILABILITY_PRIOR_STEPS / (kept + AVAILABILITY_PRIOR_STEPS), abs=0.01)
 
 
 def test_rows_go_to_the_requests_that_are_accepted():
@@ -102,7 +135,8 @@ def test_step_time_pays_each_drafters_cost_once():
 def test_one_choice_per_step_for_all_members():
     profile = linear_profile(a=40, per_row=2.0, max_k=4)
     batch = BatchK()
-    a, b = member(profile, (0.95,)), member(profile, (0.3,))
+    # b's own counts weigh as much as 2 steps of the prior: 40 steps move it.
+    a, b = member(profile, (0.95,)), member(profile, (0.3,), prior_steps=2)
     a.join(batch)
     b.join(batch)
     assert len(batch) == 2

@@ -192,7 +192,8 @@ def test_profile_makes_k_zero_at_a_large_batch_and_speculates_at_batch_one():
 
 def test_dynamic_k_follows_the_model_as_it_learns():
     model = OnlineProfile()
-    dk = DynamicK(lambda: model.profile(16, 4), "ngram", 4)
+    # A light prior on the request's own counts, so that they soon outweigh it.
+    dk = DynamicK(lambda: model.profile(16, 4), "ngram", 4, prior_steps=8, half_life_steps=48)
     assert dk.next_k(1) is None  # nothing measured: the caller keeps its K
     v = Verifier(model, a=10.0, b=0.1, d={"ngram": 0.0}, e={"ngram": 0.0})
     for i in range(MIN_STEPS + 5):
