@@ -96,7 +96,7 @@ def test_render_names_a_missing_vllm_and_the_ratios():
     assert "| vllm plain | unavailable: no peers venv" in text
     assert "| ours ngram K=4 | 15.0 | 100 | 150 | 20.0 | 40.0 | - | 3.50 | 2/2 |" in text
     assert "| `make run` plain / engine | 0.80 |" in text
-    assert "| ours best / vLLM best | - |" in text
+    assert "| ours best / vLLM best (its own methods) | - |" in text
 
 
 def test_a_vllm_engine_verifier_reports_steps_and_tokens_only():
@@ -147,7 +147,7 @@ def test_render_compares_the_two_engines_of_the_embedded_default():
     assert "| default / plain, vLLM's engine | 1.50 |" in text
     assert "| vLLM's engine behind our gateway / `vllm serve`, plain | 0.80 |" in text
     assert "| vLLM's engine, plain: replies same as ours plain | 1/2 |" in text
-    assert "| ours best / vLLM best | 0.60 (ours default / vllm plain) |" in text  # ours-vllm apart
+    assert "| ours best / vLLM best (its own methods) | 0.60 (ours default / vllm plain) |" in text  # ours-vllm apart
     assert "`vllm remote suffix K=4` = `--speculative-config" in text
 
 
@@ -174,3 +174,12 @@ def test_a_reduced_run_of_our_stack_and_engine(tmp_path):
     assert b["step_ms"]["forward"] > 0 and b["cpu_share"]["verifier"] > 0
     assert s["ours ngram K=4"]["1"]["acceptance_length"] >= 1.0
     assert "| ours default |" in out.with_suffix(".md").read_text()
+
+
+def test_vllms_best_is_of_its_own_methods():
+    """A `vllm remote` row drafts with our drafter service: it is not vLLM at its best."""
+    summary = {"ours plain": {"4": {"tok_s": 90.0}}, "vllm plain": {"4": {"tok_s": 60.0}},
+               "vllm ngram K=4": {"4": {"tok_s": 80.0}},
+               "vllm remote suffix K=4": {"4": {"tok_s": 120.0}}}
+    assert serving.best(summary, "vllm ", "4") == ("vllm ngram K=4", 80.0)
+    assert serving.best(summary, "ours ", "4") == ("ours plain", 90.0)
