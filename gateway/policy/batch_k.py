@@ -106,6 +106,28 @@ def allocate(profile: ItlProfile, batch_size: int, members: Iterable[Member]) ->
     return ks
 
 
+def batch_goodput(profile: ItlProfile, batch_size: int, members: Sequence[Member],
+                  ks: Sequence[int]) -> float:
+    """The batch's modelled tokens per ms with members[i] at ks[i]."""
+    batch = float(max(batch_size, len(members), 1))
+    tokens, rows = batch, {m.method: 0.0 for m in members}
+    for m, k in zip(members, ks, strict=True):
+        q, rates, reach = m.availability(), m.rates(), 1.0
+        for j in range(k):
+            reach *= rate_at(rates, j)
+            tokens += q * reach
+        rows[m.method] += q * k
+    return tokens / step_time(profile, batch, rows)
+
+
+# A new choice replaces the batch's current Ks only when its modelled goodput is this
+# much higher. The model's rates move a little every step; without a margin the Ks of
+# a batch churn between near-equal choices, each change a PolicyUpdate to the verifier
+# and its drafters, and a batch whose rows jump from step to step runs slower than
+# its mean rows say (CPU kernels change tiles past a row count).
+MIN_GAIN = 0.02
+
+
 class BatchK:
     """The dynamic-K requests running on one replica, and their K for its latest step.
 
@@ -134,8 +156,13 @@ class BatchK:
                step: int) -> int:
         if step != self._step or id(member) not in self._ks:
             members = list(self._members.values())
-            self._ks = dict(zip(map(id, members), allocate(profile, batch_size, members),
-                                strict=True))
+            ks = allocate(profile, batch_size, members)
+            if members and all(id(m) in self._ks for m in members):
+                current = [self._ks[id(m)] for m in members]
+                if ks != current and batch_goodput(profile, batch_size, members, ks) < \
+                        (1.0 + MIN_GAIN) * batch_goodput(profile, batch_size, members, current):
+                    ks = current
+            self._ks = dict(zip(map(id, members), ks, strict=True))
             self._step = step
         return self._ks.get(id(member), 0)
 

@@ -9,7 +9,14 @@ import random
 
 import pytest
 
-from gateway.policy.batch_k import BatchK, BatchKs, allocate, step_time
+from gateway.policy.batch_k import (
+    MIN_GAIN,
+    BatchK,
+    BatchKs,
+    allocate,
+    batch_goodput,
+    step_time,
+)
 from gateway.policy.dynamic_k import AVAILABILITY_PRIOR_STEPS, HALF_LIFE_STEPS, DynamicK
 from gateway.policy.goodput import acceptance_length, choose_k
 from gateway.policy.itl_profile import ItlProfile
@@ -36,7 +43,7 @@ def member(profile: ItlProfile, rates: tuple[float, ...], max_k: int = 4,
     return DynamicK(lambda: prof, method, max_k, **kwargs)
 
 
-def batch_goodput(profile: ItlProfile, batch: int, members: list[DynamicK],
+def reference_goodput(profile: ItlProfile, batch: int, members: list[DynamicK],
                   ks: tuple[int, ...]) -> float:
     """Expected tokens per ms of a step where member i asks for ks[i] drafts (and gets
     them with probability availability())."""
@@ -68,9 +75,11 @@ def test_allocation_is_the_best_split_of_draft_rows(seed):
     batch = rng.choice((3, 5, 8))  # the others are plain sequences
     ks = allocate(profile, batch, members)
     best = max(itertools.product(range(5), repeat=3),
-               key=lambda v: batch_goodput(profile, batch, members, v))
-    assert batch_goodput(profile, batch, members, tuple(ks)) == pytest.approx(
-        batch_goodput(profile, batch, members, best), rel=1e-12)
+               key=lambda v: reference_goodput(profile, batch, members, v))
+    assert reference_goodput(profile, batch, members, tuple(ks)) == pytest.approx(
+        reference_goodput(profile, batch, members, best), rel=1e-12)
+    assert batch_goodput(profile, batch, members, best) == pytest.approx(
+        reference_goodput(profile, batch, members, best), rel=1e-12)
 
 
 def test_availability_is_the_share_of_asked_steps_that_drafted():
@@ -152,6 +161,27 @@ def test_one_choice_per_step_for_all_members():
     assert len(batch) == 1 and b.batch is None
     # Out of the batch a request chooses alone again.
     assert b.next_k(8, step=9) == choose_k(profile, 8, b.rates(), 4, "ngram")
+
+
+def test_a_batch_keeps_its_ks_unless_a_new_choice_clearly_pays():
+    profile = linear_profile(a=40, per_row=2.0, max_k=4)
+    batch = BatchK()
+    a, b = member(profile, (0.6,), prior_steps=2), member(profile, (0.6,), prior_steps=2)
+    a.join(batch)
+    b.join(batch)
+    first = (a.next_k(2, step=1), b.next_k(2, step=1))
+    assert first[0] > 0
+    # A nudge that makes another choice best by a hair: the batch keeps its Ks.
+    a.observe(1, 0)
+    moved = allocate(profile, 2, [a, b])
+    gain = batch_goodput(profile, 2, [a, b], moved) / batch_goodput(profile, 2, [a, b], first)
+    assert (moved != list(first)) == (gain > 1.0)
+    assert (a.next_k(2, step=2), b.next_k(2, step=2)) == (first if gain < 1 + MIN_GAIN
+                                                          else tuple(moved))
+    # Evidence that changes the picture changes the Ks.
+    for _ in range(30):
+        a.observe(4, 0)
+    assert a.next_k(2, step=3) < first[0]
 
 
 def test_joining_another_replicas_batch_leaves_the_first():
