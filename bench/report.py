@@ -31,6 +31,11 @@ SECTIONS = [
     ("serving_vllm_proposer.md", "`vllm serve` with our ngram drafter service as its proposer",
      "python -m bench.serving --systems vllm --repeats 2 "
      "--out bench/results/serving_vllm_proposer.json"),
+    ("serving_vllm_engine.md",
+     "vLLM's engine under our gateway (`SPECDEC_ENGINE=vllm make run`), and our suffix drafter "
+     "as `vllm serve`'s proposer",
+     "python -m bench.serving --systems ours,ours-vllm,vllm --ours 'plain,default' "
+     "--vllm 'plain,ngram K=4,remote suffix K=4' --out bench/results/serving_vllm_engine.json"),
     ("grid.md", "Serving grid: drafters x K x concurrency, beside in-process peers",
      "python -m bench.grid"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),
