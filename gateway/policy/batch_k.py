@@ -29,6 +29,7 @@ each: B is the step's batch size as the verifier reports it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.policy.goodput import rate_at
@@ -128,6 +129,23 @@ def batch_goodput(profile: ItlProfile, batch_size: int, members: Sequence[Member
 MIN_GAIN = 0.02
 
 
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """A member's rates and availability read once for a step's choice (Member): the
+    choice and the margin check read them several times."""
+
+    method: str
+    max_num_speculative_tokens: int
+    _rates: tuple[float, ...]
+    _availability: float
+
+    def rates(self) -> tuple[float, ...]:
+        return self._rates
+
+    def availability(self) -> float:
+        return self._availability
+
+
 class BatchK:
     """The dynamic-K requests running on one replica, and their K for its latest step.
 
@@ -156,11 +174,13 @@ class BatchK:
                step: int) -> int:
         if step != self._step or id(member) not in self._ks:
             members = list(self._members.values())
-            ks = allocate(profile, batch_size, members)
+            views = [_Snapshot(m.method, m.max_num_speculative_tokens, tuple(m.rates()),
+                               m.availability()) for m in members]
+            ks = allocate(profile, batch_size, views)
             if members and all(id(m) in self._ks for m in members):
                 current = [self._ks[id(m)] for m in members]
-                if ks != current and batch_goodput(profile, batch_size, members, ks) < \
-                        (1.0 + MIN_GAIN) * batch_goodput(profile, batch_size, members, current):
+                if ks != current and batch_goodput(profile, batch_size, views, ks) < \
+                        (1.0 + MIN_GAIN) * batch_goodput(profile, batch_size, views, current):
                     ks = current
             self._ks = dict(zip(map(id, members), ks, strict=True))
             self._step = step
