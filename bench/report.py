@@ -47,6 +47,11 @@ SECTIONS = [
      "bash bench/gpu.sh OUT MODEL_DIR, on a lent H100 (copied from OUT)"),
     ("verifier_cuda_1b.md", "On an H100: the same on a random 1.1B-parameter model",
      "bash bench/gpu.sh OUT MODEL_DIR, on a lent H100 (copied from OUT)"),
+    ("verifier_cuda_h200.md", "On an H200 (this code, 2026-11-26): CUDA graphs, the Triton "
+     "sampler and the decode step by kernel, default model's shapes",
+     "bash bench/gpu.sh OUT MODEL_DIR, on a lent H200 (copied from OUT)"),
+    ("verifier_cuda_1b_h200.md", "On an H200: the same on a random 1.1B-parameter model",
+     "bash bench/gpu.sh OUT MODEL_DIR, on a lent H200 (copied from OUT)"),
     ("drafters.md", "Drafters, single stream (its eagle3 rows are an earlier head's)",
      "python -m bench.drafters"),
     ("drafters_eagle3.md", "The current EAGLE-3 head, single stream",

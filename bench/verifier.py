@@ -257,6 +257,37 @@ def device_time_ms(fn: Callable[[], object], iters: int) -> float | None:
     return total_us / 1000 / iters if total_us > 0 else None
 
 
+def top_kernels(kernel_us: dict[str, float], iters: int, top: int) -> dict:
+    """GPU time per step by kernel, from totals over `iters` steps (µs): the
+    `top` longest kernels in ms per step, longest first, and the sum of all."""
+    per_step = sorted(((name, us / 1000 / iters) for name, us in kernel_us.items() if us > 0),
+                      key=lambda kv: -kv[1])
+    return {"total_ms": sum(ms for _, ms in per_step),
+            "top": [{"kernel": name, "ms": ms} for name, ms in per_step[:top]]}
+
+
+def kernel_breakdown(model: LlamaForCausalLM, cache: PagedKVCache, batches: list[int],
+                     context: int, iters: int = 5, top: int = 8) -> list[dict]:
+    """Where an eager decode step's GPU time goes, per batch (torch.profiler):
+    the kernels' own time, without the host's launch gaps that CUDA graphs remove,
+    so the sum set beside the graphs step time tells kernel work from overhead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in batches:
+        step = make_step(model, cache, batch, 1, context, gen)
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+        kernel_us = {e.key: e.self_device_time_total for e in prof.key_averages()}
+        rows.append({"batch": batch, **top_kernels(kernel_us, iters, top)})
+    return rows
+
+
 def bench_sampler(batch: int, k: int, vocab: int, iters: int, warmup: int,
                   device: torch.device) -> list[dict]:
     """The whole sampling step (argmax, filters + softmax, random draws,
@@ -366,6 +397,7 @@ def render_table(result: dict) -> str:
         for r in result["graphs_speedup"]:
             lines.append(f"| {r['batch']} | {r['k']} | {r['decode']:.2f}x | {r['verify']:.2f}x |")
     lines += bandwidth_floor_lines(result)
+    lines += kernel_lines(result)
     s = result["sampler"]
     lines += [
         "",
@@ -421,6 +453,23 @@ def bandwidth_floor_lines(result: dict) -> list[str]:
              f"bandwidth = {floor:.2f} ms (weights alone: the KV cache read at each step adds to it)", "",
              "| batch | decode ms (fastest mode) | floor ms | decode / floor |", "|---|---|---|---|"]
     lines += [f"| {b} | {ms:.2f} | {floor:.2f} | {ms / floor:.1f}x |" for b, ms in best.items()]
+    return lines
+
+
+def kernel_lines(result: dict) -> list[str]:
+    """Each batch's decode step: its kernels' GPU time beside the graphs step
+    time, then the longest kernels."""
+    if not result.get("kernels"):
+        return []
+    graphs = {r["batch"]: r["decode_median_ms"] for r in result["forward"] if r["mode"] == "graphs"}
+    lines = ["", "Decode step by kernel (eager, torch.profiler; kernel time alone, launch gaps "
+                 "excluded; ms per step):", "",
+             "| batch | kernels ms | graphs step ms | longest kernels (ms) |", "|---|---|---|---|"]
+    for r in result["kernels"]:
+        step = graphs.get(r["batch"])
+        top = "; ".join(f"{k['kernel'][:60]} {k['ms']:.3f}" for k in r["top"])
+        lines.append(f"| {r['batch']} | {r['total_ms']:.2f} | "
+                     f"{f'{step:.2f}' if step is not None else '-'} | {top} |")
     return lines
 
 
@@ -502,6 +551,7 @@ def main() -> None:
     for mode in modes:
         forward += bench_forward(model, cache, batches, ks, args.context, args.iters,
                                  args.warmup, mode, graphs)
+    kernels = kernel_breakdown(model, cache, batches, args.context) if device.type == "cuda" else []
     del model, cache, graphs
     sampler_rows = bench_sampler(args.sampler_batch, args.sampler_k, args.sampler_vocab,
                                  args.sampler_iters, args.warmup, device)
@@ -523,6 +573,7 @@ def main() -> None:
         "load_average_1min": [round(load_start, 2), round(os.getloadavg()[0], 2)],  # start, end
         "modes": list(modes),
         "forward": forward,
+        "kernels": kernels,
         "sampler": {"batch": args.sampler_batch, "k": args.sampler_k, "vocab": args.sampler_vocab,
                     "iters": args.sampler_iters, "rows": sampler_rows},
     }

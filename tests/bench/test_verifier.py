@@ -26,3 +26,15 @@ def test_no_floor_off_a_known_gpu():
     assert verifier.bandwidth_floor_ms(_result("cpu", "AMD EPYC")) is None
     assert verifier.bandwidth_floor_ms(_result("cuda", "Some Future GPU")) is None
     assert verifier.bandwidth_floor_lines(_result("cpu", "AMD EPYC")) == []
+
+
+def test_kernel_time_is_per_step_longest_first():
+    got = verifier.top_kernels({"gemm": 3000.0, "rmsnorm": 500.0, "attn": 1500.0, "idle": 0.0},
+                               iters=5, top=2)
+    assert got["total_ms"] == pytest.approx(1.0)  # 5000 µs over 5 steps
+    assert got["top"] == [{"kernel": "gemm", "ms": pytest.approx(0.6)},
+                          {"kernel": "attn", "ms": pytest.approx(0.3)}]
+    result = {"forward": [{"batch": 1, "mode": "graphs", "decode_median_ms": 1.5}],
+              "kernels": [{"batch": 1, **got}]}
+    assert "| 1 | 1.00 | 1.50 | gemm 0.600; attn 0.300 |" in verifier.kernel_lines(result)
+    assert verifier.kernel_lines({"forward": [], "kernels": []}) == []

@@ -245,7 +245,7 @@ def test_a_drafter_that_breaks_or_goes_away_costs_drafts_only(tp_rank, drafters)
         assert engine.step({"a": [10], "b": [20], "c": [30]}) == [
             drafts_after(10, DEFAULT_K), drafts_after(20, DEFAULT_K, 500), []]
         drafters["ngram"].broken = True
-        drafters["suffix"].server.stop(0)
+        drafters["suffix"].server.stop(0).wait()  # stop() only begins it
         assert engine.step({"a": [11], "b": [21], "c": [31]}) == [[], [], []]
         assert engine.step({"a": [12], "b": [22], "c": [32]}) == [[], [], []]
     finally:
