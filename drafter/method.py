@@ -84,6 +84,10 @@ class DraftMethod(ABC):
 
     #: Registry name (`specdec-drafter --method NAME`).
     name: str = ""
+    #: A request's work is a few hundred microseconds of Python (lookups, no model):
+    #: the servicer runs it on its event loop, since a hop to a worker thread and back
+    #: costs more than the work when the verifier hogs the cores and every wakeup waits.
+    light: bool = False
 
     @abstractmethod
     def info(self) -> DrafterInfo: ...

@@ -113,7 +113,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     await stream.predraft  # its bets must be placed before they are settled
                     stream.predraft = None
                 try:
-                    response = await asyncio.to_thread(self._handle, stream, request)
+                    response = (self._handle(stream, request) if self._method.light
+                                else await asyncio.to_thread(self._handle, stream, request))
                 except InvalidRequest as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 response.draft_time_ms = (time.perf_counter() - received) * 1e3

@@ -22,15 +22,26 @@ online model), at the batch's mean K: T(B, n) = ITL(B, n / B), plus for each
 drafter method its own cost over the shared table at its rows. A drafter's fixed
 cost per step is then paid once, however many requests it drafts for.
 
+A drafter may have nothing to propose (an ngram drafter without a match: request i
+gets its k_i rows with probability q_i, its availability), so a step's rows are
+random, and the forward's time is taken as its expectation over them, not its value
+at the mean rows. Step time is not straight in rows: on CPU the small-rows kernel
+holds up to 12 rows and a step of 13 costs far more, and CUDA graphs pad a step to
+the next captured size. Ks whose mean rows sit just below such a step, but whose
+rows often land past it, then cost what they cost, rather than what their mean would.
+
 Requests outside the choice (static K, plain, another gateway's) count as one row
 each: B is the step's batch size as the verifier reports it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from gateway.policy.goodput import rate_at
 from gateway.policy.itl_profile import ItlProfile
@@ -48,14 +59,64 @@ class Member(Protocol):
 
 
 def step_time(profile: ItlProfile, batch_size: float, rows: dict[str, float]) -> float:
-    """Modelled ms of a step of `batch_size` sequences with rows[method] draft rows
-    (expected rows: a fraction where a drafter may have none)."""
+    """Modelled ms of a step of `batch_size` sequences with rows[method] draft rows."""
     n = sum(rows.values())
-    t = profile.itl(batch_size, n / batch_size)
-    for method, n_m in rows.items():
-        if n_m and method in profile.method_itl_ms:
-            t += _drafter_cost(profile, batch_size, n_m / batch_size, method)
-    return t
+    return profile.itl(batch_size, n / batch_size) + _drafters_cost(profile, batch_size, rows)
+
+
+def _drafters_cost(profile: ItlProfile, batch_size: float, rows: dict[str, float]) -> float:
+    """What the drafters add to a step with rows[method] (expected) draft rows each."""
+    return sum(_drafter_cost(profile, batch_size, n_m / batch_size, method)
+               for method, n_m in rows.items() if n_m and method in profile.method_itl_ms)
+
+
+class _ExpectedStep:
+    """Modelled ms of a step of `batch_size` sequences in which draft request i asks
+    for k_i rows and gets all of them with probability available[i], else none: the
+    forward's time averaged over the distribution of the step's draft rows, and each
+    drafter's cost at its expected rows (it is near straight in them).
+
+    The distribution of a sum of independent counts is the convolution of theirs,
+    a product of their transforms: request i's is (1 - q_i) + q_i w^k_i at the
+    `size`-th roots of unity w, so one request's K changing is one row of
+    `_factors` rewritten, and E[forward] = sum_n P(n) forward(n) is the inner product
+    of the transforms (Parseval). size > the most rows, so the cyclic convolution
+    never wraps around: exact to rounding, and a walk over O(B K) choices costs
+    O(B K) products of B short rows, not a convolution of B requests each time.
+    """
+
+    def __init__(self, profile: ItlProfile, batch_size: float, methods: Sequence[str],
+                 available: Sequence[float], max_rows: int):
+        self.profile, self.batch_size = profile, batch_size
+        self.methods, self.available = methods, available
+        size = 1 << max_rows.bit_length()
+        forward = np.zeros(size)  # [size]: the forward's time at n draft rows
+        forward[:max_rows + 1] = [profile.itl(batch_size, n / batch_size)
+                                  for n in range(max_rows + 1)]
+        self._forward = np.conj(np.fft.fft(forward)) / size  # [size]
+        self._powers = _powers(size)  # [size, size]: row k = w^k at each root w
+        self._factors = np.ones((len(methods), size), dtype=complex)  # [members, size]
+        self._ks = [0] * len(methods)
+
+    def set(self, i: int, k: int) -> None:
+        """Request i asks for k rows."""
+        q = self.available[i]
+        self._factors[i] = (1.0 - q) + q * self._powers[k]
+        self._ks[i] = k
+
+    def __call__(self) -> float:
+        forward = float((self._factors.prod(axis=0) @ self._forward).real)
+        rows: dict[str, float] = {}
+        for method, q, k in zip(self.methods, self.available, self._ks, strict=True):
+            if k:
+                rows[method] = rows.get(method, 0.0) + q * k
+        return forward + _drafters_cost(self.profile, self.batch_size, rows)
+
+
+@functools.cache
+def _powers(size: int) -> np.ndarray:
+    """[size, size]: w^k for k = 0..size-1 (rows) at the roots w = exp(-2 pi i m / size)."""
+    return np.exp(-2j * np.pi * np.outer(np.arange(size), np.arange(size)) / size)
 
 
 def _drafter_cost(profile: ItlProfile, batch_size: float, k: float, method: str) -> float:
@@ -90,15 +151,19 @@ def allocate(profile: ItlProfile, batch_size: int, members: Iterable[Member]) ->
             positions.append((-reach, i, j))
     positions.sort()
     # A drafter that has nothing to propose for a step (q: how often it has) feeds
-    # no row and yields nothing: a position counts q rows and q * reach tokens.
+    # no row and yields nothing: a position yields q * reach tokens, and its row is
+    # there in a share q of the steps.
     available = [m.availability() for m in members]
-    rows = {m.method: 0.0 for m in members}
+    time = _ExpectedStep(profile, batch, [m.method for m in members], available,
+                         len(positions))
+    ks = [0] * len(members)
     tokens = batch
-    best_n, best = 0, batch / step_time(profile, batch, rows)
+    best_n, best = 0, batch / time()
     for n, (neg_reach, i, _) in enumerate(positions, 1):
         tokens -= available[i] * neg_reach
-        rows[members[i].method] += available[i]
-        goodput = tokens / step_time(profile, batch, rows)
+        ks[i] += 1
+        time.set(i, ks[i])
+        goodput = tokens / time()
         if goodput > best:
             best_n, best = n, goodput
     ks = [0] * len(members)
@@ -111,14 +176,17 @@ def batch_goodput(profile: ItlProfile, batch_size: int, members: Sequence[Member
                   ks: Sequence[int]) -> float:
     """The batch's modelled tokens per ms with members[i] at ks[i]."""
     batch = float(max(batch_size, len(members), 1))
-    tokens, rows = batch, {m.method: 0.0 for m in members}
-    for m, k in zip(members, ks, strict=True):
-        q, rates, reach = m.availability(), m.rates(), 1.0
+    available = [m.availability() for m in members]
+    tokens = batch
+    for m, q, k in zip(members, available, ks, strict=True):
+        rates, reach = m.rates(), 1.0
         for j in range(k):
             reach *= rate_at(rates, j)
             tokens += q * reach
-        rows[m.method] += q * k
-    return tokens / step_time(profile, batch, rows)
+    time = _ExpectedStep(profile, batch, [m.method for m in members], available, sum(ks))
+    for i, k in enumerate(ks):
+        time.set(i, k)
+    return tokens / time()
 
 
 # A new choice replaces the batch's current Ks only when its modelled goodput is this
