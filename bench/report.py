@@ -36,6 +36,15 @@ SECTIONS = [
      "as `vllm serve`'s proposer",
      "python -m bench.serving --systems ours,ours-vllm,vllm --ours 'plain,default' "
      "--vllm 'plain,ngram K=4,remote suffix K=4' --out bench/results/serving_vllm_engine.json"),
+    ("serving_dynamic_k.md",
+     "Dynamic K priced at the expected step time, against static K (ours only; an AVX2 EPYC, "
+     "2026-11-26)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram auto' --concurrency 4,16 "
+     "--repeats 3 --out bench/results/serving_dynamic_k.json"),
+    ("serving_dynamic_k_before.md",
+     "The same run just before, dynamic K priced at the mean rows (same machine, same hour)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram auto' --concurrency 4,16 "
+     "--repeats 3 --out bench/results/serving_dynamic_k_before.json"),
     ("grid.md", "Serving grid: drafters x K x concurrency, beside in-process peers",
      "python -m bench.grid"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),

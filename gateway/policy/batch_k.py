@@ -105,12 +105,16 @@ class _ExpectedStep:
         self._ks[i] = k
 
     def __call__(self) -> float:
-        forward = float((self._factors.prod(axis=0) @ self._forward).real)
         rows: dict[str, float] = {}
         for method, q, k in zip(self.methods, self.available, self._ks, strict=True):
             if k:
                 rows[method] = rows.get(method, 0.0) + q * k
-        return forward + _drafters_cost(self.profile, self.batch_size, rows)
+        # Never below the time at the mean rows: where the profile bends down (the
+        # online fit reads a segment whose slope came out negative as flat), spread
+        # would look like a saving, and such a bend is the fit's, not the machine's.
+        expected = float((self._factors.prod(axis=0) @ self._forward).real)
+        at_mean = self.profile.itl(self.batch_size, sum(rows.values()) / self.batch_size)
+        return max(expected, at_mean) + _drafters_cost(self.profile, self.batch_size, rows)
 
 
 @functools.cache

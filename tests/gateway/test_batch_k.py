@@ -47,7 +47,8 @@ def reference_goodput(profile: ItlProfile, batch: int, members: list[DynamicK],
                       ks: tuple[int, ...]) -> float:
     """Expected tokens per ms of a step where member i asks for ks[i] drafts and gets
     them with probability q_i = availability(): the forward's time averaged over every
-    set of members that got theirs, each drafter's cost at its expected rows."""
+    set of members that got theirs (never below its time at the mean rows), each
+    drafter's cost at its expected rows."""
     tokens, rows = float(batch), {}
     for m, k in zip(members, ks, strict=True):
         q = m.availability()
@@ -60,8 +61,9 @@ def reference_goodput(profile: ItlProfile, batch: int, members: list[DynamicK],
             p *= m.availability() if g else 1.0 - m.availability()
             n += k if g else 0
         forward += p * profile.itl(batch, n / batch)
-    drafters = step_time(profile, batch, rows) - profile.itl(batch, sum(rows.values()) / batch)
-    return tokens / (forward + drafters)
+    at_mean = profile.itl(batch, sum(rows.values()) / batch)
+    drafters = step_time(profile, batch, rows) - at_mean
+    return tokens / (max(forward, at_mean) + drafters)
 
 
 def with_availability(m: DynamicK, answered: int, asked: int) -> DynamicK:
