@@ -36,7 +36,6 @@ each: B is the step's batch size as the verifier reports it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -70,6 +69,13 @@ def _drafters_cost(profile: ItlProfile, batch_size: float, rows: dict[str, float
                for method, n_m in rows.items() if n_m and method in profile.method_itl_ms)
 
 
+# The expectation is exact while members x transform size stays within this (16
+# requests drafting up to 8 each: 3 ms a choice on a busy 2-core machine); a larger
+# batch is priced at its mean rows. Its rows are then a sum of many independent
+# counts, whose spread is small beside their mean.
+EXACT_BUDGET = 16 * 256
+
+
 class _ExpectedStep:
     """Modelled ms of a step of `batch_size` sequences in which draft request i asks
     for k_i rows and gets all of them with probability available[i], else none: the
@@ -89,38 +95,40 @@ class _ExpectedStep:
                  available: Sequence[float], max_rows: int):
         self.profile, self.batch_size = profile, batch_size
         self.methods, self.available = methods, available
+        self._ks = [0] * len(methods)
         size = 1 << max_rows.bit_length()
+        self._exact = len(methods) * size <= EXACT_BUDGET
+        if not self._exact:
+            return
         forward = np.zeros(size)  # [size]: the forward's time at n draft rows
         forward[:max_rows + 1] = [profile.itl(batch_size, n / batch_size)
                                   for n in range(max_rows + 1)]
         self._forward = np.conj(np.fft.fft(forward)) / size  # [size]
-        self._powers = _powers(size)  # [size, size]: row k = w^k at each root w
+        self._roots = np.exp(-2j * np.pi * np.arange(size) / size)  # [size]: w
+        self._powers: dict[int, np.ndarray] = {}  # k -> [size]: w^k
         self._factors = np.ones((len(methods), size), dtype=complex)  # [members, size]
-        self._ks = [0] * len(methods)
 
     def set(self, i: int, k: int) -> None:
         """Request i asks for k rows."""
-        q = self.available[i]
-        self._factors[i] = (1.0 - q) + q * self._powers[k]
         self._ks[i] = k
+        if self._exact:
+            if k not in self._powers:
+                self._powers[k] = self._roots ** k
+            q = self.available[i]
+            self._factors[i] = (1.0 - q) + q * self._powers[k]
 
     def __call__(self) -> float:
         rows: dict[str, float] = {}
         for method, q, k in zip(self.methods, self.available, self._ks, strict=True):
             if k:
                 rows[method] = rows.get(method, 0.0) + q * k
-        # Never below the time at the mean rows: where the profile bends down (the
-        # online fit reads a segment whose slope came out negative as flat), spread
-        # would look like a saving, and such a bend is the fit's, not the machine's.
-        expected = float((self._factors.prod(axis=0) @ self._forward).real)
-        at_mean = self.profile.itl(self.batch_size, sum(rows.values()) / self.batch_size)
-        return max(expected, at_mean) + _drafters_cost(self.profile, self.batch_size, rows)
-
-
-@functools.cache
-def _powers(size: int) -> np.ndarray:
-    """[size, size]: w^k for k = 0..size-1 (rows) at the roots w = exp(-2 pi i m / size)."""
-    return np.exp(-2j * np.pi * np.outer(np.arange(size), np.arange(size)) / size)
+        t = self.profile.itl(self.batch_size, sum(rows.values()) / self.batch_size)
+        if self._exact:
+            # Never below the time at the mean rows: where the profile bends down (the
+            # online fit reads a segment whose slope came out negative as flat), spread
+            # would look like a saving, and such a bend is the fit's, not the machine's.
+            t = max(t, float((self._factors.prod(axis=0) @ self._forward).real))
+        return t + _drafters_cost(self.profile, self.batch_size, rows)
 
 
 def _drafter_cost(profile: ItlProfile, batch_size: float, k: float, method: str) -> float:

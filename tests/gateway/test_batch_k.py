@@ -10,6 +10,7 @@ import random
 import pytest
 
 from gateway.policy.batch_k import (
+    EXACT_BUDGET,
     MIN_GAIN,
     BatchK,
     BatchKs,
@@ -259,3 +260,18 @@ def test_joining_another_replicas_batch_leaves_the_first():
     assert len(batches.of("verifier-a:1")) == 0
     assert len(batches.of("verifier-b:1")) == 1
     assert batches.of("verifier-b:1") is m.batch
+
+
+def test_a_large_batch_is_priced_at_its_mean_rows():
+    # Past EXACT_BUDGET (members x transform size) the expectation is not computed:
+    # many requests' rows spread little beside their mean.
+    profile = cliff_profile(below=40.0, above=80.0, cliff_rows=80, max_batch=64, max_k=4)
+    members = [member(profile, (0.6,)) for _ in range(64)]
+    for m in members:
+        m.availability = lambda: 0.5
+    ks = (1,) * 64
+    assert 64 * 128 > EXACT_BUDGET  # 64 draft rows at most: transforms of 128 points
+    tokens = 64 + 64 * 0.5 * 0.6
+    assert batch_goodput(profile, 64, members, ks) == pytest.approx(
+        tokens / step_time(profile, 64, {"ngram": 32.0}))
+    assert len(allocate(profile, 64, members)) == 64
