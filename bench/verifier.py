@@ -244,16 +244,22 @@ def sampler_steps(core, logits, drafts, q, num_drafts, meta, core_inputs):
     return full, core_only
 
 
-def device_time_ms(fn: Callable[[], object], iters: int) -> float | None:
-    """Mean GPU time of the kernels one call runs (torch.profiler), without the
-    host's launch work; None when the profiler sees no device activity."""
+def kernel_time_us(fn: Callable[[], object], iters: int) -> dict[str, float]:
+    """GPU time of each kernel over `iters` calls of fn (torch.profiler), µs by name,
+    without the host's launch work."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return {e.key: e.self_device_time_total for e in prof.key_averages()}
+
+
+def device_time_ms(fn: Callable[[], object], iters: int) -> float | None:
+    """Mean GPU time of the kernels one call runs; None when the profiler sees no
+    device activity."""
+    total_us = sum(kernel_time_us(fn, iters).values())
     return total_us / 1000 / iters if total_us > 0 else None
 
 
@@ -271,20 +277,13 @@ def kernel_breakdown(model: LlamaForCausalLM, cache: PagedKVCache, batches: list
     """Where an eager decode step's GPU time goes, per batch (torch.profiler):
     the kernels' own time, without the host's launch gaps that CUDA graphs remove,
     so the sum set beside the graphs step time tells kernel work from overhead."""
-    from torch.profiler import ProfilerActivity, profile
-
     gen = torch.Generator().manual_seed(0)
     rows = []
     for batch in batches:
         step = make_step(model, cache, batch, 1, context, gen)
         step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                step()
-            torch.cuda.synchronize()
-        kernel_us = {e.key: e.self_device_time_total for e in prof.key_averages()}
-        rows.append({"batch": batch, **top_kernels(kernel_us, iters, top)})
+        torch.cuda.synchronize()  # the warm-up's kernels stay out of the profile
+        rows.append({"batch": batch, **top_kernels(kernel_time_us(step, iters), iters, top)})
     return rows
 
 

@@ -96,6 +96,7 @@ class _ExpectedStep:
         self.profile, self.batch_size = profile, batch_size
         self.methods, self.available = methods, available
         self._ks = [0] * len(methods)
+        self._rows: dict[str, float] = {}  # method -> its expected draft rows, kept by set()
         size = 1 << max_rows.bit_length()
         self._exact = len(methods) * size <= EXACT_BUDGET
         if not self._exact:
@@ -110,18 +111,16 @@ class _ExpectedStep:
 
     def set(self, i: int, k: int) -> None:
         """Request i asks for k rows."""
+        method, q = self.methods[i], self.available[i]
+        self._rows[method] = self._rows.get(method, 0.0) + q * (k - self._ks[i])
         self._ks[i] = k
         if self._exact:
             if k not in self._powers:
                 self._powers[k] = self._roots ** k
-            q = self.available[i]
             self._factors[i] = (1.0 - q) + q * self._powers[k]
 
     def __call__(self) -> float:
-        rows: dict[str, float] = {}
-        for method, q, k in zip(self.methods, self.available, self._ks, strict=True):
-            if k:
-                rows[method] = rows.get(method, 0.0) + q * k
+        rows = self._rows
         t = self.profile.itl(self.batch_size, sum(rows.values()) / self.batch_size)
         if self._exact:
             # Never below the time at the mean rows: where the profile bends down (the
