@@ -12,15 +12,21 @@ or a machine that gets busier):
 
 - the target's forward, step_time_ms - draft_wait_ms = f(num_tokens), with
   num_tokens the rows the step fed (prefill chunks, 1 + drafts per verify
-  block): piecewise linear, a + b * rows plus a change of slope c_j past each
-  knot of ROW_KNOTS (4, 8, 12, 16, 24, ... rows). A line is not enough: on CPU the
-  projections of up to 12-16 rows stream the weights once (nearly flat), then
-  cost about 2 ms a row, then less again as GEMMs fill the cores; a line through
-  such steps overstates what a draft row costs at one batch size and understates
-  it at another, and dynamic K then picks the wrong K. Each c_j is held toward 0
-  by a ridge, so where the data show no bend (a fixed batch and K) the fit stays
-  the line. Steps that carry a prefill are left out: long chunks would pull the
-  fit with rows that decode never feeds, at a cost per row that differs.
+  block): piecewise linear, a + b * rows plus, past each knot of ROW_KNOTS (4, 8,
+  12, 16, 24, ... rows), a change of slope c_j and a jump s_j. A line is not
+  enough: on CPU the projections of up to 12-16 rows stream the weights once
+  (nearly flat), then cost about 2 ms a row, then less again as GEMMs fill the
+  cores; a line through such steps overstates what a draft row costs at one batch
+  size and understates it at another, and dynamic K then picks the wrong K. And a
+  bend is not enough either: where the small-rows kernel hands over to oneDNN (past
+  12 rows on most CPUs) the 13th row costs what the next four do, and a slope
+  from 12 to 16 rows would price 13 rows at a quarter of that. Each c_j and s_j
+  is held toward 0 by a ridge, so where the data show no bend or jump (a fixed
+  batch and K) the fit stays the line; with rows only at 12 and 16 the ridge
+  splits a rise between them mostly into slope, and steps at 13-15 rows (drafters
+  without a proposal make them) show the jump. Steps that carry a prefill are
+  left out: long chunks would pull the fit with rows that decode never feeds, at
+  a cost per row that differs.
 - the wait for drafts, draft_wait_ms = w + sum over methods m that drafted in
   the step of (d_m + e_m * draft tokens asked of m). w is the scheduling a
   plain step pays too; d_m a drafter's fixed cost per step, e_m its cost per
@@ -29,13 +35,17 @@ or a machine that gets busier):
 From the fit comes an `ItlProfile` on a grid of batch sizes x K:
 ITL(B, 0) = f(B) + w and ITL(B, k, m) = f(B*(k+1)) + w + d_m + e_m*B*k,
 one table per method that has drafted, and per-method prior acceptance rates
-from every request's drafted and accepted counts. Until the forward line has
+from every request's drafted and accepted counts. Between its grid points it is
+read from the fit itself (`FittedProfile`), not interpolated: the rows of a step
+where only some sequences draft fall between K's grid points, and a jump there
+would be smeared over the whole interval. Until the forward line has
 seen MIN_STEPS steps there is no profile (None): callers then keep the static
 default K, which is also what produces the first drafting steps to learn from.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,8 +61,11 @@ MIN_STEPS = 20
 # Row counts where the forward's cost per row may change (the hinges of f).
 ROW_KNOTS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 # Ridge of each change of slope toward 0, in rows^2 as PRIOR_WEIGHT: a bend needs
-# steps on both sides of its knot to show.
+# steps on both sides of its knot to show. A jump's ridge is on ms: a jump of 4 c ms
+# weighs like a change of slope c over the 4 rows to the next knot, so a rise seen
+# only at the next knot is split evenly between the two, and steps in between decide.
 HINGE_PRIOR_WEIGHT = 1.0
+JUMP_PRIOR_WEIGHT = HINGE_PRIOR_WEIGHT / 16
 # Weight of the oldest steps: each new step multiplies earlier weights by this, so
 # the fit remembers roughly the last 1 / (1 - FORGETTING) = 512 steps.
 FORGETTING = 1.0 - 1.0 / 512
@@ -186,9 +199,10 @@ class ForgettingLeastSquares:
 @dataclass(frozen=True)
 class StepCost:
     """The fitted step time in ms: forward f(rows) = a + b * rows + sum_j hinges[j] *
-    max(0, rows - ROW_KNOTS[j]), read non-decreasing (a segment whose slope the fit
-    made negative counts as flat); plus the draft wait w (plain steps too) and per
-    drafting method d[m] + e[m] * draft tokens."""
+    max(0, rows - ROW_KNOTS[j]) + sum_j jumps[j] * [rows > ROW_KNOTS[j]], read
+    non-decreasing (a segment whose slope the fit made negative counts as flat, a
+    negative jump as none); plus the draft wait w (plain steps too) and per drafting
+    method d[m] + e[m] * draft tokens."""
 
     a: float
     b: float
@@ -196,13 +210,17 @@ class StepCost:
     d: dict[str, float]
     e: dict[str, float]
     hinges: tuple[float, ...] = (0.0,) * len(ROW_KNOTS)  # change of slope at each knot
+    jumps: tuple[float, ...] = (0.0,) * len(ROW_KNOTS)  # rise just past each knot
 
     def forward(self, rows: float) -> float:
         t, slope, start = self.a, self.b, 0.0
-        for knot, change in zip((*ROW_KNOTS, float("inf")), (*self.hinges, 0.0), strict=True):
+        for knot, change, jump in zip((*ROW_KNOTS, float("inf")), (*self.hinges, 0.0),
+                                      (*self.jumps, 0.0), strict=True):
             if rows <= start:
                 break
             t += max(slope, 0.0) * (min(rows, knot) - start)
+            if rows > knot:
+                t += max(jump, 0.0)
             slope += change
             start = knot
         return t
@@ -215,8 +233,28 @@ class StepCost:
 
 
 def forward_features(rows: float) -> np.ndarray:
-    """[2 + len(ROW_KNOTS)]: 1, rows and the hinge max(0, rows - knot) of each knot."""
-    return np.array([1.0, rows, *(max(0.0, rows - k) for k in ROW_KNOTS)])
+    """[2 + 2 * len(ROW_KNOTS)]: 1, rows, the hinge max(0, rows - knot) of each knot,
+    and whether rows is past each knot."""
+    return np.array([1.0, rows, *(max(0.0, rows - k) for k in ROW_KNOTS),
+                     *(float(rows > k) for k in ROW_KNOTS)])
+
+
+@dataclass(frozen=True)
+class FittedProfile(ItlProfile):
+    """The online model's ItlProfile: its tables for whoever reads them (and JSON),
+    and ITL read from the fitted cost itself at any batch size and K, within the
+    grid's edges, rather than interpolated between grid points."""
+
+    cost: StepCost | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
+        if self.cost is None:
+            return super().itl(batch_size, k, method)
+        if not (math.isfinite(batch_size) and math.isfinite(k)):
+            raise ValueError(f"itl: batch_size and k must be finite, got {batch_size}, {k}")
+        batch_size = min(max(batch_size, self.batch_sizes[0]), self.batch_sizes[-1])
+        k = min(max(k, self.ks[0]), self.ks[-1])
+        return self.cost.itl(batch_size, k, method if method in self.method_itl_ms else None)
 
 
 class OnlineProfile:
@@ -230,13 +268,14 @@ class OnlineProfile:
         check_count("online profile: min_steps", min_steps)
         self.min_steps = min_steps
         self._pending: dict[str, _Step] = {}  # replica -> its latest step, still merging
-        # Forward: theta = (a, b, c_1..c_n); the prior is on b - a/16 (a is free) and
-        # on each change of slope c_j toward 0.
-        n = 2 + len(ROW_KNOTS)
+        # Forward: theta = (a, b, c_1..c_n, s_1..s_n); the prior is on b - a/16 (a is
+        # free), on each change of slope c_j and on each jump s_j toward 0.
+        knots = len(ROW_KNOTS)
+        n = 2 + 2 * knots
         v = np.zeros(n)
         v[:2] = (-1.0 / PRIOR_ROWS_PER_A, 1.0)
         precision = PRIOR_WEIGHT * np.outer(v, v)
-        precision[2:, 2:] += HINGE_PRIOR_WEIGHT * np.eye(len(ROW_KNOTS))
+        precision[2:, 2:] += np.diag([HINGE_PRIOR_WEIGHT] * knots + [JUMP_PRIOR_WEIGHT] * knots)
         self._forward = ForgettingLeastSquares(np.zeros(n), precision, FORGETTING)
         # Draft wait: theta = (w, d_m, e_m for each drafter method), ridge toward 0.
         n = 1 + 2 * len(DRAFTER_METHODS)
@@ -291,23 +330,31 @@ class OnlineProfile:
         if self.num_steps < self.min_steps:
             return None
         if self._cost is None:
+            # A row never makes a step faster, a step is never free and no knot makes
+            # the next row cheaper: a negative b, a or jump (noise, a narrow spread of
+            # rows, or jumps trading against slopes where every step sits on a knot)
+            # is pinned to 0 and the rest refitted, until none is left. Read as 0
+            # instead, a jump the fit needed negative would leave every row past it
+            # too dear. (Later segments' negative slopes are read as flat by
+            # StepCost.forward.)
+            knots = len(ROW_KNOTS)
+            signed = (0, 1, *range(2 + knots, 2 + 2 * knots))
+            fixed: dict[int, float] = {}
             theta = self._forward.solve()
-            # A row never makes a step faster, and a step is never free: a negative
-            # b or a (noise, or a narrow spread of rows) is pinned and the rest refitted
-            # (later segments' negative slopes are read as flat by StepCost.forward).
-            if theta[1] < 0:
-                theta = self._forward.solve({1: 0.0})
-            if theta[0] < 0:
-                theta = self._forward.solve({0: 0.0})
-                theta[1] = max(theta[1], 0.0)
-            a, b, hinges = theta[0], theta[1], tuple(float(c) for c in theta[2:])
+            while negative := {i: 0.0 for i in signed if i not in fixed and theta[i] < 0}:
+                fixed |= negative
+                theta = self._forward.solve(fixed)
+            a, b = theta[0], theta[1]
+            hinges = tuple(float(c) for c in theta[2:2 + knots])
+            jumps = tuple(float(s) for s in theta[2 + knots:])
             wait = self._wait.solve()
             d, e = {}, {}
             for i, m in enumerate(DRAFTER_METHODS):
                 if self._wait.scatter[1 + 2 * i, 1 + 2 * i] > 0:  # the method has drafted
                     d[m] = max(float(wait[1 + 2 * i]), 0.0)
                     e[m] = max(float(wait[2 + 2 * i]), 0.0)
-            self._cost = StepCost(float(a), float(b), max(float(wait[0]), 0.0), d, e, hinges)
+            self._cost = StepCost(float(a), float(b), max(float(wait[0]), 0.0), d, e, hinges,
+                                  jumps)
         return self._cost
 
     def rates(self, method: str, max_num_speculative_tokens: int) -> tuple[float, ...]:
@@ -333,11 +380,11 @@ class OnlineProfile:
             def table(method: str | None) -> tuple[tuple[float, ...], ...]:
                 return tuple(tuple(cost.itl(b, k, method) for k in ks) for b in batch_sizes)
 
-            self._profiles[key] = ItlProfile(
+            self._profiles[key] = FittedProfile(
                 batch_sizes=batch_sizes, ks=ks, itl_ms=table(None),
                 acceptance={m: self.rates(m, max_num_speculative_tokens)
                             for m in self.acceptance},
-                method_itl_ms={m: table(m) for m in cost.d})
+                method_itl_ms={m: table(m) for m in cost.d}, cost=cost)
         return self._profiles[key]
 
 

@@ -12,10 +12,12 @@ import pytest
 
 from gateway.policy.dynamic_k import NEUTRAL_ACCEPTANCE, DynamicK
 from gateway.policy.goodput import choose_k
+from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import (
     ACCEPTANCE_PRIOR_STEPS,
     MIN_STEPS,
     PRIOR_ROWS_PER_A,
+    FittedProfile,
     OnlineProfile,
     StepCost,
     StepSample,
@@ -303,7 +305,51 @@ def test_forward_with_a_knee_is_fitted_and_k_follows_it():
 
 
 def test_forward_is_read_non_decreasing():
-    """A fit whose later slope turned negative (noise past the data) reads flat there."""
+    """A fit whose later slope turned negative (noise past the data) reads flat there,
+    and a negative jump as none."""
     c = StepCost(a=20.0, b=2.0, w=0.0, d={}, e={}, hinges=(0.0, 0.0, 0.0, -3.0, *[0.0] * 7))
     assert c.forward(8) == 36.0 and c.forward(16) == 52.0
     assert c.forward(40) == 52.0  # slope 2 - 3 < 0 past 16: flat, not falling
+    c = StepCost(a=20.0, b=2.0, w=0.0, d={}, e={}, jumps=(0.0, 0.0, 10.0, -4.0, *[0.0] * 7))
+    assert c.forward(12) == 44.0 and c.forward(13) == 56.0 and c.forward(17) == 64.0
+
+
+def cpu_forward(rows, jump=40.0):
+    """Up to 12 rows the weights stream once (0.5 ms a row); past 12 the kernel hands
+    over, a step costs `jump` ms more, then 2 ms a row."""
+    return 30.0 + 0.5 * min(rows, 12) + (jump if rows > 12 else 0.0) + 2.0 * max(0, rows - 12)
+
+
+def fit_batch_of_four(truth, steps=400, seed=5) -> OnlineProfile:
+    """Steps of 4 sequences, each drafting 0-3 (a drafter without a proposal feeds no
+    rows), so the steps' rows spread over 4..16 and past the 12-row knot."""
+    model, rng = OnlineProfile(), random.Random(seed)
+    for step in range(1, steps + 1):
+        ks = [rng.randint(0, 3) for _ in range(4)]
+        rows = 4 + sum(ks)
+        for k in ks:
+            model.observe(sample(step, 4, rows, truth(rows), 0.0, "ngram", 3, k, k))
+    return model
+
+
+def test_a_jump_past_a_knot_is_fitted_and_read_between_grid_points():
+    model = fit_batch_of_four(cpu_forward)
+    cost = model.cost()
+    for rows in (4, 8, 12, 13, 14, 16):
+        assert cost.forward(rows) == pytest.approx(cpu_forward(rows), rel=0.05), rows
+    # At batch 4, 13 rows is K = 2.25: between the grid's K = 2 (12 rows) and 3 (16).
+    # The fitted profile reads the fit there; its own tables, interpolated, would
+    # spread the jump over the four rows and price 13 rows far below what they cost.
+    prof = model.profile(max_num_seqs=16, max_num_speculative_tokens=4)
+    assert isinstance(prof, FittedProfile)
+    assert prof.itl(4, 9 / 4) == pytest.approx(cpu_forward(13), rel=0.05)
+    tables = ItlProfile(batch_sizes=prof.batch_sizes, ks=prof.ks, itl_ms=prof.itl_ms)
+    assert tables.itl(4, 9 / 4) < 0.8 * cpu_forward(13)
+    for b, k in ((4, 2), (3, 1), (16, 4)):  # on the grid the two agree
+        assert prof.itl(b, k) == pytest.approx(tables.itl(b, k), rel=1e-12)
+    assert prof.itl(40, 9) == prof.itl(16, 4)  # clamped to the grid's edges, as tables are
+    # Where the truth bends without a jump, the fit adds none to speak of.
+    bend = fit_batch_of_four(lambda rows: cpu_forward(rows, jump=0.0)).cost()
+    assert max(bend.jumps) < 2.0
+    for rows in (12, 13, 16):
+        assert bend.forward(rows) == pytest.approx(cpu_forward(rows, jump=0.0), rel=0.05)
