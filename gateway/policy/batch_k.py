@@ -108,6 +108,7 @@ class _ExpectedStep:
         self._roots = np.exp(-2j * np.pi * np.arange(size) / size)  # [size]: w
         self._powers: dict[int, np.ndarray] = {}  # k -> [size]: w^k
         self._factors = np.ones((len(methods), size), dtype=complex)  # [members, size]
+        self._product = np.ones(size, dtype=complex)  # [size]: the factors' product
 
     def set(self, i: int, k: int) -> None:
         """Request i asks for k rows."""
@@ -117,7 +118,16 @@ class _ExpectedStep:
         if self._exact:
             if k not in self._powers:
                 self._powers[k] = self._roots ** k
+            old = self._factors[i].copy()
             self._factors[i] = (1.0 - q) + q * self._powers[k]
+            # One factor changed: the product is updated by it (a walk at batch 16
+            # took 9 ms multiplying all 16 rows at every position), unless the old
+            # factor came near 0 ((1 - q) + q w^k is 0 at q = 1/2, w^k = -1), where
+            # dividing by it would lose the product: then it is multiplied afresh.
+            if np.abs(old).min() > 1e-6:
+                self._product *= self._factors[i] / old
+            else:
+                self._product = self._factors.prod(axis=0)
 
     def __call__(self) -> float:
         rows = self._rows
@@ -126,7 +136,7 @@ class _ExpectedStep:
             # Never below the time at the mean rows: where the profile bends down (the
             # online fit reads a segment whose slope came out negative as flat), spread
             # would look like a saving, and such a bend is the fit's, not the machine's.
-            t = max(t, float((self._factors.prod(axis=0) @ self._forward).real))
+            t = max(t, float((self._product @ self._forward).real))
         return t + _drafters_cost(self.profile, self.batch_size, rows)
 
 

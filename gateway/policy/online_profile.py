@@ -45,6 +45,7 @@ default K, which is also what produces the first drafting steps to learn from.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -196,6 +197,9 @@ class ForgettingLeastSquares:
         return theta
 
 
+_STARTS = (0, *ROW_KNOTS)  # where each segment of the forward starts
+
+
 @dataclass(frozen=True)
 class StepCost:
     """The fitted step time in ms: forward f(rows) = a + b * rows + sum_j hinges[j] *
@@ -212,18 +216,24 @@ class StepCost:
     hinges: tuple[float, ...] = (0.0,) * len(ROW_KNOTS)  # change of slope at each knot
     jumps: tuple[float, ...] = (0.0,) * len(ROW_KNOTS)  # rise just past each knot
 
+    def __post_init__(self) -> None:
+        # Segment j runs from _STARTS[j] (exclusive) to ROW_KNOTS[j]: its value at
+        # the start (jump included) and its slope, read non-decreasing, so that
+        # forward() is a lookup (dynamic K reads it hundreds of times a step).
+        bases, slopes = [self.a], [max(self.b, 0.0)]
+        slope = self.b
+        for j, knot in enumerate(ROW_KNOTS):
+            bases.append(bases[-1] + slopes[-1] * (knot - _STARTS[j]) + max(self.jumps[j], 0.0))
+            slope += self.hinges[j]
+            slopes.append(max(slope, 0.0))
+        object.__setattr__(self, "_bases", tuple(bases))
+        object.__setattr__(self, "_slopes", tuple(slopes))
+
     def forward(self, rows: float) -> float:
-        t, slope, start = self.a, self.b, 0.0
-        for knot, change, jump in zip((*ROW_KNOTS, float("inf")), (*self.hinges, 0.0),
-                                      (*self.jumps, 0.0), strict=True):
-            if rows <= start:
-                break
-            t += max(slope, 0.0) * (min(rows, knot) - start)
-            if rows > knot:
-                t += max(jump, 0.0)
-            slope += change
-            start = knot
-        return t
+        if rows <= 0:
+            return self.a
+        j = bisect.bisect_left(ROW_KNOTS, rows)  # ROW_KNOTS[j - 1] < rows <= ROW_KNOTS[j]
+        return self._bases[j] + self._slopes[j] * (rows - _STARTS[j])
 
     def itl(self, batch_size: float, k: int, method: str | None = None) -> float:
         t = self.forward(batch_size * (k + 1)) + self.w

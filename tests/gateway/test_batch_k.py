@@ -14,6 +14,7 @@ from gateway.policy.batch_k import (
     MIN_GAIN,
     BatchK,
     BatchKs,
+    _ExpectedStep,
     allocate,
     batch_goodput,
     step_time,
@@ -275,3 +276,18 @@ def test_a_large_batch_is_priced_at_its_mean_rows():
     assert batch_goodput(profile, 64, members, ks) == pytest.approx(
         tokens / step_time(profile, 64, {"ngram": 32.0}))
     assert len(allocate(profile, 64, members)) == 64
+
+
+def test_the_expected_step_stays_exact_as_ks_are_replaced():
+    # The expected step keeps the product of the requests' transforms and divides
+    # out the factor a request's new K replaces; at q = 1/2 and w^k = -1 (two draft
+    # rows at a transform of 4 points) that factor is 0 to rounding.
+    profile = cliff_profile(below=40.0, above=80.0, cliff_rows=5, max_batch=2, max_k=2)
+    time = _ExpectedStep(profile, 2, ["ngram", "ngram"], [0.7, 0.5], max_rows=3)
+    for i, k in ((0, 2), (1, 1), (0, 1), (0, 0), (1, 2), (0, 1)):
+        time.set(i, k)
+    # Now request 0 asks 1 row (answering 70 % of the time), request 1 asks 2 (half).
+    p = {0: 0.3 * 0.5, 1: 0.7 * 0.5, 2: 0.3 * 0.5, 3: 0.7 * 0.5}
+    want = sum(p[n] * profile.itl(2, n / 2) for n in p)
+    assert want > profile.itl(2, 1.7 / 2)  # above the time at the mean rows
+    assert time() == pytest.approx(want, rel=1e-12)
