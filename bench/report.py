@@ -41,6 +41,11 @@ SECTIONS = [
      "2026-11-26)",
      "python -m bench.serving --systems ours --ours 'ngram K=2,ngram auto' --concurrency 4,16 "
      "--repeats 3 --out bench/results/serving_dynamic_k.json"),
+    ("serving_dynamic_k_jumps.md",
+     "Dynamic K with the online fit's jumps past row knots and the cheaper choice, ngram and "
+     "eagle3 (ours only; an AVX2 EPYC, 2026-11-26, a later session)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram auto,eagle3 K=2,eagle3 auto' "
+     "--concurrency 4,16 --repeats 3 --out bench/results/serving_dynamic_k_jumps.json"),
     ("serving_dynamic_k_before.md",
      "The same run just before, dynamic K priced at the mean rows (same machine, same hour)",
      "python -m bench.serving --systems ours --ours 'ngram K=2,ngram auto' --concurrency 4,16 "
