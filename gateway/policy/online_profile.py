@@ -22,9 +22,9 @@ or a machine that gets busier):
   12 rows on most CPUs) the 13th row costs what the next four do, and a slope
   from 12 to 16 rows would price 13 rows at a quarter of that. Each c_j and s_j
   is held toward 0 by a ridge, so where the data show no bend or jump (a fixed
-  batch and K) the fit stays the line; with rows only at 12 and 16 the ridge
-  splits a rise between them mostly into slope, and steps at 13-15 rows (drafters
-  without a proposal make them) show the jump. Steps that carry a prefill are
+  batch and K) the fit stays the line; with rows only at 12 and 16 the ridges
+  split a rise between them evenly into slope and jump, and steps at 13-15 rows
+  (drafters without a proposal make them) tell the two apart. Steps that carry a prefill are
   left out: long chunks would pull the fit with rows that decode never feeds, at
   a cost per row that differs.
 - the wait for drafts, draft_wait_ms = w + sum over methods m that drafted in
