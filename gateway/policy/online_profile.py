@@ -24,9 +24,9 @@ or a machine that gets busier):
   is held toward 0 by a ridge, so where the data show no bend or jump (a fixed
   batch and K) the fit stays the line; with rows only at 12 and 16 the ridges
   split a rise between them evenly into slope and jump, and steps at 13-15 rows
-  (drafters without a proposal make them) tell the two apart. Steps that carry a prefill are
-  left out: long chunks would pull the fit with rows that decode never feeds, at
-  a cost per row that differs.
+  (drafters without a proposal make them) tell the two apart. Steps that carry a
+  prefill are left out: long chunks would pull the fit with rows that decode never
+  feeds, at a cost per row that differs.
 - the wait for drafts, draft_wait_ms = w + sum over methods m that drafted in
   the step of (d_m + e_m * draft tokens asked of m). w is the scheduling a
   plain step pays too; d_m a drafter's fixed cost per step, e_m its cost per
@@ -255,11 +255,9 @@ class FittedProfile(ItlProfile):
     and ITL read from the fitted cost itself at any batch size and K, within the
     grid's edges, rather than interpolated between grid points."""
 
-    cost: StepCost | None = field(default=None, compare=False, hash=False, repr=False)
+    cost: StepCost = field(kw_only=True, compare=False, hash=False, repr=False)
 
     def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
-        if self.cost is None:
-            return super().itl(batch_size, k, method)
         if not (math.isfinite(batch_size) and math.isfinite(k)):
             raise ValueError(f"itl: batch_size and k must be finite, got {batch_size}, {k}")
         batch_size = min(max(batch_size, self.batch_sizes[0]), self.batch_sizes[-1])
