@@ -63,6 +63,7 @@ class StepCostFit(Collector):
         for name, value, doc in (
                 ("a", cost.a, "Fixed forward time of a verifier step"),
                 ("b", cost.b, "Forward time per row a step feeds, up to the first knot"),
+                ("g", cost.g, "Forward time per sequence in a step's batch"),
                 ("w", cost.w, "Scheduling and draft wait of a step that does not draft")):
             g = GaugeMetricFamily(f"specdec_step_cost_{name}_ms",
                                   f"Online step-time model: {doc}, ms")
@@ -70,7 +71,7 @@ class StepCostFit(Collector):
             yield g
         f = GaugeMetricFamily("specdec_step_cost_forward_ms",
                               "Online step-time model: forward time of a step feeding this "
-                              "many rows, ms", labels=["rows"])
+                              "many rows, before its per-sequence cost g, ms", labels=["rows"])
         for rows in (1, *ROW_KNOTS):
             f.add_metric([str(rows)], cost.forward(rows))
         yield f

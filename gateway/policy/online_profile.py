@@ -10,10 +10,18 @@ verifier reports separately, each fitted by least squares with exponential
 forgetting (recent steps count most, so the model follows a drafter that moves
 or a machine that gets busier):
 
-- the target's forward, step_time_ms - draft_wait_ms = f(num_tokens), with
-  num_tokens the rows the step fed (prefill chunks, 1 + drafts per verify
-  block): piecewise linear, a + b * rows plus, past each knot of ROW_KNOTS (4, 8,
-  12, 16, 24, ... rows), a change of slope c_j and a jump s_j. A line is not
+- the target's forward, step_time_ms - draft_wait_ms = f(num_tokens) + g *
+  batch_size, with num_tokens the rows the step fed (prefill chunks, 1 + drafts
+  per verify block): f piecewise linear, a + b * rows plus, past each knot of
+  ROW_KNOTS (4, 8, 12, 16, 24, ... rows), a change of slope c_j and a jump s_j;
+  g the cost of a sequence, whatever its rows (its attention over its own
+  context, its sampling and bookkeeping). Rows alone do not tell it: on an AVX2
+  EPYC, a plain step of 8 sequences took 118 ms and a step of 3 sequences
+  feeding 8 rows 85 ms, and a fit in rows alone, learnt mostly from small
+  batches drafting, priced plain steps at batch 8 at 72 ms, so that dynamic K
+  turned speculation off for a whole batch of 8-11 where it paid. g is held
+  toward 0 by a ridge: while every step feeds (K + 1) rows a sequence (one K)
+  rows and sequences cannot be told apart, and the rows take it all. A line is not
   enough: on CPU the projections of up to 12-16 rows stream the weights once
   (nearly flat), then cost about 2 ms a row, then less again as GEMMs fill the
   cores; a line through such steps overstates what a draft row costs at one batch
@@ -33,7 +41,7 @@ or a machine that gets busier):
   draft token (an EAGLE head runs its LM head once per token and sequence).
 
 From the fit comes an `ItlProfile` on a grid of batch sizes x K:
-ITL(B, 0) = f(B) + w and ITL(B, k, m) = f(B*(k+1)) + w + d_m + e_m*B*k,
+ITL(B, 0) = f(B) + g*B + w and ITL(B, k, m) = f(B*(k+1)) + g*B + w + d_m + e_m*B*k,
 one table per method that has drafted, and per-method prior acceptance rates
 from every request's drafted and accepted counts. Between its grid points it is
 read from the fit itself (`FittedProfile`), not interpolated: the rows of a step
@@ -67,6 +75,9 @@ ROW_KNOTS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 # only at the next knot is split evenly between the two, and steps in between decide.
 HINGE_PRIOR_WEIGHT = 1.0
 JUMP_PRIOR_WEIGHT = HINGE_PRIOR_WEIGHT / 16
+# Ridge of the cost per sequence g toward 0, in sequences^2 as PRIOR_WEIGHT: a
+# spread of batch sizes at equal rows over a few steps outweighs it.
+SEQUENCE_PRIOR_WEIGHT = 64.0
 # Weight of the oldest steps: each new step multiplies earlier weights by this, so
 # the fit remembers roughly the last 1 / (1 - FORGETTING) = 512 steps.
 FORGETTING = 1.0 - 1.0 / 512
@@ -202,11 +213,11 @@ _STARTS = (0, *ROW_KNOTS)  # where each segment of the forward starts
 
 @dataclass(frozen=True)
 class StepCost:
-    """The fitted step time in ms: forward f(rows) = a + b * rows + sum_j hinges[j] *
-    max(0, rows - ROW_KNOTS[j]) + sum_j jumps[j] * [rows > ROW_KNOTS[j]], read
-    non-decreasing (a segment whose slope the fit made negative counts as flat, a
-    negative jump as none); plus the draft wait w (plain steps too) and per drafting
-    method d[m] + e[m] * draft tokens."""
+    """The fitted step time in ms: forward f(rows) + g * sequences, f(rows) = a + b *
+    rows + sum_j hinges[j] * max(0, rows - ROW_KNOTS[j]) + sum_j jumps[j] * [rows >
+    ROW_KNOTS[j]], read non-decreasing (a segment whose slope the fit made negative
+    counts as flat, a negative jump as none); plus the draft wait w (plain steps too)
+    and per drafting method d[m] + e[m] * draft tokens."""
 
     a: float
     b: float
@@ -215,6 +226,7 @@ class StepCost:
     e: dict[str, float]
     hinges: tuple[float, ...] = (0.0,) * len(ROW_KNOTS)  # change of slope at each knot
     jumps: tuple[float, ...] = (0.0,) * len(ROW_KNOTS)  # rise just past each knot
+    g: float = 0.0  # cost of each sequence in the batch, whatever its rows
 
     def __post_init__(self) -> None:
         # Segment j runs from _STARTS[j] (exclusive) to ROW_KNOTS[j]: its value at
@@ -229,24 +241,27 @@ class StepCost:
         object.__setattr__(self, "_bases", tuple(bases))
         object.__setattr__(self, "_slopes", tuple(slopes))
 
-    def forward(self, rows: float) -> float:
+    def forward(self, rows: float, sequences: float = 0.0) -> float:
+        """ms of a forward feeding `rows` rows for `sequences` sequences (f(rows) alone
+        by default)."""
+        t = self.g * sequences
         if rows <= 0:
-            return self.a
+            return t + self.a
         j = bisect.bisect_left(ROW_KNOTS, rows)  # ROW_KNOTS[j - 1] < rows <= ROW_KNOTS[j]
-        return self._bases[j] + self._slopes[j] * (rows - _STARTS[j])
+        return t + self._bases[j] + self._slopes[j] * (rows - _STARTS[j])
 
-    def itl(self, batch_size: float, k: int, method: str | None = None) -> float:
-        t = self.forward(batch_size * (k + 1)) + self.w
+    def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
+        t = self.forward(batch_size * (k + 1), batch_size) + self.w
         if k > 0 and method in self.d:
             t += self.d[method] + self.e[method] * batch_size * k
         return max(t, MIN_ITL_MS)
 
 
-def forward_features(rows: float) -> np.ndarray:
-    """[2 + 2 * len(ROW_KNOTS)]: 1, rows, the hinge max(0, rows - knot) of each knot,
-    and whether rows is past each knot."""
+def forward_features(rows: float, sequences: float) -> np.ndarray:
+    """[3 + 2 * len(ROW_KNOTS)]: 1, rows, the hinge max(0, rows - knot) of each knot,
+    whether rows is past each knot, and the sequences."""
     return np.array([1.0, rows, *(max(0.0, rows - k) for k in ROW_KNOTS),
-                     *(float(rows > k) for k in ROW_KNOTS)])
+                     *(float(rows > k) for k in ROW_KNOTS), sequences])
 
 
 @dataclass(frozen=True)
@@ -276,14 +291,15 @@ class OnlineProfile:
         check_count("online profile: min_steps", min_steps)
         self.min_steps = min_steps
         self._pending: dict[str, _Step] = {}  # replica -> its latest step, still merging
-        # Forward: theta = (a, b, c_1..c_n, s_1..s_n); the prior is on b - a/16 (a is
-        # free), on each change of slope c_j and on each jump s_j toward 0.
+        # Forward: theta = (a, b, c_1..c_n, s_1..s_n, g); the prior is on b - a/16 (a
+        # is free), on each change of slope c_j, each jump s_j and g toward 0.
         knots = len(ROW_KNOTS)
-        n = 2 + 2 * knots
+        n = 3 + 2 * knots
         v = np.zeros(n)
         v[:2] = (-1.0 / PRIOR_ROWS_PER_A, 1.0)
         precision = PRIOR_WEIGHT * np.outer(v, v)
-        precision[2:, 2:] += np.diag([HINGE_PRIOR_WEIGHT] * knots + [JUMP_PRIOR_WEIGHT] * knots)
+        precision[2:, 2:] += np.diag([HINGE_PRIOR_WEIGHT] * knots + [JUMP_PRIOR_WEIGHT] * knots
+                                     + [SEQUENCE_PRIOR_WEIGHT])
         self._forward = ForgettingLeastSquares(np.zeros(n), precision, FORGETTING)
         # Draft wait: theta = (w, d_m, e_m for each drafter method), ridge toward 0.
         n = 1 + 2 * len(DRAFTER_METHODS)
@@ -328,7 +344,7 @@ class OnlineProfile:
             x[2 + 2 * i] = asked
         self._wait.add(x, step.draft_wait_ms)
         if not step.prefill:
-            self._forward.add(forward_features(step.num_tokens),
+            self._forward.add(forward_features(step.num_tokens, step.batch_size),
                               step.step_time_ms - step.draft_wait_ms)
         self._cost = None
         self._profiles.clear()
@@ -339,14 +355,14 @@ class OnlineProfile:
             return None
         if self._cost is None:
             # A row never makes a step faster, a step is never free and no knot makes
-            # the next row cheaper: a negative b, a or jump (noise, a narrow spread of
+            # the next row cheaper: a negative b, a, g or jump (noise, a narrow spread of
             # rows, or jumps trading against slopes where every step sits on a knot)
             # is pinned to 0 and the rest refitted, until none is left. Read as 0
             # instead, a jump the fit needed negative would leave every row past it
             # too dear. (Later segments' negative slopes are read as flat by
             # StepCost.forward.)
             knots = len(ROW_KNOTS)
-            signed = (0, 1, *range(2 + knots, 2 + 2 * knots))
+            signed = (0, 1, *range(2 + knots, 3 + 2 * knots))
             fixed: dict[int, float] = {}
             theta = self._forward.solve()
             while negative := {i: 0.0 for i in signed if i not in fixed and theta[i] < 0}:
@@ -354,7 +370,7 @@ class OnlineProfile:
                 theta = self._forward.solve(fixed)
             a, b = theta[0], theta[1]
             hinges = tuple(float(c) for c in theta[2:2 + knots])
-            jumps = tuple(float(s) for s in theta[2 + knots:])
+            jumps = tuple(float(s) for s in theta[2 + knots:2 + 2 * knots])
             wait = self._wait.solve()
             d, e = {}, {}
             for i, m in enumerate(DRAFTER_METHODS):
@@ -362,7 +378,7 @@ class OnlineProfile:
                     d[m] = max(float(wait[1 + 2 * i]), 0.0)
                     e[m] = max(float(wait[2 + 2 * i]), 0.0)
             self._cost = StepCost(float(a), float(b), max(float(wait[0]), 0.0), d, e, hinges,
-                                  jumps)
+                                  jumps, float(theta[-1]))
         return self._cost
 
     def rates(self, method: str, max_num_speculative_tokens: int) -> tuple[float, ...]:

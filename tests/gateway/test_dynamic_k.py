@@ -106,7 +106,7 @@ def test_auto_and_default_requests_use_the_online_model_without_a_profile(
             assert max(asked) <= 4 and spec["num_drafts"] >= 4, (asked, spec)
             assert max(asked[4:], default=0) <= 1, (asked, spec, online.cost())
         text = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
-        assert "specdec_step_cost_a_ms" in text and "specdec_step_cost_b_ms" in text
+        assert all(f"specdec_step_cost_{c}_ms" in text for c in "abgw")
         assert 'specdec_step_cost_forward_ms{rows="16"}' in text
         assert 'specdec_step_cost_draft_ms{method="draft_model"}' in text
     finally:

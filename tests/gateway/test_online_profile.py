@@ -353,3 +353,44 @@ def test_a_jump_past_a_knot_is_fitted_and_read_between_grid_points():
     assert max(bend.jumps) < 2.0
     for rows in (12, 13, 16):
         assert bend.forward(rows) == pytest.approx(cpu_forward(rows, jump=0.0), rel=0.05)
+
+
+def test_a_cost_per_sequence_is_told_from_a_cost_per_row():
+    """A sequence costs 6 ms whatever its rows (its attention, its sampling): a plain
+    step of 8 sequences then costs more than a step of 3 feeding the same 8 rows. Once
+    batch sizes and drafts vary, the fit tells the two apart."""
+    def truth(rows, sequences):
+        return cpu_forward(rows) + 6.0 * sequences
+
+    model, rng = OnlineProfile(), random.Random(3)
+    for step in range(1, 601):
+        batch = rng.randint(1, 12)
+        ks = [rng.choice((0, 0, 1, 2, 3)) for _ in range(batch)]
+        rows = batch + sum(ks)
+        for k in ks:
+            model.observe(sample(step, batch, rows, truth(rows, batch), 0.0, "ngram", 3, k, k))
+    cost = model.cost()
+    assert cost.g == pytest.approx(6.0, rel=0.15)
+    for rows, sequences in ((8, 8), (8, 3), (11, 11), (13, 4), (24, 8)):
+        assert cost.forward(rows, sequences) == pytest.approx(truth(rows, sequences),
+                                                              rel=0.05), (rows, sequences)
+    prof = model.profile(max_num_seqs=16, max_num_speculative_tokens=4)
+    assert prof.itl(8, 0) - prof.itl(3, 5 / 3) == pytest.approx(30.0, rel=0.2)
+
+
+def test_one_k_leaves_the_cost_per_sequence_to_the_rows():
+    """Every step at K = 2: rows are 3 x sequences, and the two cannot be told apart.
+    The ridge keeps g near 0 and the rows carry the cost, which prices those steps
+    right all the same."""
+    model = OnlineProfile()
+    rng = random.Random(4)
+    for step in range(1, 401):
+        batch = rng.randint(1, 5)
+        rows = 3 * batch
+        for _ in range(batch):
+            model.observe(sample(step, batch, rows, 30.0 + 2.0 * rows + 3.0 * batch, 0.0,
+                                 "ngram", 2, 2, 2))
+    cost = model.cost()
+    assert cost.g < 0.5
+    for batch in (1, 3, 5):
+        assert cost.forward(3 * batch, batch) == pytest.approx(30.0 + 9.0 * batch, rel=0.05)
