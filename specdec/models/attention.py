@@ -9,12 +9,14 @@ no host reads, shapes fixed by the metadata's tensors alone.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from specdec.models import paged_attention
 from specdec.models.kv_cache import AttentionMetadata
 
 
@@ -56,6 +58,20 @@ class _SdpaState:
     max_query: int
 
 
+@dataclass(slots=True)
+class _SplitState:
+    """A CPU step split between the paged kernel (decode and verify rows) and torch's
+    path (the rest: prefill chunks, token trees)."""
+
+    meta: AttentionMetadata
+    kernel_seqs: torch.Tensor  # [S] int64: batch indices of the kernel's sequences
+    max_rows: int  # the most query rows (tokens x query heads per KV head) among them
+    max_len: int  # the longest of them
+    rest: _SdpaState | None  # torch's path for the other sequences
+    rest_rows: torch.Tensor | None  # [T'] their tokens' indices in the step
+    whole: _SdpaState | None = None  # torch's path for all, built for a dtype the kernel lacks
+
+
 class SdpaBackend(AttentionBackend):
     """torch scaled_dot_product_attention on a padded view of the ragged batch.
 
@@ -63,9 +79,45 @@ class SdpaBackend(AttentionBackend):
     scattered into [B, Qmax]. The mask encodes causality at each query's true
     position, the sequence's length and the sliding window, so padding never
     leaks into real outputs.
+
+    On CPU in float32, sequences of up to paged_attention.MAX_QUERY new tokens
+    without a token tree (decode and verify) go to the paged kernel instead, which
+    reads the cache in place and does not pad (paged_attention.py).
     """
 
-    def prepare(self, meta: AttentionMetadata) -> _SdpaState:
+    def prepare(self, meta: AttentionMetadata) -> _SdpaState | _SplitState:
+        if (meta.positions.device.type == "cpu" and self.sliding_window is None
+                and self.head_dim % paged_attention.LANES == 0 and paged_attention.available()):
+            trees = meta.tree_masks or [None] * meta.batch_size
+            short = [b for b, (n, tree) in enumerate(zip(meta.query_lens, trees, strict=True))
+                     if n <= paged_attention.MAX_QUERY and tree is None]
+            if short:
+                return self._split(meta, short)
+        return self._prepare(meta)
+
+    def _split(self, meta: AttentionMetadata, short: list[int]) -> _SplitState:
+        seq_lens = meta.seq_lens.tolist()
+        group = self.num_heads // self.num_kv_heads
+        state = _SplitState(meta, torch.tensor(short, dtype=torch.int64),
+                            max(meta.query_lens[b] for b in short) * group,
+                            max(seq_lens[b] for b in short), None, None)
+        rest = sorted(set(range(meta.batch_size)) - set(short))
+        if rest:
+            starts = meta.query_start.tolist()
+            rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in rest])
+            lens = [meta.query_lens[b] for b in rest]
+            index = torch.tensor(rest, dtype=torch.int64)
+            sub = AttentionMetadata(
+                positions=meta.positions[rows], slot_mapping=meta.slot_mapping[rows],
+                query_start=torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64),
+                seq_lens=meta.seq_lens[index], block_tables=meta.block_tables[index],
+                query_lens=lens, max_seq_len=max(seq_lens[b] for b in rest),
+                block_size=meta.block_size,
+                tree_masks=None if meta.tree_masks is None else [meta.tree_masks[b] for b in rest])
+            state.rest, state.rest_rows = self._prepare(sub), rows
+        return state
+
+    def _prepare(self, meta: AttentionMetadata) -> _SdpaState:
         dev = meta.positions.device
         bs = meta.block_size
         batch, max_q = meta.batch_size, max(meta.query_lens)
@@ -120,7 +172,26 @@ class SdpaBackend(AttentionBackend):
             mask = mask & (k_pos > q_pos - self.sliding_window)
         return mask[:, None]
 
-    def forward(self, q, k_cache, v_cache, state: _SdpaState) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, state: _SdpaState | _SplitState) -> torch.Tensor:
+        if not isinstance(state, _SplitState):
+            return self._sdpa(q, k_cache, v_cache, state)
+        if q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+            if state.whole is None:  # the kernel is float32 only
+                state.whole = self._prepare(state.meta)
+            return self._sdpa(q, k_cache, v_cache, state.whole)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        meta = state.meta
+        paged_attention.attend(q, k_cache, v_cache, out, meta.block_tables, meta.query_start,
+                               meta.seq_lens, state.kernel_seqs, state.max_rows, state.max_len,
+                               meta.block_size)
+        if state.rest is not None:
+            out.index_copy_(0, state.rest_rows,
+                            self._sdpa(q.index_select(0, state.rest_rows), k_cache, v_cache,
+                                       state.rest))
+        return out
+
+    def _sdpa(self, q, k_cache, v_cache, state: _SdpaState) -> torch.Tensor:
         b, max_q = state.batch, state.max_query
         num_tokens, heads, dim = q.shape
         flat = state.kv_slots.reshape(-1)

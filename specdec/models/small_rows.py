@@ -74,24 +74,24 @@ def max_rows() -> int:
         if not override.isdigit() or int(override) < 1:
             raise ValueError(f"{ENV_MAX_ROWS} must be a positive integer, got {override!r}")
         return int(override)
-    if _vector_isa() == "avx512f" and _cpu_vendor() == "GenuineIntel":
+    if vector_isa() == "avx512f" and _cpu_vendor() == "GenuineIntel":
         return 16
     return 12
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     for name in (os.environ.get("CC"), "gcc", "cc"):
         if name and (path := shutil.which(name)):
             return path
     return None
 
 
-def _build(cc: str) -> Path:
-    """Compile SOURCE into the cache (once per source, compiler and CPU)."""
+def build(source: Path, cc: str) -> Path:
+    """Compile a kernel's C source into the cache (once per source, compiler and CPU)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join(
-        [SOURCE.read_text(), cc, version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
-    out = cache_dir() / "kernels" / f"small_rows_gemm-{key}.so"
+        [source.read_text(), cc, version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"{source.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -100,7 +100,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{Path(cc).name} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, out)
@@ -114,16 +114,16 @@ def _build(cc: str) -> Path:
 def _kernel():
     """The C function, or None (with the reason in _reason, logged once)."""
     global _reason
-    cc = _compiler()
+    cc = compiler()
     if os.environ.get(ENV_SWITCH, "1") == "0":
         _reason = f"turned off by {ENV_SWITCH}=0"
-    elif not _vector_isa():
+    elif not vector_isa():
         _reason = "this CPU has neither AVX-512F nor AVX2 and FMA"
     elif cc is None:
         _reason = "no C compiler (set CC, or install gcc)"
     else:
         try:
-            lib = ctypes.CDLL(str(_build(cc)))
+            lib = ctypes.CDLL(str(build(SOURCE, cc)))
         except (OSError, RuntimeError) as e:
             _reason = f"could not build or load the kernel: {e}"
     if _reason is not None:
@@ -135,7 +135,7 @@ def _kernel():
     return fn
 
 
-def _vector_isa() -> str | None:
+def vector_isa() -> str | None:
     """The instruction set the kernel is built for on this CPU, or None."""
     flags = set(_cpu_flags().split())
     if "avx512f" in flags:

@@ -1,0 +1,103 @@
+"""Attention of decode and verify rows on CPU straight from the paged KV cache,
+through a small C kernel (paged_attention.c) built here on first use, as
+small_rows.py builds its GEMM.
+
+torch's path gathers every sequence's keys and values out of the cache each
+layer and pads the queries to the longest query of the batch, so at batch 11
+attention was two thirds of a step, and one sequence verifying 2 rows made the
+whole batch pay for 2 (see the C file). The kernel reads each sequence's blocks
+in place, for all its rows at once, and its rows are batch-invariant.
+
+Used for float32 on CPU, where the kernel builds (SPECDEC_PAGED_ATTENTION=0
+turns it off), for sequences of up to MAX_QUERY new tokens without a token tree;
+prompts' prefill chunks and tree blocks keep torch's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from specdec.models import small_rows
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+ENV_SWITCH = "SPECDEC_PAGED_ATTENTION"
+# The longest query a sequence may have for the kernel: a verify block of K = 15.
+# Longer ones (prefill) are what torch's flash kernel is built for.
+MAX_QUERY = 16
+# The kernel's score accumulator has 8 lanes: the head dimension is a multiple.
+LANES = 8
+
+_reason: str | None = None
+
+
+@functools.cache
+def _kernel():
+    """The C function, or None (with the reason in _reason, logged once)."""
+    global _reason
+    cc = small_rows.compiler()
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        _reason = f"turned off by {ENV_SWITCH}=0"
+    elif not small_rows.vector_isa():
+        _reason = "this CPU has no AVX2 and FMA"
+    elif cc is None:
+        _reason = "no C compiler (set CC, or install gcc)"
+    else:
+        try:
+            lib = ctypes.CDLL(str(small_rows.build(SOURCE, cc)))
+        except (OSError, RuntimeError) as e:
+            _reason = f"could not build or load the kernel: {e}"
+    if _reason is not None:
+        log.warning("paged attention kernel off, CPU attention uses torch's: %s", _reason)
+        return None
+    fn = lib.paged_attention
+    fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
+                   + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int])
+    fn.restype = None
+    return fn
+
+
+def available() -> bool:
+    return _kernel() is not None
+
+
+def unavailable_reason() -> str | None:
+    _kernel()
+    return _reason
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+           block_tables: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
+           seqs: torch.Tensor, max_rows: int, max_len: int, block_size: int) -> None:
+    """Writes out[t] for the query tokens t of the sequences `seqs` (batch indices).
+    q, out: [T, H, D] float32, contiguous; k_cache, v_cache: [slots, Hkv, D];
+    block_tables: [B, blocks] int64; query_start: [B + 1]; seq_lens: [B] (including
+    the step's tokens); max_rows: the most query tokens of a listed sequence times
+    H / Hkv; max_len: the longest listed sequence. Call only when available()."""
+    fn = _kernel()
+    if fn is None:
+        raise RuntimeError(f"the paged attention kernel is off: {_reason}")
+    for name, t in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"paged attention: {name} must be contiguous float32 on CPU")
+    for name, t in (("block_tables", block_tables), ("query_start", query_start),
+                    ("seq_lens", seq_lens), ("seqs", seqs)):
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"paged attention: {name} must be contiguous int64")
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[1]
+    if dim % LANES or heads % kv_heads:
+        raise ValueError(f"paged attention: head_dim {dim} must be a multiple of {LANES} and "
+                         f"heads {heads} of kv_heads {kv_heads}")
+    if seqs.numel():
+        fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+           block_tables.data_ptr(), block_tables.stride(0), query_start.data_ptr(),
+           seq_lens.data_ptr(), seqs.data_ptr(), seqs.numel(), heads, kv_heads, dim,
+           block_size, max_rows, max_len, dim ** -0.5, torch.get_num_threads())
