@@ -76,7 +76,8 @@ ROW_KNOTS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 HINGE_PRIOR_WEIGHT = 1.0
 JUMP_PRIOR_WEIGHT = HINGE_PRIOR_WEIGHT / 16
 # Ridge of the cost per sequence g toward 0, in sequences^2 as PRIOR_WEIGHT: a
-# spread of batch sizes at equal rows over a few steps outweighs it.
+# spread of batch sizes at equal rows over a few dozen steps outweighs it; weaker,
+# it took a cost that belonged to the rows while one batch size ran (a test of that).
 SEQUENCE_PRIOR_WEIGHT = 64.0
 # Weight of the oldest steps: each new step multiplies earlier weights by this, so
 # the fit remembers roughly the last 1 / (1 - FORGETTING) = 512 steps.

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -42,19 +41,8 @@ _reason: str | None = None
 def _kernel():
     """The C function, or None (with the reason in _reason, logged once)."""
     global _reason
-    cc = small_rows.compiler()
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        _reason = f"turned off by {ENV_SWITCH}=0"
-    elif not small_rows.vector_isa():
-        _reason = "this CPU has no AVX2 and FMA"
-    elif cc is None:
-        _reason = "no C compiler (set CC, or install gcc)"
-    else:
-        try:
-            lib = ctypes.CDLL(str(small_rows.build(SOURCE, cc)))
-        except (OSError, RuntimeError) as e:
-            _reason = f"could not build or load the kernel: {e}"
-    if _reason is not None:
+    lib, _reason = small_rows.load(SOURCE, ENV_SWITCH)
+    if lib is None:
         log.warning("paged attention kernel off, CPU attention uses torch's: %s", _reason)
         return None
     fn = lib.paged_attention

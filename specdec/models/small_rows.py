@@ -110,23 +110,29 @@ def build(source: Path, cc: str) -> Path:
     return out
 
 
+def load(source: Path, switch: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """A kernel's library built for this CPU, or None and why not: turned off by
+    `switch`=0, a CPU with neither AVX-512F nor AVX2 and FMA, no compiler, or a
+    failed build."""
+    cc = compiler()
+    if os.environ.get(switch, "1") == "0":
+        return None, f"turned off by {switch}=0"
+    if not vector_isa():
+        return None, "this CPU has neither AVX-512F nor AVX2 and FMA"
+    if cc is None:
+        return None, "no C compiler (set CC, or install gcc)"
+    try:
+        return ctypes.CDLL(str(build(source, cc))), None
+    except (OSError, RuntimeError) as e:
+        return None, f"could not build or load the kernel: {e}"
+
+
 @functools.cache
 def _kernel():
     """The C function, or None (with the reason in _reason, logged once)."""
     global _reason
-    cc = compiler()
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        _reason = f"turned off by {ENV_SWITCH}=0"
-    elif not vector_isa():
-        _reason = "this CPU has neither AVX-512F nor AVX2 and FMA"
-    elif cc is None:
-        _reason = "no C compiler (set CC, or install gcc)"
-    else:
-        try:
-            lib = ctypes.CDLL(str(build(SOURCE, cc)))
-        except (OSError, RuntimeError) as e:
-            _reason = f"could not build or load the kernel: {e}"
-    if _reason is not None:
+    lib, _reason = load(SOURCE, ENV_SWITCH)
+    if lib is None:
         log.warning("small-rows GEMM off, CPU projections use torch's kernels: %s", _reason)
         return None
     fn = lib.small_rows_gemm
