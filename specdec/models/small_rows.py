@@ -74,19 +74,19 @@ def max_rows() -> int:
         if not override.isdigit() or int(override) < 1:
             raise ValueError(f"{ENV_MAX_ROWS} must be a positive integer, got {override!r}")
         return int(override)
-    if vector_isa() == "avx512f" and _cpu_vendor() == "GenuineIntel":
+    if _vector_isa() == "avx512f" and _cpu_vendor() == "GenuineIntel":
         return 16
     return 12
 
 
-def compiler() -> str | None:
+def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "gcc", "cc"):
         if name and (path := shutil.which(name)):
             return path
     return None
 
 
-def build(source: Path, cc: str) -> Path:
+def _build(source: Path, cc: str) -> Path:
     """Compile a kernel's C source into the cache (once per source, compiler and CPU)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join(
@@ -114,15 +114,15 @@ def load(source: Path, switch: str) -> tuple[ctypes.CDLL | None, str | None]:
     """A kernel's library built for this CPU, or None and why not: turned off by
     `switch`=0, a CPU with neither AVX-512F nor AVX2 and FMA, no compiler, or a
     failed build."""
-    cc = compiler()
+    cc = _compiler()
     if os.environ.get(switch, "1") == "0":
         return None, f"turned off by {switch}=0"
-    if not vector_isa():
+    if not _vector_isa():
         return None, "this CPU has neither AVX-512F nor AVX2 and FMA"
     if cc is None:
         return None, "no C compiler (set CC, or install gcc)"
     try:
-        return ctypes.CDLL(str(build(source, cc))), None
+        return ctypes.CDLL(str(_build(source, cc))), None
     except (OSError, RuntimeError) as e:
         return None, f"could not build or load the kernel: {e}"
 
@@ -141,7 +141,7 @@ def _kernel():
     return fn
 
 
-def vector_isa() -> str | None:
+def _vector_isa() -> str | None:
     """The instruction set the kernel is built for on this CPU, or None."""
     flags = set(_cpu_flags().split())
     if "avx512f" in flags:

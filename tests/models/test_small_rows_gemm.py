@@ -110,12 +110,12 @@ def test_max_rows_by_cpu_and_override(monkeypatch):
     """Intel with AVX-512 keeps 16 rows per pass on the kernel, other CPUs 12 (their
     13-16 row tiles lose to the packed weight); the environment overrides both."""
     monkeypatch.delenv(small_rows.ENV_MAX_ROWS, raising=False)
-    monkeypatch.setattr(small_rows, "vector_isa", lambda: "avx512f")
+    monkeypatch.setattr(small_rows, "_vector_isa", lambda: "avx512f")
     monkeypatch.setattr(small_rows, "_cpu_vendor", lambda: "GenuineIntel")
     assert small_rows.max_rows() == 16
     monkeypatch.setattr(small_rows, "_cpu_vendor", lambda: "AuthenticAMD")
     assert small_rows.max_rows() == 12
-    monkeypatch.setattr(small_rows, "vector_isa", lambda: "avx2")
+    monkeypatch.setattr(small_rows, "_vector_isa", lambda: "avx2")
     monkeypatch.setattr(small_rows, "_cpu_vendor", lambda: "GenuineIntel")
     assert small_rows.max_rows() == 12
     monkeypatch.setenv(small_rows.ENV_MAX_ROWS, "8")
