@@ -57,6 +57,9 @@ class Decision:
     num_speculative_tokens: int  # fixed K, or K's upper bound when auto_k
     auto_k: bool
     disabled_reason: str | None  # one of DECISION_REASONS
+    # With auto_k, the K of the steps before dynamic K has a profile to choose by (the
+    # online model's first MIN_STEPS steps); None: num_speculative_tokens.
+    first_k: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -65,6 +68,11 @@ class Decision:
         if self.disabled_reason not in DECISION_REASONS:
             raise ValueError(f"decision: disabled_reason must be one of {DECISION_REASONS}, "
                              f"got {self.disabled_reason!r}")
+        if self.first_k is not None:
+            check_count("decision: first_k", self.first_k)
+            if not self.auto_k or self.first_k > self.num_speculative_tokens:
+                raise ValueError(f"decision: first_k ({self.first_k}) needs auto_k and at most "
+                                 f"num_speculative_tokens ({self.num_speculative_tokens})")
         if self.method == "none" and self.num_speculative_tokens:
             raise ValueError(f"decision: method 'none' needs num_speculative_tokens=0, "
                              f"got {self.num_speculative_tokens}")
@@ -93,5 +101,11 @@ def decide(req: SpeculativeRequest, dep: Deployment, num_running: int) -> Decisi
         k = dep.max_num_speculative_tokens if req.auto else dep.default_num_speculative_tokens
     # Under load the method and K are kept, so the verifier can be told to turn
     # speculation on later without asking the user again.
+    # Until dynamic K has a profile it cannot choose, and an "auto" bounded by the
+    # verifier's maximum would draft that deep for everyone: on a fresh `make run`, 16
+    # requests at K = 8 fed 100+ rows a step (2.6x a step at K = 2), and the online
+    # model's first fit saw only such steps and plain ones, so it priced every row in
+    # between as dear. The deployment's default K is where a static deployment starts.
+    first_k = (min(k, dep.default_num_speculative_tokens) or k) if auto else None
     overloaded = dep.disable_queue_size is not None and num_running > dep.disable_queue_size
-    return Decision(method, k, auto, "queue_size" if overloaded else None)
+    return Decision(method, k, auto, "queue_size" if overloaded else None, first_k)

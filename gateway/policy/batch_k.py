@@ -59,102 +59,108 @@ class Member(Protocol):
 
 def step_time(profile: ItlProfile, batch_size: float, rows: dict[str, float]) -> float:
     """Modelled ms of a step of `batch_size` sequences with rows[method] draft rows."""
-    n = sum(rows.values())
-    return profile.itl(batch_size, n / batch_size) + _drafters_cost(profile, batch_size, rows)
+    draft = {method: np.array([n]) for method, n in rows.items()}  # one step's [1]
+    forward = profile.itls(batch_size, np.array([sum(rows.values())]) / batch_size)
+    return float((forward + _drafters_cost(profile, batch_size, draft))[0])
 
 
-def _drafters_cost(profile: ItlProfile, batch_size: float, rows: dict[str, float]) -> float:
-    """What the drafters add to a step with rows[method] (expected) draft rows each."""
-    return sum(_drafter_cost(profile, batch_size, n_m / batch_size, method)
-               for method, n_m in rows.items() if n_m and method in profile.method_itl_ms)
+def _drafters_cost(profile: ItlProfile, batch_size: float,
+                   rows: dict[str, np.ndarray]) -> np.ndarray:
+    """What the drafters add to steps with rows[method] ([n]: expected draft rows each)."""
+    total = np.zeros(len(next(iter(rows.values()))) if rows else 1)
+    for method, n_m in rows.items():
+        if method in profile.method_itl_ms:
+            total += np.where(n_m > 0, _drafter_cost(profile, batch_size, n_m / batch_size,
+                                                     method), 0.0)
+    return total
 
 
-# The expectation is exact while members x transform size stays within this (16
-# requests drafting up to 8 each: 3 ms a choice on a busy 2-core machine); a larger
-# batch is priced at its mean rows. Its rows are then a sum of many independent
-# counts, whose spread is small beside their mean.
-EXACT_BUDGET = 16 * 256
-
-
-class _ExpectedStep:
-    """Modelled ms of a step of `batch_size` sequences in which draft request i asks
-    for k_i rows and gets all of them with probability available[i], else none: the
-    forward's time averaged over the distribution of the step's draft rows, and each
-    drafter's cost at its expected rows (it is near straight in them).
-
-    The distribution of a sum of independent counts is the convolution of theirs,
-    a product of their transforms: request i's is (1 - q_i) + q_i w^k_i at the
-    `size`-th roots of unity w, so one request's K changing is one row of
-    `_factors` rewritten, and E[forward] = sum_n P(n) forward(n) is the inner product
-    of the transforms (Parseval). size > the most rows, so the cyclic convolution
-    never wraps around: exact to rounding, and a walk over O(B K) choices costs
-    O(B K) products of B short rows, not a convolution of B requests each time.
-    """
-
-    def __init__(self, profile: ItlProfile, batch_size: float, methods: Sequence[str],
-                 available: Sequence[float], max_rows: int):
-        self.profile, self.batch_size = profile, batch_size
-        self.methods, self.available = methods, available
-        self._ks = [0] * len(methods)
-        self._rows: dict[str, float] = {}  # method -> its expected draft rows, kept by set()
-        size = 1 << max_rows.bit_length()
-        self._exact = len(methods) * size <= EXACT_BUDGET
-        if not self._exact:
-            return
-        forward = np.zeros(size)  # [size]: the forward's time at n draft rows
-        forward[:max_rows + 1] = [profile.itl(batch_size, n / batch_size)
-                                  for n in range(max_rows + 1)]
-        self._forward = np.conj(np.fft.fft(forward)) / size  # [size]
-        self._roots = np.exp(-2j * np.pi * np.arange(size) / size)  # [size]: w
-        self._powers: dict[int, np.ndarray] = {}  # k -> [size]: w^k
-        self._factors = np.ones((len(methods), size), dtype=complex)  # [members, size]
-        self._product = np.ones(size, dtype=complex)  # [size]: the factors' product
-
-    def set(self, i: int, k: int) -> None:
-        """Request i asks for k rows."""
-        method, q = self.methods[i], self.available[i]
-        self._rows[method] = self._rows.get(method, 0.0) + q * (k - self._ks[i])
-        self._ks[i] = k
-        if self._exact:
-            if k not in self._powers:
-                self._powers[k] = self._roots ** k
-            old = self._factors[i].copy()
-            self._factors[i] = (1.0 - q) + q * self._powers[k]
-            # One factor changed: the product is updated by it (a walk at batch 16
-            # took 9 ms multiplying all 16 rows at every position), unless the old
-            # factor came near 0 ((1 - q) + q w^k is 0 at q = 1/2, w^k = -1), where
-            # dividing by it would lose the product: then it is multiplied afresh.
-            if np.abs(old).min() > 1e-6:
-                self._product *= self._factors[i] / old
-            else:
-                self._product = self._factors.prod(axis=0)
-
-    def __call__(self) -> float:
-        rows = self._rows
-        t = self.profile.itl(self.batch_size, sum(rows.values()) / self.batch_size)
-        if self._exact:
-            # Never below the time at the mean rows: where the profile bends down (the
-            # online fit reads a segment whose slope came out negative as flat), spread
-            # would look like a saving, and such a bend is the fit's, not the machine's.
-            t = max(t, float((self._product @ self._forward).real))
-        return t + _drafters_cost(self.profile, self.batch_size, rows)
-
-
-def _drafter_cost(profile: ItlProfile, batch_size: float, k: float, method: str) -> float:
-    """What `method`'s drafting adds to a step where it drafts k per sequence on average.
+def _drafter_cost(profile: ItlProfile, batch_size: float, k: np.ndarray,
+                  method: str) -> np.ndarray:
+    """What `method`'s drafting adds to a step where it drafts k ([n]) per sequence on
+    average.
 
     The table has it at whole K, where every sequence drafts: from K = 1 on, read it
     there; below, the line through K = 1 and 2 is extended. Interpolating toward
     K = 0 instead would charge a drafter's fixed cost in proportion to its rows, and a
     batch where few sequences draft would look nearly free of it.
     """
-    def extra(kk: float) -> float:
-        return max(profile.itl(batch_size, kk, method) - profile.itl(batch_size, kk), 0.0)
+    def extra(kk: np.ndarray) -> np.ndarray:
+        return np.maximum(profile.itls(batch_size, kk, method) - profile.itls(batch_size, kk),
+                          0.0)
 
-    if k >= 1 or profile.ks[-1] < 2:
-        return extra(max(k, 1.0))
-    one = extra(1.0)
-    return min(max(one - (1.0 - k) * (extra(2.0) - one), 0.0), one)
+    above = extra(np.maximum(k, 1.0))
+    if profile.ks[-1] < 2:
+        return above
+    one, two = extra(np.array([1.0, 2.0]))
+    return np.where(k >= 1, above, np.clip(one - (1.0 - k) * (two - one), 0.0, one))
+
+
+# The expectation is exact while members x transform size stays within this (16
+# requests drafting up to 8 each); a larger batch is priced at its mean rows. Its
+# rows are then a sum of many independent counts, whose spread is small beside
+# their mean.
+EXACT_BUDGET = 16 * 256
+
+
+def _step_times(profile: ItlProfile, batch_size: float, methods: Sequence[str],
+                available: Sequence[float], order: Sequence[int]) -> np.ndarray:
+    """[len(order) + 1]: modelled ms of a step of `batch_size` sequences after each
+    prefix of `order`, every member at K = 0 before it and each entry one more row
+    asked of member order[p]. Member i gets all its k_i rows with probability
+    available[i], else none: the forward's time is averaged over the distribution of
+    the step's draft rows, and each drafter's cost taken at its expected rows (it is
+    near straight in them).
+
+    The distribution of a sum of independent counts is the convolution of theirs, a
+    product of their transforms: member i's is (1 - q_i) + q_i w^k_i at the `size`-th
+    roots of unity w, size > the most rows, so the cyclic convolution never wraps
+    around, and E[forward] = sum_n P(n) forward(n) is the inner product of the
+    transforms (Parseval). Along `order` one factor changes at a time, so the
+    products after every prefix are one cumulative product of new / old factors
+    ([positions, size]), not a walk in Python (which took 7 ms of the gateway's CPU
+    a step at batch 16, taken from the verifier's forward on a 2-core machine).
+    A factor may come near 0 ((1 - q) + q w^k at q = 1/2, w^k = -1) and the product
+    stays exact through it: the old factor divided out is the very float the
+    member's previous row multiplied in, and (x * r) / r rounds to x at any
+    magnitude.
+    """
+    q = np.asarray(available, dtype=np.float64)[list(order)]  # [P]
+    rows: dict[str, np.ndarray] = {}  # method -> [P + 1] its expected draft rows
+    for method in dict.fromkeys(methods):
+        mine = np.array([methods[i] == method for i in order], dtype=bool)
+        rows[method] = np.concatenate(([0.0], np.cumsum(np.where(mine, q, 0.0))))
+    total = sum(rows.values()) if rows else np.zeros(len(order) + 1)
+    t = profile.itls(batch_size, total / batch_size)  # [P + 1], at the mean rows
+    most = len(order)
+    size = most + 1  # > the most rows: the cyclic convolution never wraps around
+    if most and len(methods) * size <= EXACT_BUDGET:
+        forward = profile.itls(batch_size, np.arange(size) / batch_size)  # [size]: at n rows
+        spectrum = np.conj(np.fft.fft(forward)) / size  # [size]
+        k = np.zeros(len(methods), dtype=np.int64)
+        new_k = np.empty(most, dtype=np.int64)  # [P]: the member's K after position p
+        for p, i in enumerate(order):
+            k[i] += 1
+            new_k[p] = k[i]
+        # Member i's factor at K = k is (1 - q_i) + q_i w^k, w^k = roots[k j mod size].
+        roots = np.exp(-2j * np.pi * np.arange(size) / size)  # [size]
+        j = np.arange(size)
+        new = np.outer(new_k, j) % size  # [P, size]: the index of w^k in roots
+        old = (new - j) % size  # of w^(k - 1)
+        ratio = (((1.0 - q)[:, None] + q[:, None] * roots[new])
+                 / ((1.0 - q)[:, None] + q[:, None] * roots[old]))
+        products = np.concatenate((np.ones((1, size), dtype=complex),
+                                   np.cumprod(ratio, axis=0)))  # [P + 1, size]
+        # A sum of products, not `@`: OpenBLAS would run a matrix-vector product of this
+        # size on every core and spin there after, taking them from the verifier's
+        # forward (the gateway's CPU doubled in wall time, and plain steps of a batch of
+        # 8 took 200 ms instead of 100 while it chose).
+        expected = (products * spectrum).sum(axis=1).real  # [P + 1]
+        # Never below the time at the mean rows: where the profile bends down (the
+        # online fit reads a segment whose slope came out negative as flat), spread
+        # would look like a saving, and such a bend is the fit's, not the machine's.
+        t = np.maximum(t, expected)
+    return t + _drafters_cost(profile, batch_size, rows)
 
 
 def allocate(profile: ItlProfile, batch_size: int, members: Iterable[Member]) -> list[int]:
@@ -175,20 +181,13 @@ def allocate(profile: ItlProfile, batch_size: int, members: Iterable[Member]) ->
     # no row and yields nothing: a position yields q * reach tokens, and its row is
     # there in a share q of the steps.
     available = [m.availability() for m in members]
-    time = _ExpectedStep(profile, batch, [m.method for m in members], available,
-                         len(positions))
+    order = [i for _, i, _ in positions]
+    gain = np.array([-available[i] * neg_reach for neg_reach, i, _ in positions])
+    tokens = batch + np.concatenate(([0.0], np.cumsum(gain)))  # [P + 1]
+    goodput = tokens / _step_times(profile, batch, [m.method for m in members], available,
+                                   order)
     ks = [0] * len(members)
-    tokens = batch
-    best_n, best = 0, batch / time()
-    for n, (neg_reach, i, _) in enumerate(positions, 1):
-        tokens -= available[i] * neg_reach
-        ks[i] += 1
-        time.set(i, ks[i])
-        goodput = tokens / time()
-        if goodput > best:
-            best_n, best = n, goodput
-    ks = [0] * len(members)
-    for _, i, _ in positions[:best_n]:
+    for i in order[:int(np.argmax(goodput))]:  # the first best prefix
         ks[i] += 1
     return ks
 
@@ -204,10 +203,9 @@ def batch_goodput(profile: ItlProfile, batch_size: int, members: Sequence[Member
         for j in range(k):
             reach *= rate_at(rates, j)
             tokens += q * reach
-    time = _ExpectedStep(profile, batch, [m.method for m in members], available, sum(ks))
-    for i, k in enumerate(ks):
-        time.set(i, k)
-    return tokens / time()
+    order = [i for i, k in enumerate(ks) for _ in range(k)]
+    time = _step_times(profile, batch, [m.method for m in members], available, order)
+    return tokens / float(time[-1])
 
 
 # A new choice replaces the batch's current Ks only when its modelled goodput is this

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from gateway.policy.values import is_int, is_number
 from specdec.speculation import DRAFTER_METHODS
 
@@ -98,6 +100,19 @@ class ItlProfile:
         low = _lerp(table[i0][j0], table[i0][j1], tk)
         high = _lerp(table[i1][j0], table[i1][j1], tk)
         return _lerp(low, high, tb)
+
+    def itls(self, batch_size: float, ks: np.ndarray, method: str | None = None) -> np.ndarray:
+        """itl at one batch size for many K at once ([n] -> [n] ms): dynamic K reads
+        hundreds of points of one batch size every step."""
+        ks = np.asarray(ks, dtype=np.float64)
+        if not (math.isfinite(batch_size) and np.isfinite(ks).all()):
+            raise ValueError(f"itls: batch_size and ks must be finite, got {batch_size}, {ks}")
+        table = self.method_itl_ms.get(method, self.itl_ms)
+        i0, i1, tb = _bracket(self.batch_sizes, batch_size)
+        # np.interp holds the edge values outside the grid, as itl() clamps.
+        low = np.interp(ks, self.ks, table[i0])
+        high = np.interp(ks, self.ks, table[i1])
+        return (1.0 - tb) * low + tb * high
 
     def to_json(self) -> dict:
         obj = {

@@ -210,6 +210,7 @@ class ForgettingLeastSquares:
 
 
 _STARTS = (0, *ROW_KNOTS)  # where each segment of the forward starts
+_START_ARRAY = np.array(_STARTS, dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,8 @@ class StepCost:
             slopes.append(max(slope, 0.0))
         object.__setattr__(self, "_bases", tuple(bases))
         object.__setattr__(self, "_slopes", tuple(slopes))
+        object.__setattr__(self, "_base_array", np.array(bases))  # [segments]
+        object.__setattr__(self, "_slope_array", np.array(slopes))  # [segments]
 
     def forward(self, rows: float, sequences: float = 0.0) -> float:
         """ms of a forward feeding `rows` rows for `sequences` sequences (f(rows) alone
@@ -250,6 +253,23 @@ class StepCost:
             return t + self.a
         j = bisect.bisect_left(ROW_KNOTS, rows)  # ROW_KNOTS[j - 1] < rows <= ROW_KNOTS[j]
         return t + self._bases[j] + self._slopes[j] * (rows - _STARTS[j])
+
+    def forwards(self, rows: np.ndarray, sequences: float | np.ndarray = 0.0) -> np.ndarray:
+        """forward() at many row counts (any shape, broadcast with sequences; ms)."""
+        rows = np.asarray(rows, dtype=np.float64)
+        j = np.searchsorted(ROW_KNOTS, rows, side="left")  # as bisect_left in forward()
+        t = self._base_array[j] + self._slope_array[j] * (rows - _START_ARRAY[j])
+        return np.where(rows <= 0, self.a, t) + self.g * sequences
+
+    def itls(self, batch_size: float | np.ndarray, ks: np.ndarray,
+             method: str | None = None) -> np.ndarray:
+        """itl() at many K, and one or many batch sizes (broadcast together)."""
+        batch_size = np.asarray(batch_size, dtype=np.float64)
+        ks = np.asarray(ks, dtype=np.float64)
+        t = self.forwards(batch_size * (ks + 1), batch_size) + self.w
+        if method in self.d:
+            t = t + np.where(ks > 0, self.d[method] + self.e[method] * batch_size * ks, 0.0)
+        return np.maximum(t, MIN_ITL_MS)
 
     def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
         t = self.forward(batch_size * (k + 1), batch_size) + self.w
@@ -273,12 +293,25 @@ class FittedProfile(ItlProfile):
 
     cost: StepCost = field(kw_only=True, compare=False, hash=False, repr=False)
 
+    def _checked_table(self, name: str, table: object) -> tuple[tuple[float, ...], ...]:
+        # Written by OnlineProfile.profile from the fit, every entry >= MIN_ITL_MS: the
+        # model is rebuilt every step, and checking each entry again cost a third of it.
+        return tuple(tuple(row) for row in table)
+
     def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
         if not (math.isfinite(batch_size) and math.isfinite(k)):
             raise ValueError(f"itl: batch_size and k must be finite, got {batch_size}, {k}")
         batch_size = min(max(batch_size, self.batch_sizes[0]), self.batch_sizes[-1])
         k = min(max(k, self.ks[0]), self.ks[-1])
         return self.cost.itl(batch_size, k, method if method in self.method_itl_ms else None)
+
+    def itls(self, batch_size: float, ks: np.ndarray, method: str | None = None) -> np.ndarray:
+        ks = np.asarray(ks, dtype=np.float64)
+        if not (math.isfinite(batch_size) and np.isfinite(ks).all()):
+            raise ValueError(f"itls: batch_size and ks must be finite, got {batch_size}, {ks}")
+        batch_size = min(max(batch_size, self.batch_sizes[0]), self.batch_sizes[-1])
+        ks = np.clip(ks, self.ks[0], self.ks[-1])
+        return self.cost.itls(batch_size, ks, method if method in self.method_itl_ms else None)
 
 
 class OnlineProfile:
@@ -402,8 +435,11 @@ class OnlineProfile:
             batch_sizes = batch_grid(max_num_seqs)
             ks = tuple(range(max_num_speculative_tokens + 1))
 
+            grid = np.array(ks, dtype=np.float64)[None, :]  # [1, ks]
+            sizes = np.array(batch_sizes, dtype=np.float64)[:, None]  # [batch sizes, 1]
+
             def table(method: str | None) -> tuple[tuple[float, ...], ...]:
-                return tuple(tuple(cost.itl(b, k, method) for k in ks) for b in batch_sizes)
+                return tuple(map(tuple, cost.itls(sizes, grid, method).tolist()))
 
             self._profiles[key] = FittedProfile(
                 batch_sizes=batch_sizes, ks=ks, itl_ms=table(None),

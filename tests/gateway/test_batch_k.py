@@ -14,7 +14,7 @@ from gateway.policy.batch_k import (
     MIN_GAIN,
     BatchK,
     BatchKs,
-    _ExpectedStep,
+    _step_times,
     allocate,
     batch_goodput,
     step_time,
@@ -271,23 +271,30 @@ def test_a_large_batch_is_priced_at_its_mean_rows():
     for m in members:
         m.availability = lambda: 0.5
     ks = (1,) * 64
-    assert 64 * 128 > EXACT_BUDGET  # 64 draft rows at most: transforms of 128 points
+    assert 64 * 65 > EXACT_BUDGET  # 64 draft rows at most: transforms of 65 points
     tokens = 64 + 64 * 0.5 * 0.6
     assert batch_goodput(profile, 64, members, ks) == pytest.approx(
         tokens / step_time(profile, 64, {"ngram": 32.0}))
     assert len(allocate(profile, 64, members)) == 64
 
 
-def test_the_expected_step_stays_exact_as_ks_are_replaced():
-    # The expected step keeps the product of the requests' transforms and divides
-    # out the factor a request's new K replaces; at q = 1/2 and w^k = -1 (two draft
-    # rows at a transform of 4 points) that factor is 0 to rounding.
+def test_the_expected_step_stays_exact_through_a_factor_of_zero():
+    # Each prefix's product of the requests' transforms is a running sum of log
+    # ratios. At q = 1/2 and w^k = -1 (one draft row at a transform of 4 points) a
+    # factor is 0 to rounding; the request's next row must take it back out exactly.
     profile = cliff_profile(below=40.0, above=80.0, cliff_rows=5, max_batch=2, max_k=2)
-    time = _ExpectedStep(profile, 2, ["ngram", "ngram"], [0.7, 0.5], max_rows=3)
-    for i, k in ((0, 2), (1, 1), (0, 1), (0, 0), (1, 2), (0, 1)):
-        time.set(i, k)
-    # Now request 0 asks 1 row (answering 70 % of the time), request 1 asks 2 (half).
-    p = {0: 0.3 * 0.5, 1: 0.7 * 0.5, 2: 0.3 * 0.5, 3: 0.7 * 0.5}
-    want = sum(p[n] * profile.itl(2, n / 2) for n in p)
-    assert want > profile.itl(2, 1.7 / 2)  # above the time at the mean rows
-    assert time() == pytest.approx(want, rel=1e-12)
+    q = (0.7, 0.5)
+    order = (1, 0, 1)
+    got = _step_times(profile, 2, ["ngram", "ngram"], q, order)
+
+    def want(ks):
+        # Every set of requests that got their rows, and its probability.
+        total = 0.0
+        for a, b in itertools.product((0, 1), repeat=2):
+            p = (q[0] if a else 1 - q[0]) * (q[1] if b else 1 - q[1])
+            total += p * profile.itl(2, (a * ks[0] + b * ks[1]) / 2)
+        return max(total, profile.itl(2, (q[0] * ks[0] + q[1] * ks[1]) / 2))
+
+    for n, ks in enumerate(((0, 0), (0, 1), (1, 1), (1, 2))):
+        assert got[n] == pytest.approx(want(ks), rel=1e-12), (n, ks)
+    assert got[3] > profile.itl(2, (0.7 + 1.0) / 2)  # above the time at the mean rows

@@ -113,6 +113,29 @@ def test_auto_and_default_requests_use_the_online_model_without_a_profile(
         s.close()
 
 
+def test_auto_drafts_the_default_k_until_the_online_model_has_a_profile(
+        loop, model, smollm2_dir):
+    """A fresh gateway has no step times: an "auto" request, bounded by the verifier's
+    maximum (8), drafts the deployment's default K (4) until there is a profile,
+    rather than 8 for everyone."""
+    drafter = FirstRightDrafter(model)
+    s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": drafter})
+    try:
+        client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
+        content = "Count to twenty."
+        resp = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": content}], temperature=0,
+            max_tokens=12, extra_body={"speculative": {"method": "draft_model",
+                                                       "num_speculative_tokens": "auto"}})
+        assert resp.choices[0].message.content == s.reference(s.chat_ids(content), 12)[0]
+        assert s.gateway.online_profile.num_steps < MIN_STEPS  # no profile all along
+        asked = [k for k in drafter.wanted if k]
+        # 4 every step; the last may be cut shorter by max_tokens.
+        assert asked[0] == 4 and max(asked) == 4 and len(asked) >= 3, asked
+    finally:
+        s.close()
+
+
 def test_static_default_k_with_dynamic_k_off(loop, model, smollm2_dir):
     drafter = FirstRightDrafter(model)
     s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": drafter},

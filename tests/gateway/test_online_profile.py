@@ -17,6 +17,7 @@ from gateway.policy.online_profile import (
     ACCEPTANCE_PRIOR_STEPS,
     MIN_STEPS,
     PRIOR_ROWS_PER_A,
+    ROW_KNOTS,
     FittedProfile,
     OnlineProfile,
     StepCost,
@@ -394,3 +395,21 @@ def test_one_k_leaves_the_cost_per_sequence_to_the_rows():
     assert cost.g < 0.5
     for batch in (1, 3, 5):
         assert cost.forward(3 * batch, batch) == pytest.approx(30.0 + 9.0 * batch, rel=0.05)
+
+
+def test_itls_of_the_fitted_cost_match_its_itl():
+    # Jumps, bends, a cost per sequence and drafter costs, read at many K at once
+    # (dynamic K's array form) and one at a time, inside and past the grid's edges.
+    cost = StepCost(a=30.0, b=1.5, w=0.7, d={"ngram": 2.0}, e={"ngram": 0.1},
+                    hinges=(0.5, -0.8, 0.2) + (0.0,) * (len(ROW_KNOTS) - 3),
+                    jumps=(0.0, 0.0, 25.0, -3.0) + (0.0,) * (len(ROW_KNOTS) - 4), g=1.2)
+    model_profile = FittedProfile(batch_sizes=(1, 2, 4, 8, 16), ks=tuple(range(5)),
+                                  itl_ms=((1.0,) * 5,) * 5, method_itl_ms={"ngram": ((1.0,) * 5,) * 5},
+                                  cost=cost)
+    ks = np.linspace(-1.0, 6.0, 57)
+    for b, method in ((1, None), (3.5, "ngram"), (11, "ngram"), (40, None), (6, "eagle3")):
+        want = [model_profile.itl(b, k, method) for k in ks]
+        assert model_profile.itls(b, ks, method).tolist() == pytest.approx(want, rel=1e-12)
+    rows = np.array([0.0, 1.0, 4.0, 12.0, 12.5, 13.0, 300.0])
+    assert cost.forwards(rows, 3).tolist() == pytest.approx([cost.forward(r, 3) for r in rows],
+                                                            rel=1e-12)

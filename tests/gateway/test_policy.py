@@ -13,6 +13,7 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 
 from gateway.policy.admission import Decision, Deployment, decide
@@ -169,7 +170,7 @@ def test_decide_auto_disable_above_queue_size(dep):
     for running in (3, 50):
         assert decide(req, dep, running) == Decision("ngram", 4, False, "queue_size")
     auto = SpeculativeRequest(auto=True)
-    assert decide(auto, dep, 3) == Decision("eagle", 5, True, "queue_size")
+    assert decide(auto, dep, 3) == Decision("eagle", 5, True, "queue_size", first_k=3)
 
 
 def test_decide_without_queue_size_never_disables(dep):
@@ -187,23 +188,35 @@ def test_decide_defaults_and_explicit_values(dep):
         Decision("eagle", 1, False, None)
 
 
-def test_decide_auto_k_is_an_upper_bound(dep):
-    assert decide(SpeculativeRequest(auto=True), dep, 0) == Decision("eagle", 5, True, None)
+def test_decide_auto_k_is_an_upper_bound_and_starts_at_the_default_k(dep):
+    # Bounded by the verifier's maximum (5), it drafts the deployment's default K (3)
+    # until dynamic K has a profile to choose by.
+    assert decide(SpeculativeRequest(auto=True), dep, 0) == Decision("eagle", 5, True, None, 3)
     assert decide(SpeculativeRequest(num_speculative_tokens=2, auto=True), dep, 0) == \
-        Decision("eagle", 2, True, None)
+        Decision("eagle", 2, True, None, 2)
     assert decide(SpeculativeRequest.from_json({"method": "ngram", "num_speculative_tokens": "auto"}),
-                  dep, 0) == Decision("ngram", 5, True, None)
+                  dep, 0) == Decision("ngram", 5, True, None, 3)
+    # A deployment whose default is plain starts an "auto" at its bound.
+    plain = Deployment("none", frozenset({"ngram"}), 0, 4, None)
+    assert decide(SpeculativeRequest(method="ngram", auto=True), plain, 0).first_k == 4
+
+
+def test_decision_first_k_is_checked():
+    with pytest.raises(ValueError, match="first_k"):
+        Decision("ngram", 2, True, None, first_k=3)
+    with pytest.raises(ValueError, match="first_k"):
+        Decision("ngram", 2, False, None, first_k=1)
 
 
 def test_decide_default_auto_k_is_bounded_by_the_default_k(dep):
     auto = dataclasses.replace(dep, default_auto_k=True)
     # No K given: dynamic K within the K the deployment would run statically.
-    assert decide(SpeculativeRequest(), auto, 0) == Decision("eagle", 3, True, None)
-    assert decide(SpeculativeRequest(method="ngram"), auto, 0) == Decision("ngram", 3, True, None)
+    assert decide(SpeculativeRequest(), auto, 0) == Decision("eagle", 3, True, None, 3)
+    assert decide(SpeculativeRequest(method="ngram"), auto, 0) == Decision("ngram", 3, True, None, 3)
     # An explicit K stays static, an explicit "auto" may reach the verifier's maximum.
     assert decide(SpeculativeRequest(num_speculative_tokens=2), auto, 0) == \
         Decision("eagle", 2, False, None)
-    assert decide(SpeculativeRequest(auto=True), auto, 0) == Decision("eagle", 5, True, None)
+    assert decide(SpeculativeRequest(auto=True), auto, 0) == Decision("eagle", 5, True, None, 3)
     assert decide(SpeculativeRequest(method="none"), auto, 0) == \
         Decision("none", 0, False, "request")
     with pytest.raises(ValueError, match="default_auto_k"):
@@ -299,6 +312,19 @@ def test_itl_clamps_outside_the_table():
     assert p.itl(1000, 1000) == curved(8, 4)
     assert p.itl(0, 0) == curved(1, 0)
     assert p.itl(100, 1.5) == pytest.approx((curved(8, 1) + curved(8, 2)) / 2)
+
+
+def test_itls_reads_many_ks_as_itl_reads_each():
+    # The array form dynamic K reads: the same values, inside, between and outside
+    # the grid, on the shared table and a method's own.
+    p = ItlProfile(B, K, table(B, K, curved).itl_ms,
+                   method_itl_ms={"eagle3": table(B, K, lambda b, k: curved(b, k) + 3 * k).itl_ms})
+    ks = [-1.0, 0.0, 0.3, 1.0, 1.5, 2.0, 3.7, 4.0, 9.0]
+    for b, method in itertools.product((0.5, 1, 1.25, 3, 8, 100), (None, "eagle3", "ngram")):
+        want = [p.itl(b, k, method) for k in ks]
+        assert p.itls(b, np.array(ks), method).tolist() == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="finite"):
+        p.itls(2, np.array([1.0, float("nan")]))
 
 
 def test_itl_single_row_and_column():
