@@ -50,6 +50,12 @@ SECTIONS = [
      "The same code, ngram only, five repeats, with ours plain (an AVX2 EPYC, 2026-11-26)",
      "python -m bench.serving --systems ours --ours 'plain,ngram K=2,ngram auto' "
      "--concurrency 4,16 --repeats 5 --out bench/results/serving_dynamic_k_ngram5.json"),
+    ("serving_dynamic_k_vectorised.md",
+     "Dynamic K after the batch's choice was vectorised and kept off BLAS threads, which had "
+     "slowed the verifier's plain steps while it chose (ours only; the AVX2 EPYC at half speed, "
+     "2026-11-26, a later session)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram auto' --concurrency 4,16 "
+     "--repeats 3 --out bench/results/serving_dynamic_k_vectorised.json"),
     ("serving_dynamic_k_before.md",
      "The same run just before, dynamic K priced at the mean rows (same machine, same hour)",
      "python -m bench.serving --systems ours --ours 'ngram K=2,ngram auto' --concurrency 4,16 "
