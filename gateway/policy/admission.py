@@ -99,13 +99,13 @@ def decide(req: SpeculativeRequest, dep: Deployment, num_running: int) -> Decisi
         # An explicit "auto" may go to the verifier's maximum; the deployment's default
         # stays within the K it would run statically.
         k = dep.max_num_speculative_tokens if req.auto else dep.default_num_speculative_tokens
-    # Under load the method and K are kept, so the verifier can be told to turn
-    # speculation on later without asking the user again.
     # Until dynamic K has a profile it cannot choose, and an "auto" bounded by the
     # verifier's maximum would draft that deep for everyone: on a fresh `make run`, 16
     # requests at K = 8 fed 100+ rows a step (2.6x a step at K = 2), and the online
     # model's first fit saw only such steps and plain ones, so it priced every row in
     # between as dear. The deployment's default K is where a static deployment starts.
     first_k = (min(k, dep.default_num_speculative_tokens) or k) if auto else None
+    # Under load the method and K are kept, so the verifier can be told to turn
+    # speculation on later without asking the user again.
     overloaded = dep.disable_queue_size is not None and num_running > dep.disable_queue_size
     return Decision(method, k, auto, "queue_size" if overloaded else None, first_k)
