@@ -105,9 +105,9 @@ class Generation:
         self.spec = common_pb2.SpecDecodeStats()
         self.dynamic = dynamic  # None: K stays decision.num_speculative_tokens
         self.batches = batches
-        self.num_speculative_tokens = decision.num_speculative_tokens
-        if dynamic is not None and decision.first_k is not None:
-            self.num_speculative_tokens = decision.first_k  # dynamic K's until it has a profile
+        # With dynamic K, the K of the steps before it has a profile to choose by.
+        self.num_speculative_tokens = (decision.num_speculative_tokens
+                                       if decision.first_k is None else decision.first_k)
         self.enabled = decision.disabled_reason is None and decision.num_speculative_tokens > 0
         self.summary = SpecDecodeSummary(method=decision.method,
                                          disabled_reason=decision.disabled_reason)

@@ -89,10 +89,11 @@ def _drafter_cost(profile: ItlProfile, batch_size: float, k: np.ndarray,
         return np.maximum(profile.itls(batch_size, kk, method) - profile.itls(batch_size, kk),
                           0.0)
 
-    above = extra(np.maximum(k, 1.0))
+    # One read of the table for every k and for K = 1 and 2 (the line below K = 1).
+    read = extra(np.concatenate((np.maximum(k, 1.0), [1.0, 2.0])))
+    above, one, two = read[:-2], read[-2], read[-1]
     if profile.ks[-1] < 2:
         return above
-    one, two = extra(np.array([1.0, 2.0]))
     return np.where(k >= 1, above, np.clip(one - (1.0 - k) * (two - one), 0.0, one))
 
 
@@ -165,7 +166,12 @@ def _step_times(profile: ItlProfile, batch_size: float, methods: Sequence[str],
 
 def allocate(profile: ItlProfile, batch_size: int, members: Iterable[Member]) -> list[int]:
     """Each member's K (in `members`' order) maximizing the batch's tokens per ms."""
-    members = list(members)
+    return _best(profile, batch_size, list(members))[0]
+
+
+def _best(profile: ItlProfile, batch_size: int,
+          members: Sequence[Member]) -> tuple[list[int], float]:
+    """allocate()'s Ks and their modelled goodput (the margin check compares it)."""
     batch = float(max(batch_size, len(members), 1))
     # (-reach, member, position): sorted, every prefix takes each member's positions
     # from the first on (reach never rises along a member's positions; ties keep order).
@@ -186,10 +192,11 @@ def allocate(profile: ItlProfile, batch_size: int, members: Iterable[Member]) ->
     tokens = batch + np.concatenate(([0.0], np.cumsum(gain)))  # [P + 1]
     goodput = tokens / _step_times(profile, batch, [m.method for m in members], available,
                                    order)
+    n = int(np.argmax(goodput))  # the first best prefix
     ks = [0] * len(members)
-    for i in order[:int(np.argmax(goodput))]:  # the first best prefix
+    for i in order[:n]:
         ks[i] += 1
-    return ks
+    return ks, float(goodput[n])
 
 
 def batch_goodput(profile: ItlProfile, batch_size: int, members: Sequence[Member],
@@ -263,10 +270,10 @@ class BatchK:
             members = list(self._members.values())
             views = [_Snapshot(m.method, m.max_num_speculative_tokens, tuple(m.rates()),
                                m.availability()) for m in members]
-            ks = allocate(profile, batch_size, views)
+            ks, goodput = _best(profile, batch_size, views)
             if members and all(id(m) in self._ks for m in members):
                 current = [self._ks[id(m)] for m in members]
-                if ks != current and batch_goodput(profile, batch_size, views, ks) < \
+                if ks != current and goodput < \
                         (1.0 + MIN_GAIN) * batch_goodput(profile, batch_size, views, current):
                     ks = current
             self._ks = dict(zip(map(id, members), ks, strict=True))

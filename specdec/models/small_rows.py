@@ -114,11 +114,11 @@ def load(source: Path, switch: str) -> tuple[ctypes.CDLL | None, str | None]:
     """A kernel's library built for this CPU, or None and why not: turned off by
     `switch`=0, a CPU with neither AVX-512F nor AVX2 and FMA, no compiler, or a
     failed build."""
-    cc = _compiler()
     if os.environ.get(switch, "1") == "0":
         return None, f"turned off by {switch}=0"
     if not _vector_isa():
         return None, "this CPU has neither AVX-512F nor AVX2 and FMA"
+    cc = _compiler()
     if cc is None:
         return None, "no C compiler (set CC, or install gcc)"
     try:
