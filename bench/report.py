@@ -60,6 +60,16 @@ SECTIONS = [
      "The same run just before, dynamic K priced at the mean rows (same machine, same hour)",
      "python -m bench.serving --systems ours --ours 'ngram K=2,ngram auto' --concurrency 4,16 "
      "--repeats 3 --out bench/results/serving_dynamic_k_before.json"),
+    ("serving_dynamic_k_robust.md",
+     "Dynamic K with the online fit robust to slow steps and a reweighted warm-up (ours only; "
+     "the AVX2 EPYC, 2026-11-26, a later session; the last of two such runs, each run back to "
+     "back with one of the code before)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
+     "--concurrency 1,16 --repeats 2 --out bench/results/serving_dynamic_k_robust.json"),
+    ("serving_dynamic_k_robust_before.md",
+     "The same run on the code before (fbb4d12), right after it",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
+     "--concurrency 1,16 --repeats 2 --out bench/results/serving_dynamic_k_robust_before.json"),
     ("grid.md", "Serving grid: drafters x K x concurrency, beside in-process peers",
      "python -m bench.grid"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),

@@ -40,6 +40,19 @@ or a machine that gets busier):
   plain step pays too; d_m a drafter's fixed cost per step, e_m its cost per
   draft token (an EAGLE head runs its LM head once per token and sequence).
 
+Both fits are robust to steps slowed by something else. A step slower than the
+model by more than ROBUST_K running mean misses (about twice the modelled time)
+counts with weight (ROBUST_K mean misses / its miss)^2, next to nothing when far off; steps faster than the
+model count in full (nothing makes a step fast by accident, so they mean the
+model is too high). A shared machine has stretches of disturbed steps (another
+process on the cores), and a fresh verifier's first steps are slow (at 1.3 s a
+step against 50): at full weight such steps priced a plain step of 16 at 2 s
+on a fresh stack, 0.5 s still 600 steps later (against 0.15-0.2), and once, a
+disturbed stretch at 1.7 s. The first MIN_STEPS steps, which come before there
+is a model to weigh them by, are kept and reweighted over a few rounds when the
+first model is made. A machine that stays busier moves the mean miss up by 5 %
+a step, and the fit then follows it.
+
 From the fit comes an `ItlProfile` on a grid of batch sizes x K:
 ITL(B, 0) = f(B) + g*B + w and ITL(B, k, m) = f(B*(k+1)) + g*B + w + d_m + e_m*B*k,
 one table per method that has drafted, and per-method prior acceptance rates
@@ -110,6 +123,34 @@ WAIT_PRIOR_WEIGHT = 1.0
 # half-life in drafting responses (the workload drifts: other prompts, other users).
 ACCEPTANCE_PRIOR_STEPS = 8.0
 ACCEPTANCE_HALF_LIFE = 4096.0
+# A step slower than modelled by more than ROBUST_K times the running mean absolute
+# miss (of the forward or of the draft wait) weighs (ROBUST_K * mean miss / its
+# miss)^2: half as far off again as the limit, 0.44; ten times, 0.01. With a mean
+# miss of 10 % of the step, only steps twice as slow as modelled lose weight. Step
+# times have a long slow tail, and a limit of 4 mean misses, which weighed part of
+# it down, made the fit price steps low and dynamic K draft deeper: 0.82 / 0.88 of
+# K = 2 at C = 16 in two runs, against 0.95-1.01 in four runs at full weight.
+ROBUST_K = 10.0
+# The running mean miss, held at least this share of the step's modelled time (and
+# ROBUST_FLOOR_MS): on steps the model prices exactly (a quiet machine, one batch
+# and K) it would shrink toward 0 and make every change look like an outlier.
+ROBUST_FLOOR = 0.05
+ROBUST_FLOOR_MS = 0.5
+# It starts at this share of the modelled time, and forgets with a half-life of
+# about 44 steps. Each step adds its miss clipped at MISS_CLIP times the mean, so the
+# mean grows by at most 5 % a step: a disturbed stretch at 10x takes about 50 steps
+# to be let in, a machine that stays twice as busy about 15.
+ROBUST_START = 0.1
+MISS_CLIP = 4.0
+ROBUST_FORGETTING = 1.0 - 1.0 / 64
+# A step's miss is measured against a fit at most this many steps old.
+REFERENCE_STEPS = 8
+# Rounds of reweighting the first MIN_STEPS steps when the first model is made, and
+# the limit there, in mean misses of ROBUST_START: 40 % slower than modelled. The
+# first model is pulled halfway to the slow steps (a cold start can be half of
+# them), and a limit of twice the modelled time would never let go of them.
+WARMUP_ROUNDS = 6
+WARMUP_K = 4.0
 # A step number this far below the replica's last one means the verifier restarted.
 RESTART_GAP = 1024
 # The ITL floor in ms: ItlProfile needs positive times, a fit may reach 0.
@@ -186,11 +227,15 @@ class ForgettingLeastSquares:
         self.moment = np.zeros(n)  # [n] sum of w x y
         self.count = 0
 
-    def add(self, x: np.ndarray, y: float) -> None:
+    def empty(self) -> ForgettingLeastSquares:
+        """A fit with the same prior and forgetting and no steps."""
+        return ForgettingLeastSquares(self.prior_mean, self.prior_precision, self.forgetting)
+
+    def add(self, x: np.ndarray, y: float, weight: float = 1.0) -> None:
         self.scatter *= self.forgetting
         self.moment *= self.forgetting
-        self.scatter += np.outer(x, x)
-        self.moment += x * y
+        self.scatter += weight * np.outer(x, x)
+        self.moment += (weight * y) * x
         self.count += 1
 
     def solve(self, fixed: dict[int, float] | None = None) -> np.ndarray:
@@ -207,6 +252,33 @@ class ForgettingLeastSquares:
             rhs = r[free] - a[np.ix_(free, list(fixed or {}))] @ theta[list(fixed or {})]
             theta[free] = np.linalg.lstsq(a[sub], rhs, rcond=None)[0]
         return theta
+
+
+def robust_weight(observed: float, modelled: float, mean_miss: float,
+                  k: float = ROBUST_K) -> float:
+    """The weight of a step the model priced at `modelled` ms that took `observed`,
+    against a mean miss of `mean_miss` ms: full up to k mean misses slower."""
+    limit = k * max(mean_miss, ROBUST_FLOOR * abs(modelled), ROBUST_FLOOR_MS)
+    slower = observed - modelled
+    return 1.0 if slower <= limit else (limit / slower) ** 2
+
+
+class RobustWeight:
+    """Weights of one fit's steps as they come (robust_weight), against the running
+    mean absolute miss."""
+
+    def __init__(self) -> None:
+        self.mean_miss: float | None = None  # ms
+
+    def __call__(self, observed: float, modelled: float) -> float:
+        floor = max(ROBUST_FLOOR * abs(modelled), ROBUST_FLOOR_MS)
+        if self.mean_miss is None:
+            self.mean_miss = max(ROBUST_START * abs(modelled), floor)
+        weight = robust_weight(observed, modelled, self.mean_miss)
+        clip = MISS_CLIP * max(self.mean_miss, floor)
+        self.mean_miss = (ROBUST_FORGETTING * self.mean_miss
+                          + (1.0 - ROBUST_FORGETTING) * min(abs(observed - modelled), clip))
+        return weight
 
 
 _STARTS = (0, *ROW_KNOTS)  # where each segment of the forward starts
@@ -341,6 +413,10 @@ class OnlineProfile:
                                                    DRAFT_TOKEN_PRIOR_WEIGHT]
                             * len(DRAFTER_METHODS))
         self._wait = ForgettingLeastSquares(np.zeros(n), precision, FORGETTING)
+        self._robust_forward, self._robust_wait = RobustWeight(), RobustWeight()
+        self._reference_cost: StepCost | None = None
+        self._reference_age = 0
+        self._warmup: list[_Step] = []  # the steps before the first model, reweighted then
         self.acceptance: dict[str, OnlineAcceptance] = {}  # method -> all its requests' counts
         self._cost: StepCost | None = None
         self._profiles: dict[tuple[int, int], ItlProfile] = {}  # grid -> profile of _cost
@@ -369,19 +445,65 @@ class OnlineProfile:
         step.merge(s)
         self._pending[s.replica] = step
 
+    def _reference(self) -> StepCost | None:
+        """The model a step's miss is measured against: the latest fit when dynamic K
+        has read it, else one at most REFERENCE_STEPS old (a deployment without dynamic
+        K reads none, and a refit every step would cost its gateway 0.4 ms a step)."""
+        if self._cost is not None or self._reference_cost is None \
+                or self._reference_age >= REFERENCE_STEPS:
+            self._reference_cost, self._reference_age = self.cost(), 0
+        self._reference_age += 1
+        return self._reference_cost
+
     def _fit(self, step: _Step) -> None:
+        cost = self._reference()  # None before MIN_STEPS: every step at full weight
+        self._add(step, cost, self._robust_wait, self._robust_forward)
+        if cost is None:
+            self._warmup.append(step)
+            if self.num_steps >= self.min_steps:
+                self._reweigh_warmup()
+        self._cost = None
+        self._profiles.clear()
+
+    def _add(self, step: _Step, cost: StepCost | None, weigh_wait, weigh_forward) -> None:
+        """One step into both fits, weighed against `cost` (at full weight without)."""
         x = np.zeros(1 + 2 * len(DRAFTER_METHODS))
         x[0] = 1.0
+        wait = 0.0 if cost is None else cost.w
         for m, asked in step.asked.items():
             i = DRAFTER_METHODS.index(m)
             x[1 + 2 * i] = 1.0
             x[2 + 2 * i] = asked
-        self._wait.add(x, step.draft_wait_ms)
+            if cost is not None:
+                wait += cost.d.get(m, 0.0) + cost.e.get(m, 0.0) * asked
+        self._wait.add(x, step.draft_wait_ms,
+                       1.0 if cost is None else weigh_wait(step.draft_wait_ms, wait))
         if not step.prefill:
-            self._forward.add(forward_features(step.num_tokens, step.batch_size),
-                              step.step_time_ms - step.draft_wait_ms)
-        self._cost = None
-        self._profiles.clear()
+            forward = step.step_time_ms - step.draft_wait_ms
+            self._forward.add(forward_features(step.num_tokens, step.batch_size), forward,
+                              1.0 if cost is None else weigh_forward(
+                                  forward, cost.forward(step.num_tokens, step.batch_size)))
+
+    def _reweigh_warmup(self) -> None:
+        """Refit the first steps with weights from the model they make, a few rounds
+        over: each round's model is nearer the ordinary steps, and weighs the slow
+        ones less. (A fresh verifier's first steps can be half of them, at 25x the
+        others' time.) The limit is WARMUP_K mean misses of ROBUST_START.
+        A slow stretch that the fit's jumps can explain by its rows (all of it past
+        a knot, the ordinary steps below) is taken for the cost of those rows."""
+        steps, self._warmup = self._warmup, []
+        first_wait, first_forward = self._wait, self._forward
+
+        def weigh(observed: float, modelled: float) -> float:
+            return robust_weight(observed, modelled, ROBUST_START * abs(modelled), WARMUP_K)
+
+        for _ in range(WARMUP_ROUNDS):
+            self._cost = None
+            cost = self.cost()
+            self._wait, self._forward = first_wait.empty(), first_forward.empty()
+            for step in steps:
+                self._add(step, cost, weigh, weigh)
+        self._reference_cost = None
 
     def cost(self) -> StepCost | None:
         """The fitted cost, None before MIN_STEPS forward steps."""

@@ -20,6 +20,7 @@ from gateway.policy.online_profile import (
     ROW_KNOTS,
     FittedProfile,
     OnlineProfile,
+    RobustWeight,
     StepCost,
     StepSample,
     batch_grid,
@@ -413,3 +414,90 @@ def test_itls_of_the_fitted_cost_match_its_itl():
     rows = np.array([0.0, 1.0, 4.0, 12.0, 12.5, 13.0, 300.0])
     assert cost.forwards(rows, 3).tolist() == pytest.approx([cost.forward(r, 3) for r in rows],
                                                             rel=1e-12)
+
+
+def _disturbed(robust: bool) -> tuple[OnlineProfile, Verifier]:
+    """A model fed 200 steps of batches 1-8 at K = 0-2, then 30 steps where another
+    process took the cores (everything 10x slower), then 30 quiet steps again."""
+    model = OnlineProfile()
+    if not robust:
+        model._robust_forward = model._robust_wait = lambda observed, modelled: 1.0
+    v = Verifier(model, a=40.0, b=2.5, w=0.5, d={"ngram": 3.0}, e={"ngram": 0.2})
+    rng = random.Random(1)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            v.run([("ngram", rng.randint(0, 2))] * rng.randint(1, 8))
+
+    steps(200)
+    v.a, v.b, v.w, v.d["ngram"] = 400.0, 25.0, 5.0, 30.0
+    steps(30)
+    v.a, v.b, v.w, v.d["ngram"] = 40.0, 2.5, 0.5, 3.0
+    steps(30)
+    return model, v
+
+
+def test_a_disturbed_stretch_of_steps_barely_moves_the_fit():
+    model, _ = _disturbed(robust=True)
+    cost = model.cost()
+    # Step times of a plain step of 8 and of 8 sequences drafting 2 each: the steps
+    # of the stretch, 10x slower than the model, weighed next to nothing.
+    plain8, draft8 = 40.0 + 2.5 * 8 + 0.5, 40.0 + 2.5 * 24 + 0.5 + 3.0 + 0.2 * 16
+    assert cost.itl(8, 0) == pytest.approx(plain8, rel=0.03)
+    assert cost.itl(8, 2, "ngram") == pytest.approx(draft8, rel=0.03)
+    # At full weight the same stretch leaves the fit several times off.
+    full = _disturbed(robust=False)[0].cost()
+    assert full.itl(8, 0) > 2 * plain8 and full.itl(8, 2, "ngram") > 4 * draft8
+
+
+def test_a_machine_that_stays_busier_is_followed():
+    # Twice as slow for good: within 150 steps the fit has moved as far as one that
+    # weighs every step alike (whose forgetting sets the pace).
+    def busier(robust: bool) -> float:
+        model = OnlineProfile()
+        if not robust:
+            model._robust_forward = model._robust_wait = lambda observed, modelled: 1.0
+        v = Verifier(model, a=40.0, b=2.5, w=0.5, d={"ngram": 3.0}, e={"ngram": 0.2})
+        rng = random.Random(1)
+        for _ in range(200):
+            v.run([("ngram", rng.randint(0, 2))] * rng.randint(1, 8))
+        v.a, v.b = 80.0, 5.0
+        for _ in range(150):
+            v.run([("none", 0)] * rng.randint(1, 8))
+        return model.cost().itl(8, 0)
+
+    robust, full = busier(True), busier(False)
+    assert robust > 1.8 * (40.0 + 2.5 * 8 + 0.5)
+    assert robust == pytest.approx(full, rel=0.05)
+
+
+def test_robust_weights_fall_with_the_square_of_a_slow_miss():
+    weigh = RobustWeight()
+    assert weigh(105.0, 100.0) == 1.0  # the mean miss starts at 10 % of the time
+    for _ in range(300):
+        assert weigh(102.0, 100.0) == 1.0
+    # Held at its floor, 5 % of the modelled time: a step up to 10 x 5 ms slower
+    # counts in full, one 200 ms slower a sixteenth; a fast step always in full.
+    assert weigh(149.0, 100.0) == 1.0
+    assert weigh(300.0, 100.0) == pytest.approx((50.0 / 200.0) ** 2, rel=0.1)
+    assert weigh(20.0, 100.0) == 1.0
+
+
+def test_a_fresh_verifiers_slow_first_steps_do_not_make_the_first_model():
+    # Half the steps before the first model are a cold start's, 25x slower, at the
+    # same batch sizes as the others (a fit with jumps could take a slow stretch at
+    # other row counts for the cost of those rows).
+    def first_model(reweigh: bool) -> StepCost:
+        model = OnlineProfile()
+        if not reweigh:
+            model._reweigh_warmup = lambda: None
+        v = Verifier(model, a=50.0, b=2.0)
+        for i in range(MIN_STEPS + 1):
+            v.a = 1250.0 if i < MIN_STEPS // 2 else 50.0
+            v.run([("none", 0)] * (1 + i % 8))
+        return model.cost()
+
+    cost, unweighed = first_model(True), first_model(False)
+    for batch in (1, 4, 8):
+        assert cost.itl(batch, 0) == pytest.approx(50.0 + 2.0 * batch, rel=0.05)
+        assert unweighed.itl(batch, 0) > 5 * (50.0 + 2.0 * batch)
