@@ -42,16 +42,16 @@ or a machine that gets busier):
 
 Both fits are robust to steps slowed by something else. A step slower than the
 model by more than ROBUST_K running mean misses (about twice the modelled time)
-counts with weight (ROBUST_K mean misses / its miss)^2, next to nothing when far off; steps faster than the
-model count in full (nothing makes a step fast by accident, so they mean the
-model is too high). A shared machine has stretches of disturbed steps (another
-process on the cores), and a fresh verifier's first steps are slow (at 1.3 s a
-step against 50): at full weight such steps priced a plain step of 16 at 2 s
-on a fresh stack, 0.5 s still 600 steps later (against 0.15-0.2), and once, a
-disturbed stretch at 1.7 s. The first MIN_STEPS steps, which come before there
-is a model to weigh them by, are kept and reweighted over a few rounds when the
-first model is made. A machine that stays busier moves the mean miss up by 5 %
-a step, and the fit then follows it.
+counts with weight (ROBUST_K mean misses / its miss)^2, next to nothing when far
+off; steps faster than the model count in full (nothing makes a step fast by
+accident, so they mean the model is too high). A shared machine has stretches of
+disturbed steps (another process on the cores), and a fresh verifier's first
+steps are slow (1.3 s a step against 50 ms): at full weight such steps priced a
+plain step of 16 at 2 s on a fresh stack, 0.5 s still 600 steps later (against
+0.15-0.2), and once, a disturbed stretch at 1.7 s. The first MIN_STEPS steps,
+which come before there is a model to weigh them by, are kept and reweighted over
+a few rounds when the first model is made. A machine that stays busier moves the
+mean miss up by 5 % a step, and the fit then follows it.
 
 From the fit comes an `ItlProfile` on a grid of batch sizes x K:
 ITL(B, 0) = f(B) + g*B + w and ITL(B, k, m) = f(B*(k+1)) + g*B + w + d_m + e_m*B*k,
