@@ -254,11 +254,16 @@ class ForgettingLeastSquares:
         return theta
 
 
+def _miss_floor(modelled: float) -> float:
+    """The least mean miss of a step modelled at `modelled` ms (ROBUST_FLOOR)."""
+    return max(ROBUST_FLOOR * abs(modelled), ROBUST_FLOOR_MS)
+
+
 def robust_weight(observed: float, modelled: float, mean_miss: float,
                   k: float = ROBUST_K) -> float:
     """The weight of a step the model priced at `modelled` ms that took `observed`,
     against a mean miss of `mean_miss` ms: full up to k mean misses slower."""
-    limit = k * max(mean_miss, ROBUST_FLOOR * abs(modelled), ROBUST_FLOOR_MS)
+    limit = k * max(mean_miss, _miss_floor(modelled))
     slower = observed - modelled
     return 1.0 if slower <= limit else (limit / slower) ** 2
 
@@ -271,7 +276,7 @@ class RobustWeight:
         self.mean_miss: float | None = None  # ms
 
     def __call__(self, observed: float, modelled: float) -> float:
-        floor = max(ROBUST_FLOOR * abs(modelled), ROBUST_FLOOR_MS)
+        floor = _miss_floor(modelled)
         if self.mean_miss is None:
             self.mean_miss = max(ROBUST_START * abs(modelled), floor)
         weight = robust_weight(observed, modelled, self.mean_miss)
@@ -342,6 +347,11 @@ class StepCost:
         if method in self.d:
             t = t + np.where(ks > 0, self.d[method] + self.e[method] * batch_size * ks, 0.0)
         return np.maximum(t, MIN_ITL_MS)
+
+    def wait(self, asked: dict[str, int]) -> float:
+        """ms of a step's draft wait, asked[m] draft tokens asked of each drafting m."""
+        return self.w + sum(self.d.get(m, 0.0) + self.e.get(m, 0.0) * n
+                            for m, n in asked.items())
 
     def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
         t = self.forward(batch_size * (k + 1), batch_size) + self.w
@@ -469,15 +479,12 @@ class OnlineProfile:
         """One step into both fits, weighed against `cost` (at full weight without)."""
         x = np.zeros(1 + 2 * len(DRAFTER_METHODS))
         x[0] = 1.0
-        wait = 0.0 if cost is None else cost.w
         for m, asked in step.asked.items():
             i = DRAFTER_METHODS.index(m)
             x[1 + 2 * i] = 1.0
             x[2 + 2 * i] = asked
-            if cost is not None:
-                wait += cost.d.get(m, 0.0) + cost.e.get(m, 0.0) * asked
-        self._wait.add(x, step.draft_wait_ms,
-                       1.0 if cost is None else weigh_wait(step.draft_wait_ms, wait))
+        self._wait.add(x, step.draft_wait_ms, 1.0 if cost is None else
+                       weigh_wait(step.draft_wait_ms, cost.wait(step.asked)))
         if not step.prefill:
             forward = step.step_time_ms - step.draft_wait_ms
             self._forward.add(forward_features(step.num_tokens, step.batch_size), forward,
