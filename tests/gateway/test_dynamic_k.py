@@ -102,8 +102,12 @@ def test_auto_and_default_requests_use_the_online_model_without_a_profile(
             assert asked == [] and spec["disabled_reason"] == "dynamic_k", (asked, spec)
         else:
             # Within the default K; once its own rates show only position 1 is ever
-            # accepted, no K above 1 is worth its rows (static K would ask 4 throughout).
-            assert max(asked) <= 4 and spec["num_drafts"] >= 4, (asked, spec)
+            # accepted, no K above 1 is worth its rows: it drops to K = 1, or to plain
+            # where the measured drafter wait outweighs position 1 (which of the two
+            # depends on the step times measured). Static K would ask 4 throughout,
+            # about 20 times in 40 tokens.
+            assert max(asked) <= 4, (asked, spec)
+            assert sum(1 for k in asked if k > 1) <= 4, (asked, spec, online.cost())
             assert max(asked[4:], default=0) <= 1, (asked, spec, online.cost())
         text = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
         assert all(f"specdec_step_cost_{c}_ms" in text for c in "abgw")
