@@ -671,6 +671,20 @@ def best(summary: dict, prefix: str, c: str) -> tuple[str, float] | None:
     return max(found, key=lambda x: x[1]) if found else None
 
 
+def paired_ratios(summary: dict, auto: str, statics: list[str], c: str) -> list[float]:
+    """Per repeat at concurrency c: auto's tok/s over the best of `statics` in the same
+    repeat ([] unless every one of them ran every repeat). A repeat runs a C's
+    configurations back to back, so the machine's drift between repeats cancels."""
+    rows = [summary.get(n, {}).get(c, {}).get("tok_s_runs") for n in (auto, *statics)]
+    if any(not r for r in rows) or len({len(r) for r in rows}) != 1:
+        return []
+    return [a / max(rest) for a, *rest in zip(*rows, strict=True)]
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(statistics.mean(math.log(x) for x in xs))
+
+
 def is_remote(name: str) -> bool:
     """A `vllm serve` row whose proposer is our drafter service."""
     return name.startswith("vllm remote ")
@@ -781,6 +795,19 @@ def render(result: dict) -> str:
             row.append(f"{a['tok_s'] / best_static:.2f} ({k.split()[-1]}) | "
                        f"{a['tok_s'] / plain['tok_s']:.2f}")
         lines.append(f"| {method} ({auto}) | " + " | ".join(row) + " |")
+    paired = {method: [paired_ratios(s, f"ours {auto}", [f"ours {k}" for k in statics], c)
+                       for c in cs] for method, (auto, statics) in DYNAMIC.items()}
+    if any(len(r) > 1 for rs in paired.values() for r in rs):
+        lines += ["", "The same, paired by repeat: in each repeat the configurations of a C run "
+                  "back to back, so each repeat gives one ratio of dynamic K to the best static "
+                  "K of that repeat, free of the machine's drift between repeats; their "
+                  "geometric mean [lowest, highest] (n = repeats):", "",
+                  "| drafter | " + " | ".join(f"C={c}" for c in cs) + " |",
+                  "|---|" + "---|" * len(cs)]
+        for method, (auto, _) in DYNAMIC.items():
+            lines.append(f"| {method} ({auto}) | " + " | ".join(
+                f"{geomean(r):.2f} [{min(r):.2f}, {max(r):.2f}] (n = {len(r)})" if r else "-"
+                for r in paired[method]) + " |")
     eng = s.get("engine plain")
     if eng:
         lines += ["", "Secondary: our engine in this process (no HTTP, gRPC or other "

@@ -46,6 +46,35 @@ def test_summary_takes_the_median_repeat_and_counts_identical_replies():
     assert serving.best(s, "vllm ", "1") == ("vllm plain", 20.0)
 
 
+def test_dynamic_k_is_paired_with_the_best_static_k_of_its_own_repeat():
+    def cell(runs):
+        return {"1": {"tok_s": sorted(runs)[len(runs) // 2], "tok_s_runs": runs}}
+
+    # The machine slows in repeat 2: medians would mix repeats, pairs do not.
+    s = {"ours ngram auto": cell([30.0, 15.0, 27.0]), "ours ngram K=2": cell([25.0, 20.0, 30.0]),
+         "ours ngram K=4": cell([20.0, 12.0, 36.0])}
+    r = serving.paired_ratios(s, "ours ngram auto", ["ours ngram K=2", "ours ngram K=4"], "1")
+    assert r == pytest.approx([30 / 25, 15 / 20, 27 / 36])
+    assert serving.geomean(r) == pytest.approx((1.2 * 0.75 * 0.75) ** (1 / 3))
+    for x in s.values():
+        x["1"].update({"ttft_ms_p50": 100.0, "ttft_ms_p99": 150.0, "itl_ms_p50": 20.0,
+                       "itl_ms_p99": 40.0, "acceptance_length": 2.0, "identical": 8,
+                       "requests": 8})
+    s["ours plain"] = {"1": {**s["ours ngram K=2"]["1"], "acceptance_length": None}}
+    text = serving.render({
+        "model": "M", "device_name": "CPU", "cpus": 2, "versions": {"torch": "2"},
+        "config": {"concurrency": [1], "requests": 8, "max_tokens": 8, "repeats": 3,
+                   "prompts": ["a"]},
+        "load_average_1min": [0.1, 0.2], "wall_s": 60.0, "summary": s, "unavailable": {},
+        "notes": []})
+    assert "| ngram (ngram auto) | 0.88 [0.75, 1.20] (n = 3) |" in text
+    # A static K without every repeat gives no pairs.
+    s["ours ngram K=4"] = cell([20.0, 12.0])
+    assert serving.paired_ratios(s, "ours ngram auto", ["ours ngram K=2", "ours ngram K=4"],
+                                 "1") == []
+    assert serving.paired_ratios(s, "ours eagle3 auto", ["ours eagle3 K=2"], "1") == []
+
+
 def test_vllm_iteration_lines_give_its_step_time(tmp_path):
     log = tmp_path / "vllm.log"
     lines = [f"(EngineCore pid=1) INFO 11-25 [loggers.py:200] Iteration({i}): {c} context "
