@@ -70,6 +70,17 @@ SECTIONS = [
      "The same run on the code before (fbb4d12), right after it",
      "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
      "--concurrency 1,16 --repeats 2 --out bench/results/serving_dynamic_k_robust_before.json"),
+    ("serving_dynamic_k_paired.md",
+     "Dynamic K against static K paired by repeat, 16 requests a cell, ngram and eagle3 (ours "
+     "only; the AVX2 EPYC, 2026-11-27)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto,eagle3 K=2,"
+     "eagle3 K=4,eagle3 auto' --concurrency 4,16 --requests 16 --repeats 4 "
+     "--out bench/results/serving_dynamic_k_paired.json"),
+    ("serving_dynamic_k_paired_small.md",
+     "The same pairing at C = 1, 4 and 16 with the default 8 requests a cell, ngram only (an hour "
+     "earlier)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
+     "--concurrency 1,4,16 --repeats 4 --out bench/results/serving_dynamic_k_paired_small.json"),
     ("grid.md", "Serving grid: drafters x K x concurrency, beside in-process peers",
      "python -m bench.grid"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),
