@@ -81,6 +81,11 @@ SECTIONS = [
      "earlier)",
      "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
      "--concurrency 1,4,16 --repeats 4 --out bench/results/serving_dynamic_k_paired_small.json"),
+    ("serving_dynamic_k_paired_c1.md",
+     "The same pairing at C = 1, ngram and eagle3, three repeats (half an hour later)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto,eagle3 K=2,"
+     "eagle3 K=4,eagle3 auto' --concurrency 1 --repeats 3 "
+     "--out bench/results/serving_dynamic_k_paired_c1.json"),
     ("grid.md", "Serving grid: drafters x K x concurrency, beside in-process peers",
      "python -m bench.grid"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),

@@ -788,12 +788,12 @@ def render(result: dict) -> str:
             a = s.get(f"ours {auto}", {}).get(c)
             st = [(k, s[f"ours {k}"][c]["tok_s"]) for k in statics if c in s.get(f"ours {k}", {})]
             plain = s.get("ours plain", {}).get(c)
-            if a is None or not st or plain is None:
+            if a is None or not st:
                 row.append("- | -")
                 continue
             k, best_static = max(st, key=lambda x: x[1])
             row.append(f"{a['tok_s'] / best_static:.2f} ({k.split()[-1]}) | "
-                       f"{a['tok_s'] / plain['tok_s']:.2f}")
+                       + (f"{a['tok_s'] / plain['tok_s']:.2f}" if plain else "-"))
         lines.append(f"| {method} ({auto}) | " + " | ".join(row) + " |")
     paired = {method: [paired_ratios(s, f"ours {auto}", [f"ours {k}" for k in statics], c)
                        for c in cs] for method, (auto, statics) in DYNAMIC.items()}

@@ -60,14 +60,23 @@ def test_dynamic_k_is_paired_with_the_best_static_k_of_its_own_repeat():
         x["1"].update({"ttft_ms_p50": 100.0, "ttft_ms_p99": 150.0, "itl_ms_p50": 20.0,
                        "itl_ms_p99": 40.0, "acceptance_length": 2.0, "identical": 8,
                        "requests": 8})
-    s["ours plain"] = {"1": {**s["ours ngram K=2"]["1"], "acceptance_length": None}}
-    text = serving.render({
-        "model": "M", "device_name": "CPU", "cpus": 2, "versions": {"torch": "2"},
-        "config": {"concurrency": [1], "requests": 8, "max_tokens": 8, "repeats": 3,
-                   "prompts": ["a"]},
-        "load_average_1min": [0.1, 0.2], "wall_s": 60.0, "summary": s, "unavailable": {},
-        "notes": []})
+
+    def render() -> str:
+        return serving.render({
+            "model": "M", "device_name": "CPU", "cpus": 2, "versions": {"torch": "2"},
+            "config": {"concurrency": [1], "requests": 8, "max_tokens": 8, "repeats": 3,
+                       "prompts": ["a"]},
+            "load_average_1min": [0.1, 0.2], "wall_s": 60.0, "summary": s,
+            "unavailable": {}, "notes": []})
+
+    # Medians: auto 27 against K = 2's 25 and plain's 20; pairs as above.
+    s["ours plain"] = {"1": {**s["ours ngram K=2"]["1"], "tok_s": 20.0,
+                             "acceptance_length": None}}
+    text = render()
     assert "| ngram (ngram auto) | 0.88 [0.75, 1.20] (n = 3) |" in text
+    assert "| ngram (ngram auto) | 1.08 (K=2) | 1.35 |" in text
+    del s["ours plain"]  # an ours-only run still compares with static K
+    assert "| ngram (ngram auto) | 1.08 (K=2) | - |" in render()
     # A static K without every repeat gives no pairs.
     s["ours ngram K=4"] = cell([20.0, 12.0])
     assert serving.paired_ratios(s, "ours ngram auto", ["ours ngram K=2", "ours ngram K=4"],
