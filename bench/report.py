@@ -86,6 +86,23 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto,eagle3 K=2,"
      "eagle3 K=4,eagle3 auto' --concurrency 1 --repeats 3 "
      "--out bench/results/serving_dynamic_k_paired_c1.json"),
+    ("serving_dynamic_k_cheap.md",
+     "Dynamic K with its fit refitted every 4 steps and the walk's spread priced only where it "
+     "may be best: its gateway CPU no longer slows the forward as much (ours only, ngram; the "
+     "AMD EPYC at full speed, 2026-11-27)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
+     "--concurrency 1,4,16 --requests 16 --repeats 3 "
+     "--out bench/results/serving_dynamic_k_cheap.json"),
+    ("serving_dynamic_k_refit.md",
+     "The refit every 4 steps alone (20 minutes before)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
+     "--concurrency 4,16 --requests 16 --repeats 3 "
+     "--out bench/results/serving_dynamic_k_refit.json"),
+    ("serving_dynamic_k_cheap_before.md",
+     "The code before (a refit and a full walk every step; 20 minutes before that)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
+     "--concurrency 4,16 --requests 16 --repeats 3 "
+     "--out bench/results/serving_dynamic_k_cheap_before.json"),
     ("grid.md", "Serving grid: drafters x K x concurrency, beside in-process peers",
      "python -m bench.grid"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),

@@ -145,6 +145,13 @@ MISS_CLIP = 4.0
 ROBUST_FORGETTING = 1.0 - 1.0 / 64
 # A step's miss is measured against a fit at most this many steps old.
 REFERENCE_STEPS = 8
+# Dynamic K reads a fit at most this many steps old. The fit remembers hundreds of
+# steps and moves little in a few, but refitting it (and the profile's tables) every
+# step took dynamic K's share of the gateway's CPU to 0.03 cores at 4 requests in
+# flight (py-spy), on cores the verifier's forward runs on: a process taking 0.03
+# of them in bursts slowed a forward of 4 sequences by 3 % (its two threads wait for
+# each other at every operation), a cost the step-time model cannot see.
+REFIT_STEPS = 4
 # Rounds of reweighting the first MIN_STEPS steps when the first model is made, and
 # the limit there, in mean misses of ROBUST_START: 40 % slower than modelled. The
 # first model is pulled halfway to the slow steps (a cold start can be half of
@@ -250,7 +257,12 @@ class ForgettingLeastSquares:
         if free:
             sub = np.ix_(free, free)
             rhs = r[free] - a[np.ix_(free, list(fixed or {}))] @ theta[list(fixed or {})]
-            theta[free] = np.linalg.lstsq(a[sub], rhs, rcond=None)[0]
+            try:
+                # Symmetric and positive definite once the prior and a few steps are in:
+                # a factorisation, a quarter of lstsq's time (the gateway refits often).
+                theta[free] = np.linalg.solve(a[sub], rhs)
+            except np.linalg.LinAlgError:  # singular: the least-norm solution
+                theta[free] = np.linalg.lstsq(a[sub], rhs, rcond=None)[0]
         return theta
 
 
@@ -429,6 +441,7 @@ class OnlineProfile:
         self._warmup: list[_Step] = []  # the steps before the first model, reweighted then
         self.acceptance: dict[str, OnlineAcceptance] = {}  # method -> all its requests' counts
         self._cost: StepCost | None = None
+        self._stale = 0  # steps added since _cost was fitted
         self._profiles: dict[tuple[int, int], ItlProfile] = {}  # grid -> profile of _cost
 
     @property
@@ -472,8 +485,10 @@ class OnlineProfile:
             self._warmup.append(step)
             if self.num_steps >= self.min_steps:
                 self._reweigh_warmup()
-        self._cost = None
-        self._profiles.clear()
+        self._stale += 1
+        if self._stale >= REFIT_STEPS:
+            self._cost = None
+            self._profiles.clear()
 
     def _add(self, step: _Step, cost: StepCost | None, weigh_wait, weigh_forward) -> None:
         """One step into both fits, weighed against `cost` (at full weight without)."""
@@ -510,7 +525,7 @@ class OnlineProfile:
             self._wait, self._forward = first_wait.empty(), first_forward.empty()
             for step in steps:
                 self._add(step, cost, weigh, weigh)
-        self._reference_cost = None
+        self._cost, self._reference_cost = None, None  # refitted from the last round's weights
 
     def cost(self) -> StepCost | None:
         """The fitted cost, None before MIN_STEPS forward steps."""
@@ -540,6 +555,7 @@ class OnlineProfile:
                 if self._wait.scatter[1 + 2 * i, 1 + 2 * i] > 0:  # the method has drafted
                     d[m] = max(float(wait[1 + 2 * i]), 0.0)
                     e[m] = max(float(wait[2 + 2 * i]), 0.0)
+            self._stale = 0
             self._cost = StepCost(float(a), float(b), max(float(wait[0]), 0.0), d, e, hinges,
                                   jumps, float(theta[-1]))
         return self._cost

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from gateway.policy.batch_k import (
@@ -14,6 +15,8 @@ from gateway.policy.batch_k import (
     MIN_GAIN,
     BatchK,
     BatchKs,
+    _best,
+    _Snapshot,
     _step_times,
     allocate,
     batch_goodput,
@@ -122,6 +125,41 @@ def test_allocation_is_the_best_split_past_a_step_in_step_time(seed):
         0.96 * reference_goodput(profile, 4, members, best)
     assert batch_goodput(profile, 4, members, best) == pytest.approx(
         reference_goodput(profile, 4, members, best), rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_the_walk_prices_only_the_prefixes_that_may_be_best_and_finds_the_best(seed):
+    # The walk prices with the spread of the rows only the prefixes whose goodput at
+    # their mean rows could still beat the best found: its answer must be the best of
+    # every prefix priced with the spread.
+    rng = random.Random(seed)
+    if seed % 2:
+        profile = cliff_profile(below=rng.uniform(30, 50), above=rng.uniform(55, 120),
+                                cliff_rows=rng.choice((12, 20, 28, 40)), max_batch=16,
+                                max_k=8)
+    else:
+        profile = linear_profile(a=rng.uniform(10, 40), per_row=rng.uniform(0.2, 4.0),
+                                 max_k=8, drafter_fixed=rng.uniform(0, 8))
+    batch = rng.choice((4, 9, 16))
+    members = [_Snapshot("ngram", 8, tuple(sorted((rng.uniform(0.1, 0.95) for _ in range(8)),
+                                                  reverse=True)), rng.uniform(0.3, 1.0))
+               for _ in range(batch)]
+    ks, goodput = _best(profile, batch, members)
+    positions = []
+    for i, m in enumerate(members):
+        reach = 1.0
+        for j in range(8):
+            reach *= m.rates()[j]
+            positions.append((-reach, i, j))
+    positions.sort()
+    order = [i for _, i, _ in positions]
+    q = [m.availability() for m in members]
+    tokens = batch + np.concatenate(([0.0], np.cumsum([-q[i] * r for r, i, _ in positions])))
+    every = tokens / _step_times(profile, batch, ["ngram"] * batch, q, order)
+    assert goodput == pytest.approx(every.max(), rel=1e-9)
+    n = int(np.argmax(every))
+    assert ks == [order[:n].count(i) for i in range(batch)]
+    assert batch_goodput(profile, batch, members, ks) == pytest.approx(goodput, rel=1e-9)
 
 
 def test_rows_that_may_land_past_a_step_in_step_time_cost_what_they_cost_there():

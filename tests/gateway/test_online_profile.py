@@ -17,6 +17,7 @@ from gateway.policy.online_profile import (
     ACCEPTANCE_PRIOR_STEPS,
     MIN_STEPS,
     PRIOR_ROWS_PER_A,
+    REFIT_STEPS,
     ROW_KNOTS,
     FittedProfile,
     OnlineProfile,
@@ -501,3 +502,26 @@ def test_a_fresh_verifiers_slow_first_steps_do_not_make_the_first_model():
     for batch in (1, 4, 8):
         assert cost.itl(batch, 0) == pytest.approx(50.0 + 2.0 * batch, rel=0.05)
         assert unweighed.itl(batch, 0) > 5 * (50.0 + 2.0 * batch)
+
+
+def test_dynamic_k_reads_a_fit_at_most_refit_steps_old():
+    model = OnlineProfile()
+    v = Verifier(model, a=40.0, b=2.5)
+    for _ in range(MIN_STEPS + 2):
+        v.run([("none", 0)] * 2)
+    # Read every step, as dynamic K does: refitted once every REFIT_STEPS steps, not
+    # every step.
+    seen = []
+    for _ in range(8 * REFIT_STEPS):
+        v.run([("none", 0)] * 2)
+        profile = model.profile(16, 4)
+        if not seen or profile is not seen[-1]:
+            seen.append(profile)
+    assert 8 <= len(seen) <= 9  # the first carries over from before the loop
+    # The machine turns slower: the fit has it within REFIT_STEPS steps (+ 1: a step's
+    # responses are merged until the next step arrives, so it is fitted a step late).
+    before = model.profile(16, 4).itl(2, 0)
+    v.a = 80.0
+    for _ in range(REFIT_STEPS + 1):
+        v.run([("none", 0)] * 2)
+    assert model.profile(16, 4).itl(2, 0) > before + 1.0
