@@ -98,6 +98,17 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'eagle3 K=2,eagle3 K=4,eagle3 auto' "
      "--concurrency 1,4,16 --requests 16 --repeats 3 "
      "--out bench/results/serving_dynamic_k_cheap_eagle3.json"),
+    ("serving_dynamic_k_wait_eagle3.md",
+     "eagle3 after the online model prices a drafter's wait by the sequences and depth asked "
+     "of it as well as its tokens (half an hour later)",
+     "python -m bench.serving --systems ours --ours 'eagle3 K=2,eagle3 K=4,eagle3 auto' "
+     "--concurrency 1,4,16 --requests 16 --repeats 3 "
+     "--out bench/results/serving_dynamic_k_wait_eagle3.json"),
+    ("serving_dynamic_k_wait.md",
+     "ngram with the same wait model, right after it",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
+     "--concurrency 1,4,16 --requests 16 --repeats 3 "
+     "--out bench/results/serving_dynamic_k_wait.json"),
     ("serving_dynamic_k_refit.md",
      "The refit every 4 steps alone (20 minutes before)",
      "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "

@@ -81,10 +81,18 @@ class StepCostFit(Collector):
         e = GaugeMetricFamily("specdec_step_cost_draft_token_ms",
                               "Online step-time model: a drafter's wait per draft token, ms",
                               labels=["method"])
+        seq = GaugeMetricFamily("specdec_step_cost_draft_sequence_ms",
+                                "Online step-time model: a drafter's wait per sequence it "
+                                "drafts for, ms", labels=["method"])
+        depth = GaugeMetricFamily("specdec_step_cost_draft_depth_ms",
+                                  "Online step-time model: a drafter's wait per draft "
+                                  "position of its deepest sequence, ms", labels=["method"])
         for method in sorted(cost.d):
             d.add_metric([method], cost.d[method])
             e.add_metric([method], cost.e[method])
-        yield from (d, e)
+            seq.add_metric([method], cost.s.get(method, 0.0))
+            depth.add_metric([method], cost.h.get(method, 0.0))
+        yield from (d, e, seq, depth)
 
 
 class GatewayMetrics:

@@ -20,7 +20,10 @@ evaluations of T per step.
 T comes from the same profile a request reads (a `specdec profile` table or the
 online model), at the batch's mean K: T(B, n) = ITL(B, n / B), plus for each
 drafter method its own cost over the shared table at its rows. A drafter's fixed
-cost per step is then paid once, however many requests it drafts for.
+cost per step is then paid once, however many requests it drafts for. The online
+model prices a drafter's wait itself, from the tokens, sequences and depth asked of
+it after each prefix (`ItlProfile.drafter_waits`): an EAGLE head's cost grows with
+the sequences it drafts for and its depth far more than with its tokens.
 
 A drafter may have nothing to propose (an ngram drafter without a match: request i
 gets its k_i rows with probability q_i, its availability), so a step's rows are
@@ -111,8 +114,9 @@ def _step_times(profile: ItlProfile, batch_size: float, methods: Sequence[str],
     prefix of `order`, every member at K = 0 before it and each entry one more row
     asked of member order[p]. Member i gets all its k_i rows with probability
     available[i], else none: the forward's time is averaged over the distribution of
-    the step's draft rows, and each drafter's cost taken at its expected rows (it is
-    near straight in them).
+    the step's draft rows, and each drafter's cost taken from the profile's model of
+    it (`drafter_waits`: the tokens, sequences and depth asked of it) or, from tables,
+    at its expected rows (it is near straight in them).
 
     The distribution of a sum of independent counts is the convolution of theirs, a
     product of their transforms: member i's is (1 - q_i) + q_i w^k_i at the `size`-th
@@ -131,22 +135,34 @@ def _step_times(profile: ItlProfile, batch_size: float, methods: Sequence[str],
     its time with the spread.
     """
     q = np.asarray(available, dtype=np.float64)[list(order)]  # [P]
-    rows: dict[str, np.ndarray] = {}  # method -> [P + 1] its expected draft rows
-    for method in dict.fromkeys(methods):
-        mine = np.array([methods[i] == method for i in order], dtype=bool)
-        rows[method] = np.concatenate(([0.0], np.cumsum(np.where(mine, q, 0.0))))
-    total = sum(rows.values()) if rows else np.zeros(len(order) + 1)
-    t = profile.itls(batch_size, total / batch_size)  # [P + 1], at the mean rows
     most = len(order)
+    k = np.zeros(len(methods), dtype=np.int64)
+    new_k = np.empty(most, dtype=np.int64)  # [P]: the member's K after position p
+    for p, i in enumerate(order):
+        k[i] += 1
+        new_k[p] = k[i]
+    total = np.zeros(most + 1)  # [P + 1] expected draft rows of all methods
+    tabled: dict[str, np.ndarray] = {}  # method -> [P + 1] its expected draft rows
+    wait = np.zeros(most + 1)  # [P + 1] what the drafters the profile models add
+    for method in dict.fromkeys(methods):
+        mine = np.array([methods[i] == method for i in order], dtype=bool)  # [P]
+        rows = np.concatenate(([0.0], np.cumsum(np.where(mine, q, 0.0))))
+        total += rows
+        # The drafter's asked tokens, sequences and depth after each prefix: it is
+        # asked (and does its work) whether or not it has drafts.
+        asked = np.concatenate(([0], np.cumsum(mine)))
+        sequences = np.concatenate(([0], np.cumsum(mine & (new_k == 1))))
+        depth = np.concatenate(([0], np.maximum.accumulate(np.where(mine, new_k, 0))))
+        modelled = profile.drafter_waits(method, sequences, asked, depth)
+        if modelled is None:
+            tabled[method] = rows
+        else:
+            wait += modelled
+    t = profile.itls(batch_size, total / batch_size)  # [P + 1], at the mean rows
     size = most + 1  # > the most rows: the cyclic convolution never wraps around
     if spread and most and len(methods) * size <= EXACT_BUDGET:
         forward = profile.itls(batch_size, np.arange(size) / batch_size)  # [size]: at n rows
         spectrum = np.conj(np.fft.fft(forward)) / size  # [size]
-        k = np.zeros(len(methods), dtype=np.int64)
-        new_k = np.empty(most, dtype=np.int64)  # [P]: the member's K after position p
-        for p, i in enumerate(order):
-            k[i] += 1
-            new_k[p] = k[i]
         # Member i's factor at K = k is (1 - q_i) + q_i w^k, w^k = roots[k j mod size].
         roots = np.exp(-2j * np.pi * np.arange(size) / size)  # [size]
         j = np.arange(size)
@@ -165,7 +181,7 @@ def _step_times(profile: ItlProfile, batch_size: float, methods: Sequence[str],
         # online fit reads a segment whose slope came out negative as flat), spread
         # would look like a saving, and such a bend is the fit's, not the machine's.
         t = np.maximum(t, expected)
-    return t + _drafters_cost(profile, batch_size, rows)
+    return t + wait + (_drafters_cost(profile, batch_size, tabled) if tabled else 0.0)
 
 
 def allocate(profile: ItlProfile, batch_size: int, members: Iterable[Member]) -> list[int]:

@@ -36,9 +36,15 @@ or a machine that gets busier):
   prefill are left out: long chunks would pull the fit with rows that decode never
   feeds, at a cost per row that differs.
 - the wait for drafts, draft_wait_ms = w + sum over methods m that drafted in
-  the step of (d_m + e_m * draft tokens asked of m). w is the scheduling a
-  plain step pays too; d_m a drafter's fixed cost per step, e_m its cost per
-  draft token (an EAGLE head runs its LM head once per token and sequence).
+  the step of (d_m + s_m * sequences asked of m + e_m * draft tokens asked of m
+  + h_m * the most asked of one sequence). w is the scheduling a plain step pays
+  too; d_m a drafter's fixed cost per step, s_m its cost per sequence (its
+  bookkeeping, the hidden states it is sent), e_m per draft token, h_m per depth
+  (an EAGLE head runs one forward per drafted position, for all its sequences at
+  once). Tokens alone do not tell it: on the AMD EPYC the eagle3 drafter's wait
+  was 3.6 / 6.2 / 11.4 ms at K = 2 for 1 / 3.6 / 12 sequences and 0.4-1.0 ms
+  more at K = 4, about 0.7 ms a sequence and 0.2-0.5 a depth, where a line in
+  tokens through those steps prices a token at about 0.35 ms at any batch.
 
 Both fits are robust to steps slowed by something else. A step slower than the
 model by more than ROBUST_K running mean misses (about twice the modelled time)
@@ -54,7 +60,8 @@ a few rounds when the first model is made. A machine that stays busier moves the
 mean miss up by 5 % a step, and the fit then follows it.
 
 From the fit comes an `ItlProfile` on a grid of batch sizes x K:
-ITL(B, 0) = f(B) + g*B + w and ITL(B, k, m) = f(B*(k+1)) + g*B + w + d_m + e_m*B*k,
+ITL(B, 0) = f(B) + g*B + w and
+ITL(B, k, m) = f(B*(k+1)) + g*B + w + d_m + s_m*B + e_m*B*k + h_m*k,
 one table per method that has drafted, and per-method prior acceptance rates
 from every request's drafted and accepted counts. Between its grid points it is
 read from the fit itself (`FittedProfile`), not interpolated: the rows of a step
@@ -114,6 +121,12 @@ PRIOR_WEIGHT = 4.0
 # apart, and its wait is then taken as fixed, until batch size or K vary.
 DRAFT_FIXED_PRIOR_WEIGHT = 1e-3
 DRAFT_TOKEN_PRIOR_WEIGHT = PRIOR_WEIGHT
+# Its cost per sequence and per depth likewise, until batch sizes and Ks vary.
+DRAFT_SEQUENCE_PRIOR_WEIGHT = PRIOR_WEIGHT
+DRAFT_DEPTH_PRIOR_WEIGHT = PRIOR_WEIGHT
+# The wait fit's coefficients per drafter method: fixed, per sequence, per token,
+# per depth (x[1 + WAIT_TERMS * i + j] for method i).
+WAIT_TERMS = 4
 # w, the wait of a step that drafts nothing (scheduling), is small; held toward 0 more
 # than d, so that while every step drafts (one method at batch 1) the wait counts as
 # that drafter's rather than as a cost plain steps would pay too. Plain steps measure it.
@@ -206,11 +219,15 @@ class _Step:
     draft_wait_ms: float
     prefill: bool
     asked: dict[str, int] = field(default_factory=dict)  # method -> draft tokens asked
+    sequences: dict[str, int] = field(default_factory=dict)  # method -> sequences asked
+    depth: dict[str, int] = field(default_factory=dict)  # method -> most asked of one
 
     def merge(self, s: StepSample) -> None:
         self.prefill |= s.prefill
         if s.method != "none" and s.num_speculative_tokens:
             self.asked[s.method] = self.asked.get(s.method, 0) + s.num_speculative_tokens
+            self.sequences[s.method] = self.sequences.get(s.method, 0) + 1
+            self.depth[s.method] = max(self.depth.get(s.method, 0), s.num_speculative_tokens)
 
 
 class ForgettingLeastSquares:
@@ -308,7 +325,8 @@ class StepCost:
     rows + sum_j hinges[j] * max(0, rows - ROW_KNOTS[j]) + sum_j jumps[j] * [rows >
     ROW_KNOTS[j]], read non-decreasing (a segment whose slope the fit made negative
     counts as flat, a negative jump as none); plus the draft wait w (plain steps too)
-    and per drafting method d[m] + e[m] * draft tokens."""
+    and per drafting method d[m] + s[m] * sequences + e[m] * draft tokens + h[m] *
+    depth (the most drafts asked of one sequence)."""
 
     a: float
     b: float
@@ -318,6 +336,8 @@ class StepCost:
     hinges: tuple[float, ...] = (0.0,) * len(ROW_KNOTS)  # change of slope at each knot
     jumps: tuple[float, ...] = (0.0,) * len(ROW_KNOTS)  # rise just past each knot
     g: float = 0.0  # cost of each sequence in the batch, whatever its rows
+    s: dict[str, float] = field(default_factory=dict)  # a drafter's wait per sequence
+    h: dict[str, float] = field(default_factory=dict)  # a drafter's wait per depth
 
     def __post_init__(self) -> None:
         # Segment j runs from _STARTS[j] (exclusive) to ROW_KNOTS[j]: its value at
@@ -357,18 +377,31 @@ class StepCost:
         ks = np.asarray(ks, dtype=np.float64)
         t = self.forwards(batch_size * (ks + 1), batch_size) + self.w
         if method in self.d:
-            t = t + np.where(ks > 0, self.d[method] + self.e[method] * batch_size * ks, 0.0)
+            t = t + np.where(ks > 0, self.drafter_waits(method, batch_size, batch_size * ks,
+                                                        ks), 0.0)
         return np.maximum(t, MIN_ITL_MS)
 
-    def wait(self, asked: dict[str, int]) -> float:
-        """ms of a step's draft wait, asked[m] draft tokens asked of each drafting m."""
-        return self.w + sum(self.d.get(m, 0.0) + self.e.get(m, 0.0) * n
+    def drafter_waits(self, method: str, sequences: float | np.ndarray,
+                      tokens: float | np.ndarray, depth: float | np.ndarray) -> np.ndarray:
+        """ms `method` adds to the wait of steps asking it for `tokens` drafts over
+        `sequences` sequences, at most `depth` of one (broadcast together; it is asked)."""
+        return (self.d.get(method, 0.0) + self.s.get(method, 0.0) * np.asarray(sequences)
+                + self.e.get(method, 0.0) * np.asarray(tokens)
+                + self.h.get(method, 0.0) * np.asarray(depth))
+
+    def wait(self, asked: dict[str, int], sequences: dict[str, int] | None = None,
+             depth: dict[str, int] | None = None) -> float:
+        """ms of a step's draft wait, asked[m] draft tokens asked of each drafting m
+        over sequences[m] sequences, at most depth[m] of one."""
+        sequences, depth = sequences or {}, depth or {}
+        return self.w + sum(float(self.drafter_waits(m, sequences.get(m, 0), n,
+                                                     depth.get(m, 0)))
                             for m, n in asked.items())
 
     def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
         t = self.forward(batch_size * (k + 1), batch_size) + self.w
         if k > 0 and method in self.d:
-            t += self.d[method] + self.e[method] * batch_size * k
+            t += float(self.drafter_waits(method, batch_size, batch_size * k, k))
         return max(t, MIN_ITL_MS)
 
 
@@ -407,6 +440,13 @@ class FittedProfile(ItlProfile):
         ks = np.clip(ks, self.ks[0], self.ks[-1])
         return self.cost.itls(batch_size, ks, method if method in self.method_itl_ms else None)
 
+    def drafter_waits(self, method: str, sequences: np.ndarray, tokens: np.ndarray,
+                      depth: np.ndarray) -> np.ndarray | None:
+        if method not in self.method_itl_ms:
+            return None
+        return np.where(np.asarray(sequences) > 0,
+                        self.cost.drafter_waits(method, sequences, tokens, depth), 0.0)
+
 
 class OnlineProfile:
     """The step-time model of one deployment, fitted from every response's StepStats.
@@ -429,10 +469,13 @@ class OnlineProfile:
         precision[2:, 2:] += np.diag([HINGE_PRIOR_WEIGHT] * knots + [JUMP_PRIOR_WEIGHT] * knots
                                      + [SEQUENCE_PRIOR_WEIGHT])
         self._forward = ForgettingLeastSquares(np.zeros(n), precision, FORGETTING)
-        # Draft wait: theta = (w, d_m, e_m for each drafter method), ridge toward 0.
-        n = 1 + 2 * len(DRAFTER_METHODS)
+        # Draft wait: theta = (w, then d_m, s_m, e_m, h_m for each drafter method), ridge
+        # toward 0.
+        n = 1 + WAIT_TERMS * len(DRAFTER_METHODS)
         precision = np.diag([WAIT_PRIOR_WEIGHT] + [DRAFT_FIXED_PRIOR_WEIGHT,
-                                                   DRAFT_TOKEN_PRIOR_WEIGHT]
+                                                   DRAFT_SEQUENCE_PRIOR_WEIGHT,
+                                                   DRAFT_TOKEN_PRIOR_WEIGHT,
+                                                   DRAFT_DEPTH_PRIOR_WEIGHT]
                             * len(DRAFTER_METHODS))
         self._wait = ForgettingLeastSquares(np.zeros(n), precision, FORGETTING)
         self._robust_forward, self._robust_wait = RobustWeight(), RobustWeight()
@@ -492,14 +535,14 @@ class OnlineProfile:
 
     def _add(self, step: _Step, cost: StepCost | None, weigh_wait, weigh_forward) -> None:
         """One step into both fits, weighed against `cost` (at full weight without)."""
-        x = np.zeros(1 + 2 * len(DRAFTER_METHODS))
+        x = np.zeros(1 + WAIT_TERMS * len(DRAFTER_METHODS))
         x[0] = 1.0
         for m, asked in step.asked.items():
-            i = DRAFTER_METHODS.index(m)
-            x[1 + 2 * i] = 1.0
-            x[2 + 2 * i] = asked
+            i = 1 + WAIT_TERMS * DRAFTER_METHODS.index(m)
+            x[i:i + WAIT_TERMS] = (1.0, step.sequences[m], asked, step.depth[m])
         self._wait.add(x, step.draft_wait_ms, 1.0 if cost is None else
-                       weigh_wait(step.draft_wait_ms, cost.wait(step.asked)))
+                       weigh_wait(step.draft_wait_ms,
+                                  cost.wait(step.asked, step.sequences, step.depth)))
         if not step.prefill:
             forward = step.step_time_ms - step.draft_wait_ms
             self._forward.add(forward_features(step.num_tokens, step.batch_size), forward,
@@ -549,15 +592,19 @@ class OnlineProfile:
             a, b = theta[0], theta[1]
             hinges = tuple(float(c) for c in theta[2:2 + knots])
             jumps = tuple(float(s) for s in theta[2 + knots:2 + 2 * knots])
-            wait = self._wait.solve()
-            d, e = {}, {}
+            # The same for the wait: no term of it makes a step faster.
+            wait, pinned = self._wait.solve(), {}
+            while negative := {i: 0.0 for i, c in enumerate(wait) if i not in pinned and c < 0}:
+                pinned |= negative
+                wait = self._wait.solve(pinned)
+            d, s, e, h = {}, {}, {}, {}
             for i, m in enumerate(DRAFTER_METHODS):
-                if self._wait.scatter[1 + 2 * i, 1 + 2 * i] > 0:  # the method has drafted
-                    d[m] = max(float(wait[1 + 2 * i]), 0.0)
-                    e[m] = max(float(wait[2 + 2 * i]), 0.0)
+                j = 1 + WAIT_TERMS * i
+                if self._wait.scatter[j, j] > 0:  # the method has drafted
+                    d[m], s[m], e[m], h[m] = (max(float(c), 0.0) for c in wait[j:j + WAIT_TERMS])
             self._stale = 0
             self._cost = StepCost(float(a), float(b), max(float(wait[0]), 0.0), d, e, hinges,
-                                  jumps, float(theta[-1]))
+                                  jumps, float(theta[-1]), s, h)
         return self._cost
 
     def rates(self, method: str, max_num_speculative_tokens: int) -> tuple[float, ...]:

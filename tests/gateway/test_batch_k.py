@@ -25,7 +25,7 @@ from gateway.policy.batch_k import (
 from gateway.policy.dynamic_k import AVAILABILITY_PRIOR_STEPS, HALF_LIFE_STEPS, DynamicK
 from gateway.policy.goodput import acceptance_length, choose_k
 from gateway.policy.itl_profile import ItlProfile
-from gateway.policy.online_profile import StepCost, batch_grid
+from gateway.policy.online_profile import FittedProfile, StepCost, batch_grid
 
 
 def linear_profile(a: float, per_row: float, max_batch: int = 16, max_k: int = 4,
@@ -245,6 +245,40 @@ def test_step_time_pays_each_drafters_cost_once():
     assert step_time(profile, 8, {"ngram": 2, "eagle3": 4}) == pytest.approx(
         forward + 1.0 + 6.0 + 0.5 * 4)
     assert step_time(profile, 8, {"ngram": 0, "eagle3": 0}) == pytest.approx(20 + 8 + 0.5)
+
+
+def test_the_online_model_prices_a_drafter_by_its_sequences_tokens_and_depth():
+    # An EAGLE head's wait: 3 ms a step, 0.7 a sequence, 0.1 a token, 0.5 a position of
+    # its deepest sequence. After each prefix of the walk, what the step pays for it is
+    # that law at the tokens, sequences and depth asked of it, whether or not the
+    # drafter answers (availability 0.6), and nothing while it is asked for none.
+    cost = StepCost(a=20, b=1.0, w=0.5, d={"eagle3": 3.0}, e={"eagle3": 0.1},
+                    s={"eagle3": 0.7}, h={"eagle3": 0.5})
+    sizes, ks = batch_grid(8), tuple(range(5))
+    grid = np.array(ks, dtype=np.float64)[None, :]
+
+    def table(method):
+        return tuple(map(tuple, cost.itls(np.array(sizes, float)[:, None], grid, method)))
+
+    profile = FittedProfile(batch_sizes=sizes, ks=ks, itl_ms=table(None),
+                            method_itl_ms={"eagle3": table("eagle3")}, cost=cost)
+    order = [0, 1, 0, 2, 0, 0, 1]
+    q = [0.6, 0.6, 0.6]
+    with_eagle = _step_times(profile, 6, ["eagle3"] * 3, q, order, spread=False)
+    none = FittedProfile(batch_sizes=sizes, ks=ks, itl_ms=table(None), cost=cost)
+    forward_only = _step_times(none, 6, ["eagle3"] * 3, q, order, spread=False)
+    ks_after = [[0, 0, 0]]
+    for i in order:
+        ks_after.append(list(ks_after[-1]))
+        ks_after[-1][i] += 1
+    for n, kk in enumerate(ks_after):
+        drafting = [k for k in kk if k]
+        want = 0.0 if not drafting else \
+            3.0 + 0.7 * len(drafting) + 0.1 * sum(drafting) + 0.5 * max(drafting)
+        assert with_eagle[n] - forward_only[n] == pytest.approx(want), (n, kk)
+    # The tables, where every sequence drafts alike, hold the same law.
+    assert profile.itl(4, 3, "eagle3") - profile.itl(4, 3) == pytest.approx(
+        3.0 + 0.7 * 4 + 0.1 * 12 + 0.5 * 3)
 
 
 def test_one_choice_per_step_for_all_members():
