@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -282,6 +283,17 @@ class ForgettingLeastSquares:
                 theta[free] = np.linalg.lstsq(a[sub], rhs, rcond=None)[0]
         return theta
 
+    def solve_non_negative(self, signed: Iterable[int]) -> np.ndarray:
+        """theta with each coefficient of `signed` >= 0: one that comes out negative is
+        pinned to 0 and the rest solved again, until none is left."""
+        signed = tuple(signed)
+        fixed: dict[int, float] = {}
+        theta = self.solve()
+        while negative := {i: 0.0 for i in signed if i not in fixed and theta[i] < 0}:
+            fixed |= negative
+            theta = self.solve(fixed)
+        return theta
+
 
 def _miss_floor(modelled: float) -> float:
     """The least mean miss of a step modelled at `modelled` ms (ROBUST_FLOOR)."""
@@ -389,13 +401,11 @@ class StepCost:
                 + self.e.get(method, 0.0) * np.asarray(tokens)
                 + self.h.get(method, 0.0) * np.asarray(depth))
 
-    def wait(self, asked: dict[str, int], sequences: dict[str, int] | None = None,
-             depth: dict[str, int] | None = None) -> float:
+    def wait(self, asked: dict[str, int], sequences: dict[str, int],
+             depth: dict[str, int]) -> float:
         """ms of a step's draft wait, asked[m] draft tokens asked of each drafting m
         over sequences[m] sequences, at most depth[m] of one."""
-        sequences, depth = sequences or {}, depth or {}
-        return self.w + sum(float(self.drafter_waits(m, sequences.get(m, 0), n,
-                                                     depth.get(m, 0)))
+        return self.w + sum(float(self.drafter_waits(m, sequences[m], n, depth[m]))
                             for m, n in asked.items())
 
     def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
@@ -583,20 +593,12 @@ class OnlineProfile:
             # too dear. (Later segments' negative slopes are read as flat by
             # StepCost.forward.)
             knots = len(ROW_KNOTS)
-            signed = (0, 1, *range(2 + knots, 3 + 2 * knots))
-            fixed: dict[int, float] = {}
-            theta = self._forward.solve()
-            while negative := {i: 0.0 for i in signed if i not in fixed and theta[i] < 0}:
-                fixed |= negative
-                theta = self._forward.solve(fixed)
+            theta = self._forward.solve_non_negative((0, 1, *range(2 + knots, 3 + 2 * knots)))
             a, b = theta[0], theta[1]
             hinges = tuple(float(c) for c in theta[2:2 + knots])
             jumps = tuple(float(s) for s in theta[2 + knots:2 + 2 * knots])
             # The same for the wait: no term of it makes a step faster.
-            wait, pinned = self._wait.solve(), {}
-            while negative := {i: 0.0 for i, c in enumerate(wait) if i not in pinned and c < 0}:
-                pinned |= negative
-                wait = self._wait.solve(pinned)
+            wait = self._wait.solve_non_negative(range(len(self._wait.moment)))
             d, s, e, h = {}, {}, {}, {}
             for i, m in enumerate(DRAFTER_METHODS):
                 j = 1 + WAIT_TERMS * i
