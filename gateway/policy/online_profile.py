@@ -32,7 +32,10 @@ or a machine that gets busier):
   is held toward 0 by a ridge, so where the data show no bend or jump (a fixed
   batch and K) the fit stays the line; with rows only at 12 and 16 the ridges
   split a rise between them evenly into slope and jump, and steps at 13-15 rows
-  (drafters without a proposal make them) tell the two apart. Steps that carry a
+  (drafters without a proposal make them) tell the two apart. The fit is
+  non-decreasing in rows (each segment's slope, each jump, a and g >= 0): noise and
+  a slow tail at some row counts would otherwise bend it down past a knot, and read
+  non-decreasing such a bend prices every row past it at its peak. Steps that carry a
   prefill are left out: long chunks would pull the fit with rows that decode never
   feeds, at a cost per row that differs.
 - the wait for drafts, draft_wait_ms = w + sum over methods m that drafted in
@@ -263,10 +266,15 @@ class ForgettingLeastSquares:
         self.moment += (weight * y) * x
         self.count += 1
 
-    def solve(self, fixed: dict[int, float] | None = None) -> np.ndarray:
-        """theta; `fixed` pins coefficients (index -> value) and solves for the rest."""
+    def solve(self, fixed: dict[int, float] | None = None,
+              basis: np.ndarray | None = None) -> np.ndarray:
+        """theta; `fixed` pins coefficients (index -> value) and solves for the rest.
+        With `basis` [n, n] (invertible) it solves for u, theta = basis @ u, and
+        returns u (`fixed` then pins u's coefficients)."""
         a = self.scatter + self.prior_precision
         r = self.moment + self.prior_precision @ self.prior_mean
+        if basis is not None:  # the same least squares, in u
+            a, r = basis.T @ a @ basis, basis.T @ r
         theta = np.zeros(len(r))
         free = list(range(len(r)))
         for i, v in (fixed or {}).items():
@@ -283,16 +291,18 @@ class ForgettingLeastSquares:
                 theta[free] = np.linalg.lstsq(a[sub], rhs, rcond=None)[0]
         return theta
 
-    def solve_non_negative(self, signed: Iterable[int]) -> np.ndarray:
-        """theta with each coefficient of `signed` >= 0: one that comes out negative is
-        pinned to 0 and the rest solved again, until none is left."""
+    def solve_non_negative(self, signed: Iterable[int],
+                           basis: np.ndarray | None = None) -> np.ndarray:
+        """theta with each coefficient of `signed` >= 0 (of u, where theta = basis @ u):
+        one that comes out negative is pinned to 0 and the rest solved again, until
+        none is left."""
         signed = tuple(signed)
         fixed: dict[int, float] = {}
-        theta = self.solve()
-        while negative := {i: 0.0 for i in signed if i not in fixed and theta[i] < 0}:
+        u = self.solve(basis=basis)
+        while negative := {i: 0.0 for i in signed if i not in fixed and u[i] < 0}:
             fixed |= negative
-            theta = self.solve(fixed)
-        return theta
+            u = self.solve(fixed, basis)
+        return u if basis is None else basis @ u
 
 
 def _miss_floor(modelled: float) -> float:
@@ -328,6 +338,11 @@ class RobustWeight:
 
 
 _STARTS = (0, *ROW_KNOTS)  # where each segment of the forward starts
+# theta = _SLOPE_BASIS @ u: the forward's coefficients (a, b, changes of slope c_j,
+# jumps, g) from (a, b, the slope of each later segment, jumps, g), c_j = slope_j -
+# slope_{j-1}. [3 + 2 * knots, 3 + 2 * knots]
+_SLOPE_BASIS = np.eye(3 + 2 * len(ROW_KNOTS)) - np.diag(
+    [0.0] + [1.0] * len(ROW_KNOTS) + [0.0] * (1 + len(ROW_KNOTS)), k=-1)
 _START_ARRAY = np.array(_STARTS, dtype=np.float64)
 
 
@@ -586,14 +601,18 @@ class OnlineProfile:
             return None
         if self._cost is None:
             # A row never makes a step faster, a step is never free and no knot makes
-            # the next row cheaper: a negative b, a, g or jump (noise, a narrow spread of
-            # rows, or jumps trading against slopes where every step sits on a knot)
-            # is pinned to 0 and the rest refitted, until none is left. Read as 0
-            # instead, a jump the fit needed negative would leave every row past it
-            # too dear. (Later segments' negative slopes are read as flat by
-            # StepCost.forward.)
+            # the next row cheaper: a negative a, g, jump or slope of any segment (noise,
+            # a narrow spread of rows, or jumps trading against slopes where every step
+            # sits on a knot) is pinned to 0 and the rest refitted, until none is left.
+            # Read as 0 instead, a jump the fit needed negative would leave every row
+            # past it too dear, and so would a segment's negative slope: eagle3 at K = 4
+            # fed 18-20 rows at batch 4, 49 / 47 / 46 ms on average, and the fit's jump
+            # of 8.7 ms past 16 rows with a slope of -0.9 ms a row, read flat, priced
+            # all three at 49 ms and every row past them too; dynamic K then drafted less
+            # than K = 4 where K = 4 was faster. The pins are on the segments' slopes
+            # (u = a, b, the slope of each segment, the jumps, g).
             knots = len(ROW_KNOTS)
-            theta = self._forward.solve_non_negative((0, 1, *range(2 + knots, 3 + 2 * knots)))
+            theta = self._forward.solve_non_negative(range(3 + 2 * knots), _SLOPE_BASIS)
             a, b = theta[0], theta[1]
             hinges = tuple(float(c) for c in theta[2:2 + knots])
             jumps = tuple(float(s) for s in theta[2 + knots:2 + 2 * knots])

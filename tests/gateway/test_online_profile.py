@@ -338,6 +338,27 @@ def test_forward_is_read_non_decreasing():
     assert c.forward(12) == 44.0 and c.forward(13) == 56.0 and c.forward(17) == 64.0
 
 
+def test_the_fit_is_non_decreasing_so_steps_past_a_knot_are_priced_at_their_mean():
+    """eagle3 at batch 4, K = 2 then K = 4: 12 rows at 37 ms, 16 at 41, then 18 / 19 /
+    20 rows at 49 / 47 / 46 ms (a slow tail at 18). Fitted freely, a jump past 16 with
+    a falling slope after it matches those three, and read non-decreasing it priced all
+    of them (and every row past) at the dearest. Fitted non-decreasing, the three are
+    priced at about their mean, and so is every row past them."""
+    model, step = OnlineProfile(), 0
+    for rows, ms, repeats in ((3, 23.0, 20), (5, 24.0, 20), (12, 37.0, 150), (16, 41.0, 50),
+                              (18, 49.0, 40), (19, 47.0, 40), (20, 46.0, 40)):
+        batch = 1 if rows < 12 else 4
+        for _ in range(repeats):
+            step += 1
+            for _ in range(batch):
+                model.observe(sample(step, batch, rows, ms, 0.0, "eagle3", 2, 2, 1))
+    cost = model.cost()
+    for rows in (18, 19, 20, 24):
+        assert cost.forward(rows, 4) == pytest.approx(47.3, abs=0.6), rows
+    for rows, ms in ((12, 37.0), (16, 41.0)):
+        assert cost.forward(rows, 4) == pytest.approx(ms, abs=1.0), rows
+
+
 def cpu_forward(rows, jump=40.0):
     """Up to 12 rows the weights stream once (0.5 ms a row); past 12 the kernel hands
     over, a step costs `jump` ms more, then 2 ms a row."""
@@ -474,7 +495,10 @@ def test_a_disturbed_stretch_of_steps_barely_moves_the_fit():
 
 def test_a_machine_that_stays_busier_is_followed():
     # Twice as slow for good: within 150 steps the fit has moved as far as one that
-    # weighs every step alike (whose forgetting sets the pace).
+    # weighs every step alike (whose forgetting sets the pace). Most of the way, not
+    # all: the old steps fed up to 24 rows, the new ones 1-8, and a forward that may
+    # not fall with rows holds the new rows down toward the old steps past them
+    # until those are forgotten.
     def busier(robust: bool) -> float:
         model = OnlineProfile()
         if not robust:
@@ -489,7 +513,7 @@ def test_a_machine_that_stays_busier_is_followed():
         return model.cost().itl(8, 0)
 
     robust, full = busier(True), busier(False)
-    assert robust > 1.8 * (40.0 + 2.5 * 8 + 0.5)
+    assert robust > 1.6 * (40.0 + 2.5 * 8 + 0.5)
     assert robust == pytest.approx(full, rel=0.05)
 
 
