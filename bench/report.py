@@ -98,6 +98,23 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'eagle3 K=2,eagle3 K=4,eagle3 auto' "
      "--concurrency 1,4,16 --requests 16 --repeats 3 "
      "--out bench/results/serving_dynamic_k_cheap_eagle3.json"),
+    ("serving_dynamic_k_monotone_eagle3.md",
+     "eagle3 after the online forward fit is made non-decreasing in rows (every segment's "
+     "slope pinned >= 0) instead of read flat where it fell (ours only; the AMD EPYC, "
+     "2026-11-27, a later session)",
+     "python -m bench.serving --systems ours --ours 'eagle3 K=2,eagle3 K=4,eagle3 auto' "
+     "--concurrency 1,4,16 --requests 16 --repeats 3 "
+     "--out bench/results/serving_dynamic_k_monotone_eagle3.json"),
+    ("serving_dynamic_k_monotone_eagle3_c4.md",
+     "The same code, eagle3 at C = 4 only, six repeats (right after the ngram run below)",
+     "python -m bench.serving --systems ours --ours 'eagle3 K=2,eagle3 K=4,eagle3 auto' "
+     "--concurrency 4 --requests 16 --repeats 6 "
+     "--out bench/results/serving_dynamic_k_monotone_eagle3_c4.json"),
+    ("serving_dynamic_k_monotone.md",
+     "The same code, ngram (right after the first eagle3 run)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
+     "--concurrency 1,4,16 --requests 16 --repeats 3 "
+     "--out bench/results/serving_dynamic_k_monotone.json"),
     ("serving_dynamic_k_wait_eagle3.md",
      "eagle3 after the online model prices a drafter's wait by the sequences and depth asked "
      "of it as well as its tokens (half an hour later)",
