@@ -177,9 +177,9 @@ def _step_times(profile: ItlProfile, batch_size: float, methods: Sequence[str],
         # forward (the gateway's CPU doubled in wall time, and plain steps of a batch of
         # 8 took 200 ms instead of 100 while it chose).
         expected = (products * spectrum).sum(axis=1).real  # [P + 1]
-        # Never below the time at the mean rows: where the profile bends down (the
-        # online fit reads a segment whose slope came out negative as flat), spread
-        # would look like a saving, and such a bend is the fit's, not the machine's.
+        # Never below the time at the mean rows: where the profile's slope falls past
+        # a knot (the online fit's bends), spread would look like a saving, and such a
+        # bend is the fit's, not the machine's.
         t = np.maximum(t, expected)
     return t + wait + (_drafters_cost(profile, batch_size, tabled) if tabled else 0.0)
 

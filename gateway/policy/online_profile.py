@@ -266,43 +266,38 @@ class ForgettingLeastSquares:
         self.moment += (weight * y) * x
         self.count += 1
 
-    def solve(self, fixed: dict[int, float] | None = None,
-              basis: np.ndarray | None = None) -> np.ndarray:
-        """theta; `fixed` pins coefficients (index -> value) and solves for the rest.
-        With `basis` [n, n] (invertible) it solves for u, theta = basis @ u, and
-        returns u (`fixed` then pins u's coefficients)."""
-        a = self.scatter + self.prior_precision
-        r = self.moment + self.prior_precision @ self.prior_mean
-        if basis is not None:  # the same least squares, in u
-            a, r = basis.T @ a @ basis, basis.T @ r
-        theta = np.zeros(len(r))
-        free = list(range(len(r)))
-        for i, v in (fixed or {}).items():
-            theta[i] = v
-            free.remove(i)
-        if free:
-            sub = np.ix_(free, free)
-            rhs = r[free] - a[np.ix_(free, list(fixed or {}))] @ theta[list(fixed or {})]
-            try:
-                # Symmetric and positive definite once the prior and a few steps are in:
-                # a factorisation, a quarter of lstsq's time (the gateway refits often).
-                theta[free] = np.linalg.solve(a[sub], rhs)
-            except np.linalg.LinAlgError:  # singular: the least-norm solution
-                theta[free] = np.linalg.lstsq(a[sub], rhs, rcond=None)[0]
-        return theta
-
     def solve_non_negative(self, signed: Iterable[int],
                            basis: np.ndarray | None = None) -> np.ndarray:
-        """theta with each coefficient of `signed` >= 0 (of u, where theta = basis @ u):
-        one that comes out negative is pinned to 0 and the rest solved again, until
-        none is left."""
+        """theta with each coefficient of `signed` >= 0: one that comes out negative is
+        pinned to 0 and the rest solved again, until none is left. With `basis` [n, n]
+        (invertible) the same least squares is solved in u, theta = basis @ u, and
+        `signed` names u's coefficients."""
+        a = self.scatter + self.prior_precision  # [n, n]
+        r = self.moment + self.prior_precision @ self.prior_mean  # [n]
+        if basis is not None:
+            a, r = basis.T @ a @ basis, basis.T @ r
         signed = tuple(signed)
-        fixed: dict[int, float] = {}
-        u = self.solve(basis=basis)
-        while negative := {i: 0.0 for i in signed if i not in fixed and u[i] < 0}:
-            fixed |= negative
-            u = self.solve(fixed, basis)
+        pinned: set[int] = set()
+        u = _solve_pinned(a, r, pinned)
+        while negative := {i for i in signed if i not in pinned and u[i] < 0}:
+            pinned |= negative
+            u = _solve_pinned(a, r, pinned)
         return u if basis is None else basis @ u
+
+
+def _solve_pinned(a: np.ndarray, r: np.ndarray, pinned: set[int]) -> np.ndarray:
+    """The x of a x = r [n] with the coefficients in `pinned` held at 0."""
+    x = np.zeros(len(r))
+    free = [i for i in range(len(r)) if i not in pinned]
+    if free:
+        sub = np.ix_(free, free)
+        try:
+            # Symmetric and positive definite once the prior and a few steps are in: a
+            # factorisation, a quarter of lstsq's time (the gateway refits often).
+            x[free] = np.linalg.solve(a[sub], r[free])
+        except np.linalg.LinAlgError:  # singular: the least-norm solution
+            x[free] = np.linalg.lstsq(a[sub], r[free], rcond=None)[0]
+    return x
 
 
 def _miss_floor(modelled: float) -> float:
@@ -350,8 +345,8 @@ _START_ARRAY = np.array(_STARTS, dtype=np.float64)
 class StepCost:
     """The fitted step time in ms: forward f(rows) + g * sequences, f(rows) = a + b *
     rows + sum_j hinges[j] * max(0, rows - ROW_KNOTS[j]) + sum_j jumps[j] * [rows >
-    ROW_KNOTS[j]], read non-decreasing (a segment whose slope the fit made negative
-    counts as flat, a negative jump as none); plus the draft wait w (plain steps too)
+    ROW_KNOTS[j]], read non-decreasing (OnlineProfile fits it so; in a cost made by
+    hand a negative slope counts as flat, a negative jump as none); plus the draft wait w (plain steps too)
     and per drafting method d[m] + s[m] * sequences + e[m] * draft tokens + h[m] *
     depth (the most drafts asked of one sequence)."""
 
@@ -622,9 +617,9 @@ class OnlineProfile:
             for i, m in enumerate(DRAFTER_METHODS):
                 j = 1 + WAIT_TERMS * i
                 if self._wait.scatter[j, j] > 0:  # the method has drafted
-                    d[m], s[m], e[m], h[m] = (max(float(c), 0.0) for c in wait[j:j + WAIT_TERMS])
+                    d[m], s[m], e[m], h[m] = (float(c) for c in wait[j:j + WAIT_TERMS])
             self._stale = 0
-            self._cost = StepCost(float(a), float(b), max(float(wait[0]), 0.0), d, e, hinges,
+            self._cost = StepCost(float(a), float(b), float(wait[0]), d, e, hinges,
                                   jumps, float(theta[-1]), s, h)
         return self._cost
 
