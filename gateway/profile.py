@@ -122,7 +122,7 @@ async def profile(address: str, prompts: Sequence[list[int]], batch_sizes: Seque
             plain = await step_ms(b, 0, None)
             for name, table in tables.items():
                 table.append([plain] + [await step_ms(b, k, name) for k in ks[1:]])
-        acceptance = {}
+        acceptance, availability = {}, {}
         for name, value in methods.items():
             acc = OnlineAcceptance()
             k = max(ks)
@@ -134,12 +134,17 @@ async def profile(address: str, prompts: Sequence[list[int]], batch_sizes: Seque
                 acc.update(s.num_drafted, s.num_accepted)
             rates = acc.rates([0.0] * k, 0, k)
             acceptance[name] = tuple(round(r, 4) for r in rates)
-            log(f"acceptance {name}: " + " ".join(f"{r:.2f}" for r in rates))
+            # Every step asked for k drafts: those without any had nothing to propose.
+            availability[name] = round(sum(s.num_drafted > 0 for s in steps)
+                                       / max(len(steps), 1), 4)
+            log(f"acceptance {name}: " + " ".join(f"{r:.2f}" for r in rates)
+                + f" (drafts in {availability[name]:.0%} of the steps)")
     shared, *own = tables.values()
     return ItlProfile(batch_sizes=tuple(batch_sizes), ks=tuple(ks),
                       itl_ms=tuple(tuple(r) for r in shared), acceptance=acceptance,
                       method_itl_ms={name: tuple(tuple(r) for r in table)
-                                     for name, table in zip(wanted[1:], own, strict=True)})
+                                     for name, table in zip(wanted[1:], own, strict=True)},
+                      availability=availability)
 
 
 def _ints(text: str) -> list[int]:

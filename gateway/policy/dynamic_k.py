@@ -18,18 +18,27 @@ NEUTRAL_ACCEPTANCE = 0.5
 # How many drafting steps the method's rates count for in a request's own estimate.
 # A request's K follows its own rates, so the steps that draft deep are those whose
 # rates read high: a weak prior makes them overstate what those steps then accept
-# (the winner's curse). Replayed on 1415 steps of `make run` (ngram, C = 1 and 4),
-# 8 steps of prior with a half-life of 48 overstated the chance of reaching
-# positions 1-4 by 0.06-0.09 (12-23 %), and dynamic K drafted deeper than the best
-# static K; 32 steps with a half-life of 16 overstate it by 0.03 and still predict
-# better than the method's rates alone (Brier 0.210 against 0.219): acceptance comes
-# in runs (a block of the prompt copied, then new text), so recent steps say most.
-PRIOR_STEPS = 32.0
+# (the winner's curse), and a long memory makes it worse: on 1415 steps of `make run`
+# (ngram, C = 1 and 4), 8 steps of prior with a half-life of 48 overstated the chance
+# of reaching positions 1-4 by 0.06-0.09 (12-23 %). But acceptance comes in runs (a
+# block of the prompt copied, then new text), so recent steps say most, and a short
+# memory lets a small prior through. Replayed on every dynamic-K step of two
+# `bench.serving` runs (ngram and eagle3, C = 1, 4 and 16; 11000 responses), 8 steps
+# with a half-life of 8 predicted each drafted position's acceptance better than 32
+# with 16 (log loss 0.554 / 0.549 / 0.573 against 0.564 / 0.559 / 0.597 for ngram,
+# 0.577 / 0.595 / 0.594 against 0.591 / 0.613 / 0.612 for eagle3) and stayed
+# calibrated where K is chosen: positions a request reaches with a chance of 1/4 or
+# more were accepted 1.00-1.02 times as often as it said, of 1/2 or more 0.99-1.08
+# (32 / 16: 1.00-1.04 and 1.01-1.10, but per request it moved too little: ngram's first
+# positions it put at 0.51 were accepted 0.31 of the time, at 0.59 0.65). 4 / 4 and
+# 2 / 4 overstate positions of 1/2 or more by up to 4 and 9 %.
+PRIOR_STEPS = 8.0
 # Half-life of a request's evidence, in its steps (see PRIOR_STEPS). Counts that never
 # aged would keep a request at K = 0, which learns nothing more, for good.
-HALF_LIFE_STEPS = 16.0
+HALF_LIFE_STEPS = 8.0
 # A drafter may have nothing to propose (an ngram drafter without a match): the share
-# of asked steps that drafted is held toward 1 with the weight of this many steps.
+# of asked steps that drafted is held toward the method's share in the profile (1
+# where it has none) with the weight of this many steps.
 AVAILABILITY_PRIOR_STEPS = 4.0
 
 
@@ -178,8 +187,11 @@ class DynamicK:
 
     def availability(self) -> float:
         """The chance that a step asking for drafts gets some: the aged share of asked
-        steps that did, around 1 (AVAILABILITY_PRIOR_STEPS steps' worth)."""
-        return ((self._answered + AVAILABILITY_PRIOR_STEPS)
+        steps that did, around the method's share in the profile
+        (AVAILABILITY_PRIOR_STEPS steps' worth; 1 where the profile has none)."""
+        profile = self.profile()
+        prior = 1.0 if profile is None else profile.availability.get(self.method, 1.0)
+        return ((self._answered + AVAILABILITY_PRIOR_STEPS * prior)
                 / (self._asked + AVAILABILITY_PRIOR_STEPS))
 
     def rates(self) -> tuple[float, ...]:

@@ -25,9 +25,11 @@ class ItlProfile:
     """Measured time of one verifier step by batch size and K, for one deployment.
 
     Written by the profiling command; `acceptance` holds per-method prior rates
-    a_1, a_2, ... measured on a reference prompt set. `method_itl_ms` holds step
-    times of drafter methods profiled on their own (same grid as itl_ms); a method
-    without a table there uses the shared itl_ms.
+    a_1, a_2, ... measured on a reference prompt set, and `availability` the share of
+    steps asking a method for drafts in which it had some (an ngram drafter without a
+    match has none); a method not there is taken to always have drafts.
+    `method_itl_ms` holds step times of drafter methods profiled on their own (same
+    grid as itl_ms); a method without a table there uses the shared itl_ms.
     """
 
     batch_sizes: tuple[int, ...]  # strictly increasing, >= 1
@@ -36,6 +38,7 @@ class ItlProfile:
     acceptance: dict[str, tuple[float, ...]] = field(default_factory=dict, hash=False)
     method_itl_ms: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict,
                                                                      hash=False)
+    availability: dict[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         for name, least in (("batch_sizes", 1), ("ks", 0)):
@@ -69,6 +72,15 @@ class ItlProfile:
                                  f"list of rates in [0, 1], got {rates}")
             acceptance[method] = rates
         object.__setattr__(self, "acceptance", acceptance)
+        availability = dict(self.availability)
+        for method, share in availability.items():
+            if method not in DRAFTER_METHODS:
+                raise ValueError(f"ITL profile: availability has unknown method {method!r} "
+                                 f"(expected one of {', '.join(DRAFTER_METHODS)})")
+            if not (is_number(share) and 0 <= share <= 1):
+                raise ValueError(f"ITL profile: availability[{method!r}] must be a number in "
+                                 f"[0, 1], got {share!r}")
+        object.__setattr__(self, "availability", availability)
 
     def _checked_table(self, name: str, table: object) -> tuple[tuple[float, ...], ...]:
         """`table` as a tuple of rows, one per batch size and one positive ms per k."""
@@ -134,6 +146,8 @@ class ItlProfile:
         if self.method_itl_ms:
             obj["method_itl_ms"] = {m: [list(row) for row in rows]
                                     for m, rows in sorted(self.method_itl_ms.items())}
+        if self.availability:
+            obj["availability"] = dict(sorted(self.availability.items()))
         return obj
 
     @classmethod
@@ -166,11 +180,16 @@ class ItlProfile:
                         for rows in method_itl_ms.values())):
             raise ValueError("ITL profile: key 'method_itl_ms' must map method names to "
                              "lists of lists")
+        availability = obj.get("availability", {})
+        if not isinstance(availability, dict):
+            raise ValueError("ITL profile: key 'availability' must map method names to "
+                             "numbers")
         return cls(batch_sizes=tuple(obj["batch_sizes"]), ks=tuple(obj["ks"]),
                    itl_ms=tuple(tuple(row) for row in obj["itl_ms"]),
                    acceptance={m: tuple(r) for m, r in acceptance.items()},
                    method_itl_ms={m: tuple(tuple(row) for row in rows)
-                                  for m, rows in method_itl_ms.items()})
+                                  for m, rows in method_itl_ms.items()},
+                   availability=availability)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -188,7 +207,8 @@ class ItlProfile:
             raise ValueError(f"{path}: {e}") from e
 
 
-_PROFILE_KEYS = ("version", "batch_sizes", "ks", "itl_ms", "acceptance", "method_itl_ms")
+_PROFILE_KEYS = ("version", "batch_sizes", "ks", "itl_ms", "acceptance", "method_itl_ms",
+                 "availability")
 
 
 def _bracket(grid: Sequence[int], x: float) -> tuple[int, int, float]:

@@ -169,6 +169,10 @@ def test_profile_command_measures_a_running_verifier(loop, model, smollm2_dir, t
         # The oracle drafter's drafts are all accepted; ngram on random text rarely is.
         assert result.acceptance["draft_model"] == (1.0,) * 4
         assert set(result.acceptance) == {"ngram", "draft_model"}
+        # The oracle always has drafts; ngram has none where the text has no match.
+        assert result.availability["draft_model"] == 1.0
+        assert set(result.availability) == {"ngram", "draft_model"}
+        assert 0.0 <= result.availability["ngram"] <= 1.0
         assert result.method_itl_ms == {}  # one method: the shared table only
         path = tmp_path / "profile.json"
         result.save(path)

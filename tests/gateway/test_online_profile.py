@@ -15,6 +15,7 @@ from gateway.policy.goodput import choose_k
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import (
     ACCEPTANCE_PRIOR_STEPS,
+    AVAILABILITY_PRIOR_STEPS,
     MIN_STEPS,
     PRIOR_ROWS_PER_A,
     REFIT_STEPS,
@@ -186,6 +187,34 @@ def test_acceptance_prior_is_measured_per_method():
     assert prof.acceptance["ngram"] == pytest.approx(((n + w / 2) / (n + w),) * 4, rel=1e-2)
     assert prof.acceptance["eagle3"] == pytest.approx(
         ((n + w / 2) / (n + w), (w / 2) / (n + w), 0.5, 0.5), rel=1e-2)
+
+
+def test_availability_prior_is_the_share_of_asked_steps_with_drafts_per_method():
+    model = OnlineProfile()
+    v = Verifier(model, a=40.0, b=2.5, d={"ngram": 0.0}, e={"ngram": 0.0})
+    for i in range(60):
+        v.run([("ngram", 4)])
+        # An ngram request asked for 4 drafts that had none in two steps of three; an
+        # eagle3 request that always had them; a plain one, never asked, and a response
+        # completing a prompt (on another replica, so that v0's steps stay decode steps).
+        model.observe(sample(v.step, 4, 10, 60.0, 0.0, "ngram", 4, 0 if i % 3 else 4, 0))
+        model.observe(sample(v.step, 4, 10, 60.0, 0.0, "eagle3", 2, 2, 1))
+        model.observe(sample(v.step, 4, 10, 60.0, 0.0, "none"))
+        model.observe(sample(i + 1, 4, 10, 60.0, 0.0, "ngram", 4, 0, 0, replica="v1",
+                             prefill=True))
+    prof = model.profile(16, 4)
+    # ngram: the Verifier's 60 steps had drafts, the request's 20 of 60: 80 of 120,
+    # around 1 worth AVAILABILITY_PRIOR_STEPS (aged by a half-life far longer).
+    w = AVAILABILITY_PRIOR_STEPS
+    assert prof.availability["ngram"] == pytest.approx((80 + w) / (120 + w), rel=1e-2)
+    assert prof.availability["eagle3"] == pytest.approx(1.0)
+    assert set(prof.availability) == {"ngram", "eagle3"}  # methods that were asked
+    # A request's own share starts from its method's.
+    dk = DynamicK(lambda: prof, "ngram", 4)
+    assert dk.availability() == pytest.approx(prof.availability["ngram"])
+    for _ in range(100):
+        dk.observe(0, 0, asked=True)
+    assert dk.availability() < 0.2
 
 
 def test_profile_makes_k_zero_at_a_large_batch_and_speculates_at_batch_one():

@@ -716,6 +716,19 @@ def test_profile_json_round_trip_with_method_tables(tmp_path):
     assert r != sample_profile()
 
 
+def test_profile_json_round_trip_with_availability(tmp_path):
+    p = dataclasses.replace(sample_profile(), availability={"ngram": 0.65, "eagle": 1.0})
+    obj = json.loads(json.dumps(p.to_json()))
+    assert obj["availability"] == {"eagle": 1.0, "ngram": 0.65}
+    q = ItlProfile.from_json(obj)
+    assert q == p and q.availability == {"ngram": 0.65, "eagle": 1.0}
+    path = tmp_path / "profile.json"
+    p.save(path)
+    assert ItlProfile.load(path) == p
+    assert ItlProfile.load(path) != sample_profile()
+    assert "availability" not in sample_profile().to_json()  # absent, written as before
+
+
 def test_profile_without_method_tables_is_written_as_before(tmp_path):
     # A file of the single-table format loads, and is written back key for key.
     old = {"version": 1, "batch_sizes": [1, 8], "ks": [0, 2], "itl_ms": [[9.5, 10.0], [11, 13]],
@@ -762,6 +775,10 @@ def _malformed(**changes):
     (_malformed(acceptence={"eagle": [0.5]}), "unknown key.*'acceptence'"),
     (_malformed(method_itl={"eagle": [[1, 2, 3]] * 3}), "unknown key.*'method_itl'"),
     (_malformed(method_itl_ms=[[1, 2, 3]] * 3), "'method_itl_ms'"),
+    (_malformed(availability=[0.5]), "'availability'"),
+    (_malformed(availability={"ngram": 1.5}), r"availability\['ngram'\]"),
+    (_malformed(availability={"ngram": "often"}), r"availability\['ngram'\]"),
+    (_malformed(availability={"ngarm": 0.5}), "availability has unknown method 'ngarm'"),
     (_malformed(method_itl_ms={"eagle": [1, 2, 3]}), "'method_itl_ms'"),
     (_malformed(method_itl_ms={"eagle": "fast"}), "'method_itl_ms'"),
     (_malformed(method_itl_ms={"eagel": [[1, 2, 3]] * 3}),
