@@ -98,6 +98,14 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'eagle3 K=2,eagle3 K=4,eagle3 auto' "
      "--concurrency 1,4,16 --requests 16 --repeats 3 "
      "--out bench/results/serving_dynamic_k_cheap_eagle3.json"),
+    ("serving_dynamic_k_calibrated.md",
+     "ngram after a request's drafter availability starts from its method's share over all "
+     "requests instead of 1, and its acceptance counts weigh a prior of 8 steps with a "
+     "half-life of 8 instead of 32 and 16 (ours only; the AMD EPYC, 2026-11-27, a later "
+     "session)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
+     "--concurrency 1,4,16 --requests 16 --repeats 3 "
+     "--out bench/results/serving_dynamic_k_calibrated.json"),
     ("serving_dynamic_k_monotone_eagle3.md",
      "eagle3 after the online forward fit is made non-decreasing in rows (every segment's "
      "slope pinned >= 0) instead of read flat where it fell (ours only; the AMD EPYC, "
