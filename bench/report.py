@@ -106,6 +106,11 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
      "--concurrency 1,4,16 --requests 16 --repeats 3 "
      "--out bench/results/serving_dynamic_k_calibrated.json"),
+    ("serving_dynamic_k_calibrated_eagle3.md",
+     "The same code, eagle3 (an hour later)",
+     "python -m bench.serving --systems ours --ours 'eagle3 K=2,eagle3 K=4,eagle3 auto' "
+     "--concurrency 1,4,16 --requests 16 --repeats 3 "
+     "--out bench/results/serving_dynamic_k_calibrated_eagle3.json"),
     ("serving_dynamic_k_monotone_eagle3.md",
      "eagle3 after the online forward fit is made non-decreasing in rows (every segment's "
      "slope pinned >= 0) instead of read flat where it fell (ours only; the AMD EPYC, "
