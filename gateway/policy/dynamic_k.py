@@ -115,6 +115,26 @@ class OnlineAcceptance:
         return tuple(out)
 
 
+class OnlineShare:
+    """An aged count of tries and of the hits among them, and the share of hits it
+    estimates around a prior: how often a drafter asked for drafts has some."""
+
+    def __init__(self, half_life: float) -> None:
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._tried = 0.0
+        self._hits = 0.0
+
+    def update(self, tried: bool, hit: bool) -> None:
+        """One more occasion: earlier counts weigh 2^(-1/half-life) less, and it counts
+        as a try (and a hit) where it was one."""
+        self._tried = self._tried * self._decay + tried
+        self._hits = self._hits * self._decay + (tried and hit)
+
+    def share(self, prior: float, prior_steps: float) -> float:
+        """The posterior mean (hits + prior_steps * prior) / (tries + prior_steps)."""
+        return (self._hits + prior_steps * prior) / (self._tried + prior_steps)
+
+
 # The deployment's profile as it is now: a file's, fixed, or the online model's, which
 # changes as steps are measured and is None until it has seen enough of them.
 ProfileSource = Callable[[], ItlProfile | None]
@@ -151,9 +171,7 @@ class DynamicK:
         self.max_num_speculative_tokens = max_num_speculative_tokens
         self.prior_steps = prior_steps
         self.acceptance = OnlineAcceptance(half_life_steps)
-        self._decay = 0.5 ** (1.0 / half_life_steps)
-        self._asked = 0.0  # aged count of steps that asked for drafts
-        self._answered = 0.0  # aged count of those that got at least one
+        self.answers = OnlineShare(half_life_steps)  # steps that asked, and got drafts
         self.batch: BatchK | None = None  # the replica's batch it chooses K with
 
     def join(self, batch: BatchK) -> None:
@@ -171,7 +189,9 @@ class DynamicK:
     @property
     def prior(self) -> tuple[float, ...]:
         """The method's rates in the current profile, neutral where it has none."""
-        profile = self.profile()
+        return self._prior(self.profile())
+
+    def _prior(self, profile: ItlProfile | None) -> tuple[float, ...]:
         if profile is None:
             return (NEUTRAL_ACCEPTANCE,)
         return profile.acceptance.get(self.method, (NEUTRAL_ACCEPTANCE,))
@@ -182,8 +202,7 @@ class DynamicK:
         had none."""
         self.acceptance.age()
         self.acceptance.update(num_drafted, num_accepted)
-        self._asked = self._asked * self._decay + asked
-        self._answered = self._answered * self._decay + (asked and num_drafted > 0)
+        self.answers.update(asked, num_drafted > 0)
 
     def availability(self) -> float:
         """The chance that a step asking for drafts gets some: the aged share of asked
@@ -191,12 +210,12 @@ class DynamicK:
         (AVAILABILITY_PRIOR_STEPS steps' worth; 1 where the profile has none)."""
         profile = self.profile()
         prior = 1.0 if profile is None else profile.availability.get(self.method, 1.0)
-        return ((self._answered + AVAILABILITY_PRIOR_STEPS * prior)
-                / (self._asked + AVAILABILITY_PRIOR_STEPS))
+        return self.answers.share(prior, AVAILABILITY_PRIOR_STEPS)
 
-    def rates(self) -> tuple[float, ...]:
-        return self.acceptance.rates(self.prior, self.prior_steps,
-                                     self.max_num_speculative_tokens)
+    def rates(self, profile: ItlProfile | None = None) -> tuple[float, ...]:
+        """The request's rates (profile: its current one, where already read)."""
+        prior = self._prior(self.profile() if profile is None else profile)
+        return self.acceptance.rates(prior, self.prior_steps, self.max_num_speculative_tokens)
 
     def next_k(self, batch_size: float, step: int | None = None) -> int | None:
         """The best K at this batch size; None while there is no profile yet (an
@@ -211,6 +230,5 @@ class DynamicK:
             return None
         if step is not None and self.batch is not None:
             return self.batch.next_k(self, profile, int(batch_size), step)
-        prior = profile.acceptance.get(self.method, (NEUTRAL_ACCEPTANCE,))
-        rates = self.acceptance.rates(prior, self.prior_steps, self.max_num_speculative_tokens)
-        return choose_k(profile, batch_size, rates, self.max_num_speculative_tokens, self.method)
+        return choose_k(profile, batch_size, self.rates(profile),
+                        self.max_num_speculative_tokens, self.method)

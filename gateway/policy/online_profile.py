@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gateway.policy.dynamic_k import NEUTRAL_ACCEPTANCE, OnlineAcceptance
+from gateway.policy.dynamic_k import NEUTRAL_ACCEPTANCE, OnlineAcceptance, OnlineShare
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.values import check_count, is_number
 from specdec.speculation import DRAFTER_METHODS
@@ -148,7 +148,6 @@ ACCEPTANCE_HALF_LIFE = 4096.0
 # of them (52 rows, 90 ms a step) for 10 tokens where it expected 19. Replayed on the
 # same steps, a request's share starting from the method's is within 1 %.
 AVAILABILITY_PRIOR_STEPS = 8.0
-_ANSWER_DECAY = 0.5 ** (1.0 / ACCEPTANCE_HALF_LIFE)  # per response asking for drafts
 # A step slower than modelled by more than ROBUST_K times the running mean absolute
 # miss (of the forward or of the draft wait) weighs (ROBUST_K * mean miss / its
 # miss)^2: half as far off again as the limit, 0.44; ten times, 0.01. With a mean
@@ -512,8 +511,9 @@ class OnlineProfile:
         self._reference_age = 0
         self._warmup: list[_Step] = []  # the steps before the first model, reweighted then
         self.acceptance: dict[str, OnlineAcceptance] = {}  # method -> all its requests' counts
-        # method -> aged (steps asked of it, steps it had drafts in), over all its requests
-        self._answers: dict[str, tuple[float, float]] = {}
+        # method -> its steps asked for drafts, and those it had some in (aged per such
+        # response), over all its requests
+        self._answers: dict[str, OnlineShare] = {}
         self._cost: StepCost | None = None
         self._stale = 0  # steps added since _cost was fitted
         self._profiles: dict[tuple[int, int], ItlProfile] = {}  # grid -> profile of _cost
@@ -530,9 +530,8 @@ class OnlineProfile:
             acc.age()
             acc.update(s.num_drafted, s.num_accepted)
         if s.method != "none" and s.num_speculative_tokens and not s.prefill:
-            asked, answered = self._answers.get(s.method, (0.0, 0.0))
-            self._answers[s.method] = (asked * _ANSWER_DECAY + 1.0,
-                                       answered * _ANSWER_DECAY + (s.num_drafted > 0))
+            answers = self._answers.setdefault(s.method, OnlineShare(ACCEPTANCE_HALF_LIFE))
+            answers.update(True, s.num_drafted > 0)
         pending = self._pending.get(s.replica)
         if pending is not None and s.step == pending.number:
             pending.merge(s)
@@ -648,8 +647,8 @@ class OnlineProfile:
     def availability(self, method: str) -> float:
         """The share of steps asking `method` for drafts in which it had some, over all
         its requests so far, around 1 while they are few."""
-        asked, answered = self._answers.get(method, (0.0, 0.0))
-        return (answered + AVAILABILITY_PRIOR_STEPS) / (asked + AVAILABILITY_PRIOR_STEPS)
+        answers = self._answers.get(method, OnlineShare(ACCEPTANCE_HALF_LIFE))
+        return answers.share(1.0, AVAILABILITY_PRIOR_STEPS)
 
     def profile(self, max_num_seqs: int, max_num_speculative_tokens: int) -> ItlProfile | None:
         """The model as an ItlProfile over batch sizes 1, 2, 4, ... max_num_seqs and
