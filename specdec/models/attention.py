@@ -65,7 +65,6 @@ class _SplitState:
 
     meta: AttentionMetadata
     kernel_seqs: torch.Tensor  # [S] int64: batch indices of the kernel's sequences
-    max_rows: int  # the most query rows (tokens x query heads per KV head) among them
     max_len: int  # the longest of them
     rest: _SdpaState | None  # torch's path for the other sequences
     rest_rows: torch.Tensor | None  # [T'] their tokens' indices in the step
@@ -97,9 +96,7 @@ class SdpaBackend(AttentionBackend):
 
     def _split(self, meta: AttentionMetadata, short: list[int]) -> _SplitState:
         seq_lens = meta.seq_lens.tolist()
-        group = self.num_heads // self.num_kv_heads
         state = _SplitState(meta, torch.tensor(short, dtype=torch.int64),
-                            max(meta.query_lens[b] for b in short) * group,
                             max(seq_lens[b] for b in short), None, None)
         rest = sorted(set(range(meta.batch_size)) - set(short))
         if rest:
@@ -183,7 +180,7 @@ class SdpaBackend(AttentionBackend):
         out = torch.empty_like(q)
         meta = state.meta
         paged_attention.attend(q, k_cache, v_cache, out, meta.block_tables, meta.query_start,
-                               meta.seq_lens, state.kernel_seqs, state.max_rows, state.max_len,
+                               meta.seq_lens, state.kernel_seqs, state.max_len,
                                meta.block_size)
         if state.rest is not None:
             out.index_copy_(0, state.rest_rows,

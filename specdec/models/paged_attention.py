@@ -47,7 +47,7 @@ def _kernel():
         return None
     fn = lib.paged_attention
     fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
-                   + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int])
+                   + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int])
     fn.restype = None
     return fn
 
@@ -63,12 +63,12 @@ def unavailable_reason() -> str | None:
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
            block_tables: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
-           seqs: torch.Tensor, max_rows: int, max_len: int, block_size: int) -> None:
+           seqs: torch.Tensor, max_len: int, block_size: int) -> None:
     """Writes out[t] for the query tokens t of the sequences `seqs` (batch indices).
     q, out: [T, H, D] float32, contiguous; k_cache, v_cache: [slots, Hkv, D];
     block_tables: [B, blocks] int64; query_start: [B + 1]; seq_lens: [B] (including
-    the step's tokens); max_rows: the most query tokens of a listed sequence times
-    H / Hkv; max_len: the longest listed sequence. Call only when available()."""
+    the step's tokens); max_len: the longest listed sequence. Call only when
+    available()."""
     fn = _kernel()
     if fn is None:
         raise RuntimeError(f"the paged attention kernel is off: {_reason}")
@@ -88,4 +88,4 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: t
         fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
            block_tables.data_ptr(), block_tables.stride(0), query_start.data_ptr(),
            seq_lens.data_ptr(), seqs.data_ptr(), seqs.numel(), heads, kv_heads, dim,
-           block_size, max_rows, max_len, dim ** -0.5, torch.get_num_threads())
+           block_size, max_len, dim ** -0.5, torch.get_num_threads())

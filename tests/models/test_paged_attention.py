@@ -86,6 +86,26 @@ def test_matches_torch_on_a_ragged_batch():
                        backend.forward(q64, k64, v64, backend._prepare(meta)))
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 128), (4, 4, 72), (6, 2, 8)])
+def test_matches_torch_at_other_head_shapes(heads, kv_heads, dim):
+    """Head dimensions of two vector passes of 64 columns, of one and a rest of 8, and
+    of 8 alone; GQA groups of 4 and 3 and none; contexts on both sides of the kernel's
+    runs of eight keys (7, 8, 9 and longer)."""
+    lens, qs = [7, 8, 9, 300, 65, 129], [1, 8, 2, 5, 16, 1]
+    tables, blocks = shuffled_tables(lens)
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(blocks * BLOCK, kv_heads, dim, generator=gen)
+    v = torch.randn(blocks * BLOCK, kv_heads, dim, generator=gen)
+    q = torch.randn(sum(qs), heads, dim, generator=gen)
+    backend = SdpaBackend(heads, kv_heads, dim)
+    meta = step(lens, qs, tables)
+    state = backend.prepare(meta)
+    assert isinstance(state, _SplitState) and state.rest is None
+    torch.testing.assert_close(backend.forward(q, k, v, state),
+                               backend.forward(q, k, v, backend._prepare(meta)),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_rows_are_batch_invariant():
     """A sequence's rows come out bit for bit the same alone or beside others, and a
     verify block's rows equal decode steps at the same positions: what keeps a
@@ -120,7 +140,7 @@ def test_bad_operands_are_refused():
     out = torch.empty(1, HEADS, DIM)
     with pytest.raises(ValueError, match="q must be contiguous float32"):
         paged_attention.attend(queries(1).double(), k, v, out, meta.block_tables,
-                               meta.query_start, meta.seq_lens, torch.tensor([0]), 3, 5, BLOCK)
+                               meta.query_start, meta.seq_lens, torch.tensor([0]), 5, BLOCK)
     with pytest.raises(ValueError, match="seqs must be contiguous int64"):
         paged_attention.attend(queries(1), k, v, out, meta.block_tables, meta.query_start,
-                               meta.seq_lens, torch.tensor([0], dtype=torch.int32), 3, 5, BLOCK)
+                               meta.seq_lens, torch.tensor([0], dtype=torch.int32), 5, BLOCK)
