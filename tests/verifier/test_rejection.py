@@ -16,6 +16,7 @@ from verifier.sampling import rejection_triton
 from verifier.sampling.rejection import (
     PLACEHOLDER_TOKEN_ID,
     draw_random,
+    greedy_accept,
     rejection_sample_from_random,
 )
 from verifier.sampling.rejection_triton import (
@@ -94,6 +95,30 @@ def test_greedy_requests_ignore_sampled_neighbours():
     for i in (0, 2):
         expected = argmax_walk(logits[row_start[i] :], drafts[k[:i].sum() :][: counts[i]].tolist())
         assert out[i, : len(expected)].tolist() == expected
+
+
+@pytest.mark.parametrize("counts", [[0, 3, 4, 1, 5, 2, 0, 3], [0, 0, 0], [2]])
+def test_greedy_shortcut_equals_the_general_function(counts):
+    """An all-greedy batch skips the sampled token's probabilities and noise; what it
+    returns is what the general function returns for the same batch, K = 0 rows and
+    an all-plain step included."""
+    gen = torch.Generator().manual_seed(4)
+    vocab_size = 300
+    row_start, k = ragged(counts)
+    logits = torch.randn(int(k.sum()) + len(counts), vocab_size, generator=gen)
+    argmax = logits.argmax(-1)
+    draft_rows = torch.cat([torch.arange(s, s + n, dtype=torch.int64)
+                            for s, n in zip(row_start.tolist(), counts, strict=True)])
+    # Mostly right, so that acceptance runs deep, sometimes the bonus row.
+    drafts = torch.where(torch.rand(len(draft_rows), generator=gen) < 0.8, argmax[draft_rows],
+                         torch.randint(0, vocab_size, (len(draft_rows),), generator=gen))
+    meta = SamplingMetadata.make_dummy(len(counts), temperature=0.0)
+    uniform, exp_noise = draw_random(k, vocab_size, meta)
+    want = rejection_sample_from_random(logits, argmax, drafts, None, k, meta.is_greedy,
+                                        uniform, exp_noise)
+    got = greedy_accept(argmax, drafts, k)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(rejection_sample(logits, drafts, None, k, meta)[0], want[0])
 
 
 # --- distribution ------------------------------------------------------------------

@@ -138,28 +138,20 @@ def rejection_sample_from_random(
     """
     max_k = check_inputs(target_probs, target_argmax, draft_token_ids, draft_probs,
                          num_draft_tokens, is_greedy, uniform, exp_noise, max_num_drafts)
-    batch_size = num_draft_tokens.shape[0]
-    device = target_probs.device
-    draft_start = num_draft_tokens.cumsum(0) - num_draft_tokens  # [B]
-    row_start = draft_start + torch.arange(batch_size, device=device)  # [B]: K_i + 1 rows each
-    position = torch.arange(max_k, device=device)  # [max_K]
+    draft_start, row_start, is_draft, draft_index, row_index = _layout(num_draft_tokens, max_k)
+    x = draft_token_ids[draft_index]  # [B, max_K]
 
     # Acceptance at every draft position, then keep the prefix before the first rejection.
-    is_draft = position < num_draft_tokens[:, None]  # [B, max_K]
-    draft_index = torch.where(is_draft, draft_start[:, None] + position, 0)  # [B, max_K]
-    row_index = torch.where(is_draft, row_start[:, None] + position, 0)  # [B, max_K]
     if max_k > 0:
-        x = draft_token_ids[draft_index]  # [B, max_K]
         p_x = target_probs[row_index, x]  # [B, max_K]
         q_x = draft_probs[draft_index, x] if draft_probs is not None else 1.0
         # u * q < p is u < p / q without a division (so the kernel matches bit for bit);
         # strict, so a token the filters removed (p = 0) is never accepted.
         accept_random = uniform[draft_index] * q_x < p_x
         accept = torch.where(is_greedy[:, None], x == target_argmax[row_index], accept_random)
-        num_accepted = (accept & is_draft).long().cumprod(dim=1).sum(dim=1)  # [B]
     else:
-        x = torch.empty(batch_size, 0, dtype=torch.int64, device=device)
-        num_accepted = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        accept = is_draft
+    num_accepted = (accept & is_draft).long().cumprod(dim=1).sum(dim=1)  # [B]
     rejected = num_accepted < num_draft_tokens  # [B]; else every draft was accepted: bonus
 
     # The one sampled token: recovered at the first rejection, else bonus at the last row.
@@ -177,11 +169,48 @@ def rejection_sample_from_random(
     use_residual = rejected & (residual_score.amax(dim=1) > 0)  # [B]
     sampled = torch.where(use_residual, residual_score.argmax(dim=1), (p / exp_noise).argmax(dim=1))
     final_token = torch.where(is_greedy, target_argmax[final_row], sampled)  # [B]
+    return _outputs(x, num_accepted, final_token), num_accepted
 
-    output_token_ids = torch.full(
-        (batch_size, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device
-    )
-    is_accepted = position < num_accepted[:, None]  # [B, max_K]
+
+def greedy_accept(
+    target_argmax: torch.Tensor,  # [N] int64, argmax of the raw logits, N = sum(K_i + 1)
+    draft_token_ids: torch.Tensor,  # [sum K] int64
+    num_draft_tokens: torch.Tensor,  # [B] int64
+) -> tuple[torch.Tensor, torch.Tensor]:  # output_token_ids [B, max_K + 1], num_accepted [B]
+    """`rejection_sample_from_random` for a batch of greedy requests only: a draft is
+    kept while it is the argmax of its row, and the token after the kept ones is the
+    argmax of the next row. Nothing else is read: the general function also builds and
+    divides [B, V] rows of probabilities by noise for the sampled token, which greedy
+    requests never take (2-3 ms of a 30 ms CPU step at batch 16)."""
+    max_k = int(num_draft_tokens.max()) if num_draft_tokens.numel() else 0
+    _, row_start, is_draft, draft_index, row_index = _layout(num_draft_tokens, max_k)
+    x = draft_token_ids[draft_index]  # [B, max_K]
+    accept = x == target_argmax[row_index]  # [B, max_K]
+    num_accepted = (accept & is_draft).long().cumprod(dim=1).sum(dim=1)  # [B]
+    return _outputs(x, num_accepted, target_argmax[row_start + num_accepted]), num_accepted
+
+
+def _layout(num_draft_tokens: torch.Tensor, max_k: int) -> tuple[torch.Tensor, ...]:
+    """Where request i's drafts and rows are: draft_start [B] and row_start [B] (its
+    first draft and row), is_draft [B, max_K] (position j < K_i), and the indices of
+    each position's draft and row, draft_index and row_index [B, max_K] (0 past K_i)."""
+    batch_size, device = num_draft_tokens.shape[0], num_draft_tokens.device
+    draft_start = num_draft_tokens.cumsum(0) - num_draft_tokens  # [B]
+    row_start = draft_start + torch.arange(batch_size, device=device)  # [B]: K_i + 1 rows each
+    position = torch.arange(max_k, device=device)  # [max_K]
+    is_draft = position < num_draft_tokens[:, None]  # [B, max_K]
+    draft_index = torch.where(is_draft, draft_start[:, None] + position, 0)  # [B, max_K]
+    row_index = torch.where(is_draft, row_start[:, None] + position, 0)  # [B, max_K]
+    return draft_start, row_start, is_draft, draft_index, row_index
+
+
+def _outputs(x: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> torch.Tensor:
+    """[B, max_K + 1]: request i's first num_accepted[i] drafts (x [B, max_K]), then
+    final_token[i], then PLACEHOLDER_TOKEN_ID."""
+    batch_size, max_k = x.shape
+    output_token_ids = torch.full((batch_size, max_k + 1), PLACEHOLDER_TOKEN_ID,
+                                  dtype=torch.int64, device=x.device)
+    is_accepted = torch.arange(max_k, device=x.device) < num_accepted[:, None]  # [B, max_K]
     output_token_ids[:, :max_k] = torch.where(is_accepted, x, PLACEHOLDER_TOKEN_ID)
     output_token_ids.scatter_(1, num_accepted[:, None], final_token[:, None])
-    return output_token_ids, num_accepted
+    return output_token_ids

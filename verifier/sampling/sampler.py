@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from specdec.sampling import SamplingMetadata, apply_sampling
-from verifier.sampling.rejection import draw_random, rejection_sample_from_random
+from verifier.sampling.rejection import draw_random, greedy_accept, rejection_sample_from_random
 
 _MASK64 = (1 << 64) - 1
 
@@ -74,9 +74,8 @@ def rejection_sample(
     docstring) and are verified as greedy tokens are; None for the others."""
     target_argmax = target_logits.argmax(dim=-1)  # greedy reads the raw logits
     if metadata.all_greedy:
-        target_probs = target_logits.float()  # never read: only greedy requests
-    else:
-        target_probs = apply_sampling(target_logits, metadata, num_draft_tokens + 1)
+        return greedy_accept(target_argmax, draft_token_ids, num_draft_tokens)
+    target_probs = apply_sampling(target_logits, metadata, num_draft_tokens + 1)
     if position_keys is not None and any(k is not None for k in position_keys):
         greedy = metadata.is_greedy.tolist()
         keys = [k if not g else None for k, g in zip(position_keys, greedy, strict=True)]
@@ -87,6 +86,8 @@ def rejection_sample(
             greedy = [g or k is not None for g, k in zip(greedy, keys, strict=True)]
             metadata = replace(metadata, is_greedy=torch.tensor(greedy, device=metadata.is_greedy.device),
                                all_greedy=all(greedy))
+    if metadata.all_greedy:  # the sampled ones all seeded: verified as greedy, above
+        return greedy_accept(target_argmax, draft_token_ids, num_draft_tokens)
     uniform, exp_noise = draw_random(num_draft_tokens, target_logits.shape[-1], metadata)
 
     from_random = rejection_sample_from_random
