@@ -5,20 +5,18 @@
  * the cache into [B, L, Hkv, D] copies each layer, pads the queries to
  * [B, Qmax] and runs the CPU flash kernel, which is tuned for long queries.
  * At batch 11 with one query row each that was 45 of a 68 ms step, and one
- * sequence verifying 2 rows (Qmax 2) made it 64 ms of 91. Here each (sequence,
- * KV head) reads its keys and values once, through its block table, for all of
- * its query rows and all query heads sharing the KV head (GQA), with no
- * padding: the cost follows the rows each sequence really has.
+ * sequence verifying 2 rows (Qmax 2) made it 64 ms of 91. Here each row reads its
+ * sequence's keys and values in place, through the block table, with no padding:
+ * the cost follows the rows each sequence really has.
  *
- * Row r = j * group + g is query token j of the sequence with query head
- * h * group + g; it sees keys 0 .. first + j, first = len - nq being the
- * position of the sequence's first query token. Every score is one 8-lane
- * accumulator over the head dimension in order, then a fixed pairwise sum;
- * softmax and the weighted sum of values run over the row's keys in position
- * order. A row's rounding therefore depends only on its own query, its
- * position and the cache: not on the batch, on how many rows its sequence
- * verifies, or on the thread count (batch-invariant rows, which keeps a
- * speculative step's greedy tokens identical to plain decoding's).
+ * Query token j of a sequence of len tokens with nq new ones sees keys 0 .. first + j,
+ * first = len - nq being the position of its first query token; query head hq reads
+ * KV head hq / group (GQA). Every score is one 8-lane accumulator over the head
+ * dimension in order, then a fixed pairwise sum; softmax and the weighted sum of
+ * values run over the row's keys in position order. A row's rounding therefore
+ * depends only on its own query, its position and the cache: not on the batch, on
+ * how many rows its sequence verifies, or on the thread count (batch-invariant rows,
+ * which keeps a speculative step's greedy tokens identical to plain decoding's).
  *
  * Built and loaded by paged_attention.py (gcc -O3 -march=native -fopenmp).
  */
@@ -26,7 +24,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #define LANES 8
 
@@ -125,7 +122,8 @@ static inline void values64(const float *s, const float *const *values, int64_t 
            a7 = a0;
     for (int64_t l = 0; l < n; l++) {
         if (l + PREFETCH_KEYS < n)
-            prefetch_rows(values + l + PREFETCH_KEYS, 1, 64);
+            for (int64_t d = 0; d < 64; d += 16)
+                _mm_prefetch((const char *)(values[l + PREFETCH_KEYS] + col + d), _MM_HINT_T0);
         const __m256 p = _mm256_set1_ps(s[l]);
         const float *v = values[l] + col;
         a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
