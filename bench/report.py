@@ -28,6 +28,17 @@ END = "<!-- bench:end -->"
 # (results file, heading, what produced it). Files that do not exist yet are skipped.
 SECTIONS = [
     ("serving.md", "`make run` against `vllm serve`", "python -m bench.serving"),
+    ("serving_attention_kernel.md",
+     "The same an hour earlier, right after the paged attention kernel was rewritten and "
+     "before greedy batches took the sampler's shortcut (the AMD EPYC, 2026-11-27, a later "
+     "session)",
+     "python -m bench.serving --repeats 3 --vllm 'plain,ngram K=4' "
+     "--out bench/results/serving_attention_kernel.json"),
+    ("serving_dynamic_k_attention.md",
+     "ngram dynamic K between those two runs, after the attention kernel (ours only)",
+     "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
+     "--concurrency 1,4,16 --requests 16 --repeats 3 "
+     "--out bench/results/serving_dynamic_k_attention.json"),
     ("serving_vllm_proposer.md", "`vllm serve` with our ngram drafter service as its proposer",
      "python -m bench.serving --systems vllm --repeats 2 "
      "--out bench/results/serving_vllm_proposer.json"),
