@@ -164,6 +164,16 @@ SECTIONS = [
      "python -m bench.grid"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),
     ("verifier.md", "Verify step against decode step", "python -m bench.verifier"),
+    ("verifier_epyc.md",
+     "Verify step against decode step on the AMD EPYC, with the paged attention kernel that "
+     "works one row at a time (2026-11-27)",
+     "python -m bench.verifier --threads 2 --batches 1,4,16 --ks 1,2,4,8 --iters 20 "
+     "--sampler-iters 3 --out bench/results/verifier_epyc.json"),
+    ("verifier_epyc_before.md",
+     "The same, minutes before, with the attention kernel of the session before (1d95a23; "
+     "the source swapped in for the run, its unused max_rows argument dropped)",
+     "python -m bench.verifier --threads 2 --batches 1,4,16 --ks 1,2,4,8 --iters 20 "
+     "--sampler-iters 3 --out bench/results/verifier_epyc_before.json"),
     ("verifier_avx2.md", "Verify step against decode step on a CPU without AVX-512 (AVX2 kernel)",
      "python -m bench.verifier --threads 2 --batches 1,4 --iters 30 "
      "--out bench/results/verifier_avx2.json"),
