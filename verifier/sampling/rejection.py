@@ -150,7 +150,7 @@ def rejection_sample_from_random(
         accept_random = uniform[draft_index] * q_x < p_x
         accept = torch.where(is_greedy[:, None], x == target_argmax[row_index], accept_random)
     else:
-        accept = is_draft
+        accept = is_draft  # [B, 0]: no draft positions
     num_accepted = (accept & is_draft).long().cumprod(dim=1).sum(dim=1)  # [B]
     rejected = num_accepted < num_draft_tokens  # [B]; else every draft was accepted: bonus
 

@@ -67,7 +67,8 @@ def rejection_sample(
     metadata: SamplingMetadata,
     position_keys: Sequence[tuple[int, int] | None] | None = None,  # [B]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # output_token_ids [B, max_K + 1], num_accepted [B]
-    """One verifier step's rejection sampling; the Triton kernel runs it on CUDA when present.
+    """One verifier step's rejection sampling; the Triton kernel runs it on CUDA when present,
+    and a batch of greedy requests only reads the argmaxes (greedy_accept).
 
     position_keys[i]: (seed, position of its first row's token) for a seeded sampled
     request, whose tokens then come from position-keyed noise (see the module's
