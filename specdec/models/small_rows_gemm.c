@@ -7,14 +7,23 @@
  * which is what made a K = 4 verify step cost 1.4x a decode step. Here every
  * weight row is read once for all M rows. A tile reads NB weight rows side by
  * side; while it runs, it prefetches the next tile's NB rows (one contiguous
- * block) into L2 in address order, NB cache lines per step, so the next tile
- * finds its rows there. The hardware prefetcher alone leaves the loads
- * latency-bound once there is compute between them. All of SmolLM2's
- * projections, 2 threads, 1 / 5 / 8 rows: 17.3 / 18.8 / 23.3 ms this way;
+ * block) in address order, NB cache lines per step, so the next tile finds its
+ * rows there. The hardware prefetcher alone leaves the loads latency-bound once
+ * there is compute between them. All of SmolLM2's projections, 2 threads,
+ * 1 / 5 / 8 rows: 17.3 / 18.8 / 23.3 ms this way (into L2, an Intel Xeon);
  * 20.3 / 23.6 / 27.6 prefetching 16 KiB ahead in each row stream instead;
  * 5 rows 27.4 with no software prefetch; oneDNN packed 25.3 / 30.2 / 33.6.
  * 12 / 16 rows in one pass: 27.7 / 35.9 ms, packed 38.5 / 41.3.
- * Prefetches past the weight's end are harmless: a prefetch never faults.
+ * The hint is non-temporal: a weight is read once a step, and the whole model
+ * (540 MB) passes through the caches every step, so its lines should not push
+ * out what stays (activations, the KV cache's recent blocks). On the AMD EPYC
+ * (Zen 5) that took a whole decode step of SmolLM2-135M at batch 1 from
+ * 16.6-17.2 to 13.1-13.5 ms, 5 rows from 19.0-19.5 to 15.3-15.9, batch 4 with
+ * 2 rows each from 24.1-24.7 to 20.6-21.3, against prefetching into L2 (T0,
+ * into L1, was in between); asking for the next tile in the first half or
+ * quarter of this one's steps was slower (16-22 against 10-14 ms for all
+ * projections at 3-6 rows). Prefetches past the weight's end are harmless: a
+ * prefetch never faults.
  *
  * Every y[m, n] is one vector accumulator (16 lanes, or 8 with AVX2) over k in
  * order, the tail masked, then one horizontal sum and the bias: its rounding
@@ -83,7 +92,7 @@ static inline float hsum8(__m256 v) {
       /* NB cache lines of the next tile every 16 columns: all of it by the end. */      \
       if (k % 16 == 0)                                                                   \
         for (int j = 0; j < NB; j++)                                                     \
-          _mm_prefetch((const char *)(ahead + sizeof(float) * (NB * k + 16 * j)), _MM_HINT_T1); \
+          _mm_prefetch((const char *)(ahead + sizeof(float) * (NB * k + 16 * j)), _MM_HINT_NTA); \
       for (int m = 0; m < MB; m++) {                                                     \
         vec xv = VLOAD(x + m * K + k);                                                   \
         for (int j = 0; j < NB; j++) acc[m][j] = VFMA(xv, wv[j], acc[m][j]);             \
