@@ -28,10 +28,14 @@ END = "<!-- bench:end -->"
 # (results file, heading, what produced it). Files that do not exist yet are skipped.
 SECTIONS = [
     ("serving.md", "`make run` against `vllm serve`", "python -m bench.serving"),
+    ("serving_sampler_shortcut.md",
+     "The same half an hour earlier, before the small-rows GEMM prefetched with the "
+     "non-temporal hint (the AMD EPYC, 2026-11-27, a later session)",
+     "python -m bench.serving --repeats 3 --vllm 'plain,ngram K=4' "
+     "--out bench/results/serving_sampler_shortcut.json"),
     ("serving_attention_kernel.md",
-     "The same an hour earlier, right after the paged attention kernel was rewritten and "
-     "before greedy batches took the sampler's shortcut (the AMD EPYC, 2026-11-27, a later "
-     "session)",
+     "The same an hour before that, right after the paged attention kernel was rewritten "
+     "and before greedy batches took the sampler's shortcut",
      "python -m bench.serving --repeats 3 --vllm 'plain,ngram K=4' "
      "--out bench/results/serving_attention_kernel.json"),
     ("serving_dynamic_k_attention.md",
@@ -166,12 +170,12 @@ SECTIONS = [
     ("verifier.md", "Verify step against decode step", "python -m bench.verifier"),
     ("verifier_epyc.md",
      "Verify step against decode step on the AMD EPYC, with the paged attention kernel that "
-     "works one row at a time (2026-11-27)",
+     "works one row at a time and the small-rows GEMM's non-temporal prefetch (2026-11-27)",
      "python -m bench.verifier --threads 2 --batches 1,4,16 --ks 1,2,4,8 --iters 20 "
      "--sampler-iters 3 --out bench/results/verifier_epyc.json"),
     ("verifier_epyc_before.md",
-     "The same, minutes before, with the attention kernel of the session before (1d95a23; "
-     "the source swapped in for the run, its unused max_rows argument dropped)",
+     "The same with the kernels of the session before (1d95a23: its attention source swapped "
+     "in for the run, its unused max_rows argument dropped; its GEMM prefetch into L2)",
      "python -m bench.verifier --threads 2 --batches 1,4,16 --ks 1,2,4,8 --iters 20 "
      "--sampler-iters 3 --out bench/results/verifier_epyc_before.json"),
     ("verifier_avx2.md", "Verify step against decode step on a CPU without AVX-512 (AVX2 kernel)",
