@@ -147,7 +147,7 @@ ACCEPTANCE_HALF_LIFE = 4096.0
 # first ten steps: at 16 requests starting at once, dynamic K drafted 4 deep for all
 # of them (52 rows, 90 ms a step) for 10 tokens where it expected 19. Replayed on the
 # same steps, a request's share starting from the method's is within 1 %.
-AVAILABILITY_PRIOR_STEPS = 8.0
+METHOD_AVAILABILITY_PRIOR_STEPS = 8.0
 # A step slower than modelled by more than ROBUST_K times the running mean absolute
 # miss (of the forward or of the draft wait) weighs (ROBUST_K * mean miss / its
 # miss)^2: half as far off again as the limit, 0.44; ten times, 0.01. With a mean
@@ -647,8 +647,8 @@ class OnlineProfile:
     def availability(self, method: str) -> float:
         """The share of steps asking `method` for drafts in which it had some, over all
         its requests so far, around 1 while they are few."""
-        answers = self._answers.get(method, OnlineShare(ACCEPTANCE_HALF_LIFE))
-        return answers.share(1.0, AVAILABILITY_PRIOR_STEPS)
+        answers = self._answers.get(method)
+        return 1.0 if answers is None else answers.share(1.0, METHOD_AVAILABILITY_PRIOR_STEPS)
 
     def profile(self, max_num_seqs: int, max_num_speculative_tokens: int) -> ItlProfile | None:
         """The model as an ItlProfile over batch sizes 1, 2, 4, ... max_num_seqs and

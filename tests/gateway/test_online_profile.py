@@ -15,7 +15,7 @@ from gateway.policy.goodput import choose_k
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import (
     ACCEPTANCE_PRIOR_STEPS,
-    AVAILABILITY_PRIOR_STEPS,
+    METHOD_AVAILABILITY_PRIOR_STEPS,
     MIN_STEPS,
     PRIOR_ROWS_PER_A,
     REFIT_STEPS,
@@ -204,8 +204,8 @@ def test_availability_prior_is_the_share_of_asked_steps_with_drafts_per_method()
                              prefill=True))
     prof = model.profile(16, 4)
     # ngram: the Verifier's 60 steps had drafts, the request's 20 of 60: 80 of 120,
-    # around 1 worth AVAILABILITY_PRIOR_STEPS (aged by a half-life far longer).
-    w = AVAILABILITY_PRIOR_STEPS
+    # around 1 worth METHOD_AVAILABILITY_PRIOR_STEPS (aged by a half-life far longer).
+    w = METHOD_AVAILABILITY_PRIOR_STEPS
     assert prof.availability["ngram"] == pytest.approx((80 + w) / (120 + w), rel=1e-2)
     assert prof.availability["eagle3"] == pytest.approx(1.0)
     assert set(prof.availability) == {"ngram", "eagle3"}  # methods that were asked

@@ -151,7 +151,7 @@ def rejection_sample_from_random(
         accept = torch.where(is_greedy[:, None], x == target_argmax[row_index], accept_random)
     else:
         accept = is_draft  # [B, 0]: no draft positions
-    num_accepted = (accept & is_draft).long().cumprod(dim=1).sum(dim=1)  # [B]
+    num_accepted = _kept(accept, is_draft)  # [B]
     rejected = num_accepted < num_draft_tokens  # [B]; else every draft was accepted: bonus
 
     # The one sampled token: recovered at the first rejection, else bonus at the last row.
@@ -185,8 +185,7 @@ def greedy_accept(
     max_k = int(num_draft_tokens.max()) if num_draft_tokens.numel() else 0
     _, row_start, is_draft, draft_index, row_index = _layout(num_draft_tokens, max_k)
     x = draft_token_ids[draft_index]  # [B, max_K]
-    accept = x == target_argmax[row_index]  # [B, max_K]
-    num_accepted = (accept & is_draft).long().cumprod(dim=1).sum(dim=1)  # [B]
+    num_accepted = _kept(x == target_argmax[row_index], is_draft)  # [B]
     return _outputs(x, num_accepted, target_argmax[row_start + num_accepted]), num_accepted
 
 
@@ -202,6 +201,12 @@ def _layout(num_draft_tokens: torch.Tensor, max_k: int) -> tuple[torch.Tensor, .
     draft_index = torch.where(is_draft, draft_start[:, None] + position, 0)  # [B, max_K]
     row_index = torch.where(is_draft, row_start[:, None] + position, 0)  # [B, max_K]
     return draft_start, row_start, is_draft, draft_index, row_index
+
+
+def _kept(accept: torch.Tensor, is_draft: torch.Tensor) -> torch.Tensor:
+    """[B]: how many drafts each request keeps, the prefix of its positions accepted
+    (accept, is_draft [B, max_K]) before the first rejection."""
+    return (accept & is_draft).long().cumprod(dim=1).sum(dim=1)
 
 
 def _outputs(x: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> torch.Tensor:
