@@ -335,10 +335,13 @@ class Probe:
             if d["sequences"]:
                 out["batch_mean"] = d["sequences"] / steps
                 out["rows_per_step"] = d.get("rows", 0) / steps
-            if any(d[k] for k in d if k.endswith("_ms")):
-                out["step_ms"] = {k[:-3]: d[k] / steps for k in d if k.endswith("_ms")}
-                out["engine_busy"] = sum(d[k] for k in d if k.endswith("_ms")
-                                         and k != "deliver_ms") / 1e3 / wall_s
+            # drafter_ms is part of draft_wait_ms: the drafters' own share of the wait.
+            phases = [k for k in d if k.endswith("_ms") and k != "drafter_ms"]
+            if any(d[k] for k in phases):
+                out["step_ms"] = {k[:-3]: d[k] / steps for k in phases}
+                out["drafter_ms"] = d.get("drafter_ms", 0.0) / steps
+                out["engine_busy"] = sum(d[k] for k in phases
+                                         if k != "deliver_ms") / 1e3 / wall_s
         if "log_offset" in a:
             out.update(_vllm_iterations(self.vllm_log, a["log_offset"], b["log_offset"],
                                         wall_s))
@@ -751,7 +754,8 @@ def render(result: dict) -> str:
         lines.append(f"| {label} | " + " | ".join(row) + " |")
     lines += engine_table(s, cs)
     lines += ["", "Where the time goes: per engine step, the mean milliseconds of each phase "
-              "(ours: schedule / draft wait / forward / sample / postprocess / deliver to the "
+              "(ours: schedule / draft wait [of it, the drafters' own time as they report it; "
+              "the rest is the round trip] / forward / sample / postprocess / deliver to the "
               "streams; vLLM: its iteration time), the mean batch (sequences per step; vLLM's "
               "counts context and generation requests), the query rows its forward fed (prefill "
               "chunks, and 1 + drafts per verified sequence; vLLM's context and generation "
@@ -768,7 +772,9 @@ def render(result: dict) -> str:
                 continue
             b = x["breakdown"]
             ms = b.get("step_ms", {})
-            phases = " / ".join(f"{v:.1f}" for v in ms.values()) if ms else "-"
+            drafter = b.get("drafter_ms")
+            phases = " / ".join(f"{v:.1f}" + (f" [{drafter:.1f}]" if k == "draft_wait" and drafter
+                                               else "") for k, v in ms.items()) if ms else "-"
             if len(ms) > 1:
                 phases += f" (= {sum(v for k, v in ms.items() if k != 'deliver'):.1f})"
             tps = b.get("tokens_per_step")

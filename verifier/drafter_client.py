@@ -126,6 +126,7 @@ class DrafterClient:
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"drafter-{name}", daemon=True)
         self.misses: dict[int, str] = {}  # seq_id -> reason, for the last send/collect
+        self.draft_time_ms = 0.0  # what the drafter reported for the last collected answer
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -293,6 +294,7 @@ class DrafterClient:
                     break
                 self._lock.wait(timeout=left)
             resp = self._responses.pop(step, None)
+            self.draft_time_ms = 0.0 if resp is None else resp.draft_time_ms
             if resp is None:
                 reason = "deadline" if self._outq is not None else "drafter_unavailable"
                 self.misses.update(dict.fromkeys(wanted, reason))

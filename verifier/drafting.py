@@ -25,6 +25,7 @@ class DrafterPool(Proposer):
         self._owner: dict[int, DrafterClient] = {}
         self._misses: dict[int, str] = {}
         self._step = 0
+        self._drafter_ms = 0.0  # the last propose's, as the drafters reported it
 
     def start_all(self) -> None:
         for c in self.clients.values():
@@ -82,11 +83,17 @@ class DrafterPool(Proposer):
         due = {name: c.send(self._step, per_client[name]) for name, c in self.clients.items()}
         deadline = time.monotonic() + self.deadline_s
         out: dict[int, Proposal] = {}
+        self._drafter_ms = 0.0
         for name, c in self.clients.items():
             if due[name]:
                 out.update(c.collect(self._step, deadline, per_client[name]))
+                # The drafters work at once: the step waited for the slowest.
+                self._drafter_ms = max(self._drafter_ms, c.draft_time_ms)
             self._misses.update(c.misses)
         return out
+
+    def drafter_ms(self) -> float:
+        return self._drafter_ms
 
     def flush(self) -> None:
         self.propose({}, {})

@@ -383,7 +383,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 sequences=load.times.sequences, rows=load.times.rows,
                 schedule_ms=load.times.schedule_ms, draft_wait_ms=load.times.draft_wait_ms,
                 forward_ms=load.times.forward_ms, sample_ms=load.times.sample_ms,
-                postprocess_ms=load.times.postprocess_ms, deliver_ms=load.deliver_ms))
+                postprocess_ms=load.times.postprocess_ms, deliver_ms=load.deliver_ms,
+                drafter_ms=load.times.drafter_ms))
         for c in self.pool.clients.values():
             report.drafters.add(
                 name=c.name,

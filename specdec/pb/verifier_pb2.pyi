@@ -107,7 +107,7 @@ class LoadReport(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_free_kv_tokens: _Optional[int] = ..., num_total_kv_tokens: _Optional[int] = ..., step_time_ema_ms: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[ConfiguredDrafter, _Mapping]]] = ..., max_num_speculative_tokens: _Optional[int] = ..., model_name: _Optional[str] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerFingerprint, _Mapping]] = ..., prefix_caching_enabled: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., engine_times: _Optional[_Union[EngineTimes, _Mapping]] = ...) -> None: ...
 
 class EngineTimes(_message.Message):
-    __slots__ = ("steps", "tokens", "schedule_ms", "draft_wait_ms", "forward_ms", "sample_ms", "postprocess_ms", "deliver_ms", "sequences", "rows")
+    __slots__ = ("steps", "tokens", "schedule_ms", "draft_wait_ms", "forward_ms", "sample_ms", "postprocess_ms", "deliver_ms", "sequences", "rows", "drafter_ms")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class EngineTimes(_message.Message):
     DELIVER_MS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_MS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     tokens: int
     schedule_ms: float
@@ -128,7 +129,8 @@ class EngineTimes(_message.Message):
     deliver_ms: float
     sequences: int
     rows: int
-    def __init__(self, steps: _Optional[int] = ..., tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., draft_wait_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., postprocess_ms: _Optional[float] = ..., deliver_ms: _Optional[float] = ..., sequences: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+    drafter_ms: float
+    def __init__(self, steps: _Optional[int] = ..., tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., draft_wait_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., postprocess_ms: _Optional[float] = ..., deliver_ms: _Optional[float] = ..., sequences: _Optional[int] = ..., rows: _Optional[int] = ..., drafter_ms: _Optional[float] = ...) -> None: ...
 
 class ConfiguredDrafter(_message.Message):
     __slots__ = ("name", "method", "available", "max_num_speculative_tokens")

@@ -102,7 +102,8 @@ def test_vllm_iteration_lines_give_its_step_time(tmp_path):
 def test_breakdown_divides_engine_time_by_steps_and_cpu_by_wall():
     probe = serving.Probe({})
     engine = {"steps": 10, "tokens": 20, "sequences": 40, "rows": 70, "schedule_ms": 1.0, "draft_wait_ms": 2.0,
-              "forward_ms": 30.0, "sample_ms": 4.0, "postprocess_ms": 3.0, "deliver_ms": 1.0}
+              "forward_ms": 30.0, "sample_ms": 4.0, "postprocess_ms": 3.0, "deliver_ms": 1.0,
+              "drafter_ms": 0.5}
     a = {"cpu_s": {"verifier": 1.0, "gateway": 0.5},
          "engine": {k: 0 for k in engine}}
     b = {"cpu_s": {"verifier": 2.0, "gateway": 0.6}, "engine": engine}
@@ -111,6 +112,8 @@ def test_breakdown_divides_engine_time_by_steps_and_cpu_by_wall():
     assert got["steps"] == 10 and got["tokens_per_step"] == 2.0 and got["batch_mean"] == 4.0
     assert got["rows_per_step"] == 7.0
     assert got["step_ms"]["forward"] == 3.0 and got["step_ms"]["deliver"] == 0.1
+    # The drafters' own time is part of the draft wait: reported apart, counted once.
+    assert "drafter" not in got["step_ms"] and got["drafter_ms"] == 0.05
     assert got["engine_busy"] == pytest.approx(40.0 / 1e3 / 0.5)
 
 

@@ -246,6 +246,27 @@ def test_output_equals_plain_greedy_on_cuda(loop, model, drafter):
         stack.close()
 
 
+def test_load_reports_the_drafters_own_share_of_the_draft_wait(loop, model):
+    """engine_times.drafter_ms: what the drafter says it spent answering, within the
+    engine's draft wait (the rest of which is the round trip)."""
+    stack = Stack(loop, model, {"oracle": OracleMethod(model, delay_s=0.02)})
+    try:
+        p = prompts(1, seed=4)[0]
+        before = stack.load().engine_times
+        tokens, responses = generate(stack.stub, start_msg(p, 16, k=2, drafter="oracle"))
+        assert tokens == greedy_generate(model, [p], 16)[0]
+        times = stack.load().engine_times
+        drafting = sum(1 for r in responses if r.step_stats.num_speculative_tokens)
+        drafter_ms = times.drafter_ms - before.drafter_ms
+        assert drafting >= 3
+        # Each drafting step the drafter slept 20 ms before answering, and the
+        # engine waited for all of it and for the round trip around it.
+        assert drafter_ms >= 20 * drafting
+        assert drafter_ms < times.draft_wait_ms - before.draft_wait_ms
+    finally:
+        stack.close()
+
+
 def test_slow_drafter_hits_the_deadline_without_changing_output(loop, model):
     slow = OracleMethod(model, delay_s=0.15)
     stack = Stack(loop, model, {"slow": slow}, deadline_ms=20)

@@ -84,6 +84,7 @@ class StepTimes:
     rows: int = 0  # summed query rows fed (prefill chunks, 1 + drafts per verified sequence)
     schedule_ms: float = 0.0
     draft_wait_ms: float = 0.0
+    drafter_ms: float = 0.0  # of draft_wait_ms: inside the drafters, as they report it
     forward_ms: float = 0.0
     sample_ms: float = 0.0
     postprocess_ms: float = 0.0
@@ -91,7 +92,7 @@ class StepTimes:
     @property
     def busy_ms(self) -> float:
         return (self.schedule_ms + self.draft_wait_ms + self.forward_ms + self.sample_ms
-                + self.postprocess_ms)
+                + self.postprocess_ms)  # drafter_ms is part of draft_wait_ms
 
 
 @dataclass(slots=True)
@@ -300,6 +301,8 @@ class Engine:
         tm.tokens += sum(len(o.new_token_ids) for o in outputs)
         tm.schedule_ms += (t1 - t0) * 1e3
         tm.draft_wait_ms += (t2 - t1) * 1e3
+        if self.proposer is not None:
+            tm.drafter_ms += self.proposer.drafter_ms()
         tm.forward_ms += (t3 - t2) * 1e3
         tm.sample_ms += (t4 - t3) * 1e3
         tm.postprocess_ms += (t5 - t4) * 1e3

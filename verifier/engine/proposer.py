@@ -70,6 +70,12 @@ class Proposer(ABC):
         """Target layers (HF numbering) whose hidden states the sequence's drafter wants."""
         return ()
 
+    def drafter_ms(self) -> float:
+        """ms the drafters say they spent on the last `propose` (the slowest one where
+        several answered); 0 for a proposer with nothing to report (in process: its time
+        is all of the engine's draft wait)."""
+        return 0.0
+
     def miss_reason(self, seq_id: int) -> str | None:
         """Why the last `propose` returned nothing for a sequence that wanted K > 0:
         "deadline" or "drafter_unavailable"; None when it did propose."""
