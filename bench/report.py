@@ -28,6 +28,12 @@ END = "<!-- bench:end -->"
 # (results file, heading, what produced it). Files that do not exist yet are skipped.
 SECTIONS = [
     ("serving.md", "`make run` against `vllm serve`", "python -m bench.serving"),
+    ("serving_k_by_outcome.md",
+     "Dynamic K with K by outcome (the verifier halves an ngram request's K after a miss), "
+     "against static K, ngram (ours only; the AMD EPYC, 2026-11-27, a later session)",
+     "python -m bench.serving --systems ours --ours 'plain,ngram K=2,ngram K=4,ngram auto' "
+     "--concurrency 1,4,16 --requests 16 --repeats 3 "
+     "--out bench/results/serving_k_by_outcome.json"),
     ("serving_draft_wait.md",
      "Where the draft wait goes: the drafter's own time against the round trip, ngram at "
      "static and dynamic K (ours only; the AMD EPYC, 2026-11-27, a later session)",

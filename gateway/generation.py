@@ -23,7 +23,7 @@ from opentelemetry import propagate, trace
 from gateway.metrics import GatewayMetrics
 from gateway.policy.admission import Decision
 from gateway.policy.batch_k import BatchKs
-from gateway.policy.dynamic_k import DynamicK
+from gateway.policy.dynamic_k import OUTCOME_TABLE_METHODS, DynamicK, k_by_outcome
 from gateway.policy.online_profile import OnlineProfile, StepSample
 from gateway.policy.shedding import ServiceTimes
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
@@ -109,6 +109,8 @@ class Generation:
         self.num_speculative_tokens = (decision.num_speculative_tokens
                                        if decision.first_k is None else decision.first_k)
         self.enabled = decision.disabled_reason is None and decision.num_speculative_tokens > 0
+        self.tables = False  # K by outcome on the current stream (set as it opens)
+        self.outcome_table: tuple[int, int, int, int] | None = None  # the one it has
         self.summary = SpecDecodeSummary(method=decision.method,
                                          disabled_reason=decision.disabled_reason)
 
@@ -280,6 +282,11 @@ class Generation:
                                      timeout=timeout)
         replica.inflight += 1
         self.first_on_stream = True
+        # K by outcome: where dynamic K runs a method it suits, on a verifier that takes it
+        # (a new stream starts without one).
+        self.outcome_table = None
+        self.tables = (self.dynamic is not None and self.decision.method in OUTCOME_TABLE_METHODS
+                       and replica.report is not None and replica.report.k_by_outcome_supported)
         if self.dynamic is not None and self.batches is not None:
             self.dynamic.join(self.batches.of(replica.address))
         try:
@@ -435,7 +442,11 @@ class Generation:
         self.dynamic.observe(step.num_drafted, step.num_accepted,
                              asked=step.num_speculative_tokens > 0)
         k = self.dynamic.next_k(max(step.batch_size, 1), step.step)
-        if k is None or k == (self.num_speculative_tokens if self.enabled else 0):
+        if k is None:
+            return None
+        table = k_by_outcome(k) if k and self.tables else None
+        if k == (self.num_speculative_tokens if self.enabled else 0) and \
+                (k == 0 or table == self.outcome_table):
             return None
         self.metrics.k_updates.inc()
         update = verifier_pb2.GenerateRequest.PolicyUpdate()
@@ -444,10 +455,15 @@ class Generation:
             update.disabled_reason = common_pb2.DISABLED_REASON_DYNAMIC_K
             self.enabled = False
         else:
-            update.num_speculative_tokens = k
+            update.num_speculative_tokens = k  # without a table, clears the verifier's
+            if table is not None:
+                after = update.k_by_outcome
+                (after.after_all_accepted, after.after_some_accepted,
+                 after.after_none_accepted, after.after_no_drafts) = table
             if not self.enabled:
                 update.enabled = True
             self.num_speculative_tokens, self.enabled = k, True
+            self.outcome_table = table
         return verifier_pb2.GenerateRequest(policy_update=update)
 
     def _rebase(self, spec: common_pb2.SpecDecodeStats) -> None:

@@ -67,6 +67,8 @@ class Policy:
     num_speculative_tokens: int  # kept while speculation is off, for when it is turned back on
     auto_k: bool
     disabled_reason: int  # DisabledReason; DISABLED_REASON_NONE = speculation on
+    # PolicyUpdate.k_by_outcome, in DraftOutcome order; None: num_speculative_tokens.
+    k_by_outcome: tuple[int, int, int, int] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -76,15 +78,35 @@ class Policy:
     def effective_k(self) -> int:
         return self.num_speculative_tokens if self.enabled and self.drafter is not None else 0
 
+    @property
+    def effective_k_by_outcome(self) -> tuple[int, int, int, int] | None:
+        return self.k_by_outcome if self.effective_k else None
+
     def apply(self, update: verifier_pb2.GenerateRequest.PolicyUpdate,
-              max_num_speculative_tokens: int) -> None:
-        """A PolicyUpdate of the gateway's; ValueError naming the field it cannot take."""
+              max_num_speculative_tokens: int, k_by_outcome: bool = True) -> None:
+        """A PolicyUpdate of the gateway's; ValueError naming the field it cannot take.
+        k_by_outcome: whether the engine takes a table (LoadReport.k_by_outcome_supported)."""
+        table = None
+        if update.HasField("k_by_outcome"):
+            if not k_by_outcome:
+                raise ValueError("policy_update.k_by_outcome: this verifier's engine "
+                                 "does not take K by outcome")
+            t = update.k_by_outcome
+            table = (t.after_all_accepted, t.after_some_accepted, t.after_none_accepted,
+                     t.after_no_drafts)
+            for name, k in zip(_K_BY_OUTCOME_FIELDS, table, strict=True):
+                if k > max_num_speculative_tokens:
+                    raise ValueError(f"policy_update.k_by_outcome.{name}: {k} exceeds the "
+                                     f"maximum {max_num_speculative_tokens}")
         if update.HasField("num_speculative_tokens"):
             if update.num_speculative_tokens > max_num_speculative_tokens:
                 raise ValueError(f"policy_update.num_speculative_tokens: "
                                  f"{update.num_speculative_tokens} exceeds the maximum "
                                  f"{max_num_speculative_tokens}")
             self.num_speculative_tokens = update.num_speculative_tokens
+            self.k_by_outcome = table  # a K without a table clears the table
+        elif table is not None:
+            self.k_by_outcome = table
         if update.HasField("enabled"):
             if update.enabled and self.method == common_pb2.SPEC_METHOD_NONE:
                 raise ValueError("policy_update.enabled: the request's method is NONE")
@@ -92,6 +114,10 @@ class Policy:
                                     else update.disabled_reason or common_pb2.DISABLED_REASON_REQUEST)
         if update.HasField("auto_k"):
             self.auto_k = update.auto_k
+
+
+_K_BY_OUTCOME_FIELDS = ("after_all_accepted", "after_some_accepted", "after_none_accepted",
+                        "after_no_drafts")
 
 
 @dataclass(slots=True)
@@ -242,7 +268,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _apply_update(self, request_id: str, policy: Policy,
                       update: verifier_pb2.GenerateRequest.PolicyUpdate) -> None:
         policy.apply(update, self.engine.config.max_num_speculative_tokens)
-        self.worker.set_num_speculative_tokens(request_id, policy.effective_k)
+        self.worker.set_num_speculative_tokens(request_id, policy.effective_k,
+                                               policy.effective_k_by_outcome)
 
     def _response(self, out: StepOutput, policy: Policy, stats: _Stats) -> verifier_pb2.GenerateResponse:
         stats.completion_tokens += len(out.new_token_ids)
@@ -384,7 +411,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 schedule_ms=load.times.schedule_ms, draft_wait_ms=load.times.draft_wait_ms,
                 forward_ms=load.times.forward_ms, sample_ms=load.times.sample_ms,
                 postprocess_ms=load.times.postprocess_ms, deliver_ms=load.deliver_ms,
-                drafter_ms=load.times.drafter_ms))
+                drafter_ms=load.times.drafter_ms),
+            k_by_outcome_supported=True)
         for c in self.pool.clients.values():
             report.drafters.add(
                 name=c.name,

@@ -146,10 +146,11 @@ class EngineWorker:
                 sink(out)
         self._commands.put(cancel)
 
-    def set_num_speculative_tokens(self, request_id: str, k: int) -> None:
+    def set_num_speculative_tokens(self, request_id: str, k: int,
+                                   k_by_outcome: tuple[int, int, int, int] | None = None) -> None:
         def update() -> None:
             if request_id in self._sinks:
-                self.engine.set_num_speculative_tokens(request_id, k)
+                self.engine.set_num_speculative_tokens(request_id, k, k_by_outcome)
         self._commands.put(update)
 
     def call(self, fn: Callable[[], None]) -> None:

@@ -11,10 +11,14 @@ import httpx2
 import openai
 import pytest
 
+from drafter.method import DrafterInfo
+from gateway.policy.dynamic_k import k_by_outcome
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import MIN_STEPS
 from gateway.profile import add_arguments, profile
-from tests.gateway.stack import MODEL_NAME, GatewayStack, OracleDraftModel
+from specdec.pb import common_pb2
+from specdec.speculation import DraftOutcome
+from tests.gateway.stack import K_MAX, MODEL_NAME, GatewayStack, OracleDraftModel
 
 
 class FirstRightDrafter(OracleDraftModel):
@@ -34,6 +38,18 @@ class FirstRightDrafter(OracleDraftModel):
         return first + [(first[0] + 1 + i) % self.model.config.vocab_size for i in range(k - 1)]
 
 
+def auto_chat(s: GatewayStack, method: str, max_tokens: int):
+    """One greedy chat at dynamic K ("auto") with `method`; its text is the target's."""
+    client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
+    content = "Count to twenty."
+    resp = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": content}], temperature=0,
+        max_tokens=max_tokens, extra_body={"speculative": {"method": method,
+                                                           "num_speculative_tokens": "auto"}})
+    assert resp.choices[0].message.content == s.reference(s.chat_ids(content), max_tokens)[0]
+    return resp
+
+
 def test_k_changes_during_one_request(loop, model, smollm2_dir):
     drafter = FirstRightDrafter(model)
     # Mild step cost and an optimistic prior: K starts at the deployment's maximum (8).
@@ -45,14 +61,7 @@ def test_k_changes_during_one_request(loop, model, smollm2_dir):
     s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": drafter},
                      profile=prof, dynamic_k_prior_steps=1)
     try:
-        client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
-        content = "Count to twenty."
-        want, _ = s.reference(s.chat_ids(content), 40)
-        resp = client.chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": content}], temperature=0,
-            max_tokens=40, extra_body={"speculative": {"method": "draft_model",
-                                                       "num_speculative_tokens": "auto"}})
-        assert resp.choices[0].message.content == want
+        resp = auto_chat(s, "draft_model", 40)
         asked = [k for k in drafter.wanted if k]
         assert asked[0] == 8, asked
         assert asked[-1] == 1 and asked.count(1) >= 5, asked
@@ -125,13 +134,7 @@ def test_auto_drafts_the_default_k_until_the_online_model_has_a_profile(
     drafter = FirstRightDrafter(model)
     s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": drafter})
     try:
-        client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
-        content = "Count to twenty."
-        resp = client.chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": content}], temperature=0,
-            max_tokens=12, extra_body={"speculative": {"method": "draft_model",
-                                                       "num_speculative_tokens": "auto"}})
-        assert resp.choices[0].message.content == s.reference(s.chat_ids(content), 12)[0]
+        auto_chat(s, "draft_model", 12)
         assert s.gateway.online_profile.num_steps < MIN_STEPS  # no profile all along
         asked = [k for k in drafter.wanted if k]
         # 4 every step; the last may be cut shorter by max_tokens.
@@ -229,3 +232,67 @@ def test_gateway_cli_dynamic_k_flag():
     assert p.parse_args([]).dynamic_k is True
     assert p.parse_args(["--no-dynamic-k"]).dynamic_k is False
     assert p.parse_args(["--num-speculative-tokens", "3"]).num_speculative_tokens == 3
+
+
+class OracleNgram(OracleDraftModel):
+    """The target's own continuation (every draft accepted), posing as an ngram
+    drafter; records the K asked for at every step."""
+
+    name = "ngram"
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.wanted: list[int] = []
+
+    def info(self) -> DrafterInfo:
+        return DrafterInfo(method=common_pb2.SPEC_METHOD_NGRAM,
+                           vocab_size=self.model.config.vocab_size,
+                           max_num_speculative_tokens=K_MAX)
+
+    def propose(self, wanted):
+        self.wanted.extend(wanted.values())
+        return super().propose(wanted)
+
+
+def test_k_by_outcome_halves_k_after_a_miss():
+    assert k_by_outcome(4) == (4, 4, 2, 2)
+    assert k_by_outcome(3) == (3, 3, 2, 2)
+    assert k_by_outcome(1) == (1, 1, 1, 1)  # never 0: a step without drafts changes nothing
+    with pytest.raises(ValueError, match="k must be > 0"):
+        k_by_outcome(0)
+
+
+def test_k_by_outcome_reaches_the_verifier_and_sets_k_there(loop, model, smollm2_dir):
+    """ngram under dynamic K on a verifier that takes tables: the gateway sends its K
+    with a table, and the verifier applies it itself. Every draft of an oracle is
+    accepted, so from then on each step asks the table's K after all accepted."""
+    drafter = OracleNgram(model)
+    prof = ItlProfile(batch_sizes=(1, 16), ks=(0, 1, 2, 4, 8),
+                      itl_ms=((10, 10.5, 11, 30, 60), (20, 21, 22, 60, 120)),
+                      acceptance={"ngram": (0.95,)})
+    s = GatewayStack(loop, model, smollm2_dir, drafters={"ngram": drafter}, profile=prof,
+                     dynamic_k_prior_steps=1)
+    worker = s.replicas[0].servicer.worker
+    sent: list[tuple[int, tuple | None]] = []
+    set_k = worker.set_num_speculative_tokens
+
+    def record(request_id, k, k_by_outcome=None):
+        sent.append((k, k_by_outcome))
+        set_k(request_id, k, k_by_outcome)
+
+    worker.set_num_speculative_tokens = record
+    try:
+        assert s.replicas[0].load().k_by_outcome_supported
+        resp = auto_chat(s, "ngram", 60)
+        tables = [(k, t) for k, t in sent if t is not None]
+        assert tables, sent
+        assert all(t == k_by_outcome(k) for k, t in tables), tables
+        tables = [t for _, t in tables]
+        asked = [k for k in drafter.wanted if k]
+        # After the last table, every step asks its K after all accepted (the last
+        # steps may ask less, cut by max_tokens).
+        assert asked.count(tables[-1][DraftOutcome.ALL_ACCEPTED]) >= 3, (asked, sent)
+        spec = resp.model_extra["spec_decode"]
+        assert spec["num_accepted_tokens"] == spec["num_draft_tokens"]
+    finally:
+        s.close()

@@ -374,3 +374,76 @@ def test_seeded_text_does_not_depend_on_k_drafts_batch_or_resume(model):
     other = run(engine(), [Request("s", prompt, n, SamplingParams(temperature=0.9, top_p=0.95,
                                                                  seed=1235))])["s"]
     assert other != plain
+
+
+class OutcomeScript(ScriptedProposer):
+    """Drafts that, step after step, are all right, absent, right only at the first
+    position, and all wrong; records the K each step asked for."""
+
+    PLAN = ("all", "nothing", "some", "none")
+
+    def __init__(self, references):
+        super().__init__(references, 0.0)
+        self.asked: list[int] = []
+
+    def propose(self, wanted, tokens):
+        out = super().propose(wanted, tokens)
+        for seq_id, k in wanted.items():
+            self.asked.append(k)
+            kind = self.PLAN[(len(self.asked) - 1) % len(self.PLAN)]
+            right = out[seq_id].token_ids
+            if kind == "nothing":
+                del out[seq_id]
+            elif kind == "none" or (kind == "some" and k > 1):
+                keep = 1 if kind == "some" else 0
+                # Not the target's token: one more than it, in the vocabulary.
+                out[seq_id] = Proposal(right[:keep] + [(t + 1) % VOCAB for t in right[keep:]])
+        return out
+
+
+def test_k_by_outcome_follows_the_last_drafting_step(model):
+    """A request's table replaces its K from the step after its first drafting step:
+    each K is the table's entry for the outcome of the step before, and the output
+    stays the target's greedy text."""
+    prompt, max_tokens = [3, 1, 4, 1, 5], 40
+    plain = greedy_generate(model, [prompt], max_tokens)[0]
+    proposer = OutcomeScript({0: prompt + plain})
+    engine = Engine(model, EngineConfig(max_model_len=128, block_size=4, num_kv_blocks=64),
+                    proposer)
+    engine.add_request(Request("r", prompt, max_tokens, GREEDY, num_speculative_tokens=3))
+    table = (5, 3, 2, 1)  # after all accepted, some, none, no drafts
+    engine.set_num_speculative_tokens("r", 3, table)
+    out: list[int] = []
+    while engine.has_work():
+        for o in engine.step():
+            out += o.new_token_ids
+    assert out == plain
+    # The room left near the end lowers K (never past max_tokens): compare before it.
+    asked = proposer.asked[:8]
+    want = [3]
+    for i in range(7):
+        kind = OutcomeScript.PLAN[i % 4]
+        if kind == "some" and want[-1] == 1:
+            kind = "all"  # one draft, the right one: all accepted
+        want.append(table[("all", "some", "none", "nothing").index(kind)])
+    assert asked == want, (asked, want)
+    assert len(set(asked)) == 4  # every entry of the table was used
+    # Without a table (a K alone clears it), K is the request's again.
+    proposer.references[1] = prompt + plain  # the same prompt: the same continuation
+    engine.add_request(Request("s", prompt, 12, GREEDY, num_speculative_tokens=3))
+    engine.set_num_speculative_tokens("s", 2, table)
+    engine.set_num_speculative_tokens("s", 2)
+    proposer.asked.clear()
+    while engine.has_work():
+        engine.step()
+    assert set(proposer.asked[:3]) == {2}, proposer.asked
+
+
+@pytest.mark.parametrize("table", [(9, 1, 1, 1), (1, 1, 1), (1, -1, 1, 1)])
+def test_a_bad_k_by_outcome_is_refused(model, table):
+    engine = Engine(model, EngineConfig(max_model_len=64, block_size=4, num_kv_blocks=64,
+                                        max_num_speculative_tokens=8))
+    engine.add_request(Request("r", [1, 2], 4, GREEDY, num_speculative_tokens=2))
+    with pytest.raises(ValueError, match="k_by_outcome"):
+        engine.set_num_speculative_tokens("r", 2, table)
+    assert engine.scheduler.waiting[0].request.k_by_outcome is None

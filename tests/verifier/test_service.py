@@ -520,3 +520,57 @@ def test_speculation_off_and_on_mid_request_keeps_the_drafter_in_sync(loop, mode
         assert phases["again"][-1].spec_decode.disabled_reason == common_pb2.DISABLED_REASON_NONE
     finally:
         stack.close()
+
+
+def test_k_by_outcome_takes_effect_and_a_k_past_the_maximum_is_refused(loop, model):
+    """An oracle drafter's drafts are all accepted, so under a table its K is the
+    table's after_all_accepted from the step after its first drafting one; an entry
+    past the maximum ends that request with INVALID_ARGUMENT naming the entry."""
+    stack = Stack(loop, model, {"oracle": OracleMethod(model)})
+    update = verifier_pb2.GenerateRequest.PolicyUpdate
+    table = verifier_pb2.GenerateRequest.KByOutcome
+    try:
+        assert stack.stub.Load(verifier_pb2.LoadRequest()).k_by_outcome_supported
+        p = prompts(1, seed=13)[0]
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        requests.put(start_msg(p, 120, k=2, drafter="oracle"))
+        requests.put(verifier_pb2.GenerateRequest(policy_update=update(
+            num_speculative_tokens=2, k_by_outcome=table(
+                after_all_accepted=5, after_some_accepted=1, after_none_accepted=1,
+                after_no_drafts=1))))
+        responses = list(stack.stub.Generate(iter(requests.get, None), timeout=60))
+        requests.put(None)
+        assert [t for r in responses for t in r.token_ids] == greedy_generate(model, [p], 120)[0]
+        ks = [r.step_stats.num_speculative_tokens for r in responses if r.step_stats.num_drafted]
+        assert ks.count(5) >= 10 and set(ks) <= {2, 5} | set(range(5)), ks
+
+        bad = queue.SimpleQueue()
+        bad.put(start_msg(p, 200, k=2, drafter="oracle"))
+        bad.put(verifier_pb2.GenerateRequest(policy_update=update(k_by_outcome=table(
+            after_all_accepted=2, after_none_accepted=99))))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stack.stub.Generate(iter(bad.get, None), timeout=60))
+        bad.put(None)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "policy_update.k_by_outcome.after_none_accepted" in err.value.details()
+    finally:
+        stack.close()
+
+
+def test_a_policy_on_an_engine_without_k_by_outcome_refuses_a_table():
+    """vLLM's engine keeps one K a request (verifier/vllm/service.py applies updates
+    with k_by_outcome=False): a table is an error naming the field, not ignored."""
+    from verifier.service import Policy
+
+    update = verifier_pb2.GenerateRequest.PolicyUpdate(
+        num_speculative_tokens=2,
+        k_by_outcome=verifier_pb2.GenerateRequest.KByOutcome(after_all_accepted=2))
+    policy = Policy(common_pb2.SPEC_METHOD_NGRAM, "ngram", 4, True,
+                    common_pb2.DISABLED_REASON_NONE)
+    with pytest.raises(ValueError, match="policy_update.k_by_outcome"):
+        policy.apply(update, 8, k_by_outcome=False)
+    assert policy.num_speculative_tokens == 4 and policy.k_by_outcome is None
+    policy.apply(update, 8)
+    assert policy.effective_k_by_outcome == (2, 0, 0, 0)
+    policy.apply(verifier_pb2.GenerateRequest.PolicyUpdate(num_speculative_tokens=3), 8)
+    assert policy.k_by_outcome is None  # a K without a table clears it

@@ -32,12 +32,19 @@ import torch
 from specdec.models import LlamaForCausalLM
 from specdec.processors import apply_block
 from specdec.sampling import SamplingMetadata
+from specdec.speculation import DraftOutcome
 from specdec.structured import allowed_tokens
 from verifier.engine.drafts import collect_drafts
 from verifier.engine.proposer import Outcome, Proposer
 from verifier.engine.runner import Hidden, ModelRunner, RunnerOutput
 from verifier.engine.scheduler import Scheduled, Scheduler
-from verifier.engine.sequence import FinishReason, Request, Sequence, Status
+from verifier.engine.sequence import (
+    FinishReason,
+    Request,
+    Sequence,
+    Status,
+    check_k_by_outcome,
+)
 from verifier.sampling.sampler import rejection_sample
 from verifier.sampling.tree_acceptance import Chains, chain_blocks
 
@@ -214,11 +221,15 @@ class Engine:
         self._finish(seq, FinishReason.CANCELLED)
         return StepOutput(request_id, [], 0, 0, FinishReason.CANCELLED)
 
-    def set_num_speculative_tokens(self, request_id: str, k: int) -> None:
+    def set_num_speculative_tokens(self, request_id: str, k: int,
+                                   k_by_outcome: tuple[int, int, int, int] | None = None) -> None:
+        """The request's K from its next step on, and its K by outcome (None: none)."""
         if not 0 <= k <= self.config.max_num_speculative_tokens:
             raise ValueError(f"num_speculative_tokens must be in [0, "
                              f"{self.config.max_num_speculative_tokens}], got {k}")
-        self._by_request[request_id].request.num_speculative_tokens = k
+        check_k_by_outcome(k_by_outcome, self.config.max_num_speculative_tokens)
+        request = self._by_request[request_id].request
+        request.num_speculative_tokens, request.k_by_outcome = k, k_by_outcome
 
     @property
     def num_running(self) -> int:
@@ -419,6 +430,8 @@ class Engine:
         # committed tokens (before a finish frees them into the evictable LRU).
         self.cache.commit(seq.seq_id, seq.tokens, seq.num_computed)
         seq.num_drafted += num_drafted
+        if item.num_speculative_tokens and not item.is_prefill:
+            seq.last_outcome = DraftOutcome.of(num_drafted, accepted)
         seq.num_accepted += min(accepted, len(appended))
         logprobs = None
         if seq.request.num_logprobs:
