@@ -29,7 +29,7 @@ END = "<!-- bench:end -->"
 SECTIONS = [
     ("serving.md", "`make run` against `vllm serve`", "python -m bench.serving"),
     ("serving_k_by_outcome.md",
-     "Dynamic K with K by outcome (the verifier halves an ngram request's K after a miss), "
+     "Dynamic K as a table of K by outcome (chosen for the load, applied by the verifier), "
      "against static K, ngram (ours only; the AMD EPYC, 2026-11-27, a later session)",
      "python -m bench.serving --systems ours --ours 'plain,ngram K=2,ngram K=4,ngram auto' "
      "--concurrency 1,4,16 --requests 16 --repeats 3 "

@@ -23,8 +23,9 @@ from opentelemetry import propagate, trace
 from gateway.metrics import GatewayMetrics
 from gateway.policy.admission import Decision
 from gateway.policy.batch_k import BatchKs
-from gateway.policy.dynamic_k import OUTCOME_TABLE_METHODS, DynamicK, k_by_outcome
+from gateway.policy.dynamic_k import OUTCOME_TABLE_METHODS, DynamicK
 from gateway.policy.online_profile import OnlineProfile, StepSample
+from gateway.policy.outcome_table import Table, choose_table
 from gateway.policy.shedding import ServiceTimes
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
 from gateway.types import (
@@ -40,7 +41,7 @@ from gateway.types import (
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.pb import common_pb2, verifier_pb2
 from specdec.server import ADMITTED, is_request_failed
-from specdec.speculation import method_to_proto, reason_name, reason_to_proto
+from specdec.speculation import DraftOutcome, method_to_proto, reason_name, reason_to_proto
 from specdec.stop import StopStringMatcher
 from specdec.tokenizer import Tokenizer
 
@@ -111,6 +112,9 @@ class Generation:
         self.enabled = decision.disabled_reason is None and decision.num_speculative_tokens > 0
         self.tables = False  # K by outcome on the current stream (set as it opens)
         self.outcome_table: tuple[int, int, int, int] | None = None  # the one it has
+        # The outcome (DraftOutcome) of the stream's latest drafting step, as the
+        # verifier keeps it for K by outcome.
+        self.after: int | None = None
         self.summary = SpecDecodeSummary(method=decision.method,
                                          disabled_reason=decision.disabled_reason)
 
@@ -285,6 +289,7 @@ class Generation:
         # K by outcome: where dynamic K runs a method it suits, on a verifier that takes it
         # (a new stream starts without one).
         self.outcome_table = None
+        self.after = None
         self.tables = (self.dynamic is not None and self.decision.method in OUTCOME_TABLE_METHODS
                        and replica.report is not None and replica.report.k_by_outcome_supported)
         if self.dynamic is not None and self.batches is not None:
@@ -346,7 +351,10 @@ class Generation:
             num_tokens=step.num_tokens, step_time_ms=step.step_time_ms,
             draft_wait_ms=step.draft_wait_ms, method=method,
             num_speculative_tokens=step.num_speculative_tokens if method != "none" else 0,
-            num_drafted=step.num_drafted, num_accepted=step.num_accepted, prefill=first))
+            num_drafted=step.num_drafted, num_accepted=step.num_accepted, prefill=first,
+            after=self.after))
+        if step.num_speculative_tokens and not first:
+            self.after = DraftOutcome.of(step.num_drafted, step.num_accepted)
 
     def _on_response(self, resp: verifier_pb2.GenerateResponse) -> Delta:
         now = time.perf_counter()
@@ -441,10 +449,15 @@ class Generation:
             return None  # no step behind this response
         self.dynamic.observe(step.num_drafted, step.num_accepted,
                              asked=step.num_speculative_tokens > 0)
-        k = self.dynamic.next_k(max(step.batch_size, 1), step.step)
-        if k is None:
-            return None
-        table = k_by_outcome(k) if k and self.tables else None
+        if self.tables:
+            chosen = self._next_table(step)
+            if chosen is None:
+                return None
+            k, table = chosen
+        else:
+            k, table = self.dynamic.next_k(max(step.batch_size, 1), step.step), None
+            if k is None:
+                return None
         if k == (self.num_speculative_tokens if self.enabled else 0) and \
                 (k == 0 or table == self.outcome_table):
             return None
@@ -465,6 +478,28 @@ class Generation:
             self.num_speculative_tokens, self.enabled = k, True
             self.outcome_table = table
         return verifier_pb2.GenerateRequest(policy_update=update)
+
+    def _next_table(self, step: common_pb2.StepStats) -> tuple[int, Table | None] | None:
+        """K by outcome (outcome_table.py): the table of the best level for this step's
+        batch, chosen once for all its members of the method, and its K for a stream's
+        first drafting step (after some accepted: the level); (0, None) for plain
+        decoding; None while there is no profile."""
+        profile = self.dynamic.profile()
+        if profile is None or self.online_profile is None:
+            return None
+        method, online, batch = self.dynamic.method, self.online_profile, self.dynamic.batch
+        bound = self.dynamic.max_num_speculative_tokens
+        key = (step.step, method)
+        if batch is not None and key in batch.tables:
+            table = batch.tables[key]
+        else:
+            table = choose_table(
+                profile, max(step.batch_size, 1), batch.count(method) if batch else 1,
+                method, bound, lambda s: online.rates_after(method, s, bound),
+                lambda s: online.availability_after(method, s))
+            if batch is not None:
+                batch.tables = {key: table}  # the step's choice; older ones are done with
+        return (0, None) if table is None else (table[DraftOutcome.SOME_ACCEPTED], table)
 
     def _rebase(self, spec: common_pb2.SpecDecodeStats) -> None:
         p = self.progress

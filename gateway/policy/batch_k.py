@@ -286,9 +286,16 @@ class BatchK:
         self._members: dict[int, Member] = {}  # id -> member, in joining order
         self._step: int | None = None
         self._ks: dict[int, int] = {}  # id -> K chosen at self._step
+        # (step, method) -> the K-by-outcome table chosen for that step's members of
+        # that method (outcome_table.py; None: plain), so one of them chooses for all.
+        self.tables: dict[tuple[int, str], tuple[int, int, int, int] | None] = {}
 
     def __len__(self) -> int:
         return len(self._members)
+
+    def count(self, method: str) -> int:
+        """Members drafting with `method`."""
+        return sum(1 for m in self._members.values() if m.method == method)
 
     def join(self, member: Member) -> None:
         self._members[id(member)] = member

@@ -33,14 +33,14 @@ NEUTRAL_ACCEPTANCE = 0.5
 # positions it put at 0.51 were accepted 0.31 of the time, at 0.59 0.65). 4 / 4 and
 # 2 / 4 overstate positions of 1/2 or more by up to 4 and 9 %.
 PRIOR_STEPS = 8.0
-# The drafters whose K dynamic K sets by the outcome of the request's latest drafting
-# step (k_by_outcome), where the verifier takes it. An ngram drafter's acceptance comes
-# in runs: with K = 4 fixed (bench.serving traces, C = 1 / 4 / 16), the steps after
-# one whose every draft was accepted accepted 2.02 drafts, after some 1.42, after none
-# 0.73, after one where it had nothing 0.39 (drafts in 62 % of them). The gateway
-# hears of a step's outcome after the verifier has begun the next, and its answer
-# lands a step later still, so the verifier applies the table itself. Other methods
-# are not measured with it.
+# The drafters whose dynamic K is a table of K by the outcome of the request's latest
+# drafting step (outcome_table.py), where the verifier takes one. An ngram drafter's
+# acceptance comes in runs: with K = 4 fixed (bench.serving traces, C = 1 / 4 / 16),
+# the steps after one whose every draft was accepted accepted 2.02 drafts, after some
+# 1.42, after none 0.73, after one where it had nothing 0.39 (drafts in 62 % of them).
+# The gateway hears of a step's outcome after the verifier has begun the next, and its
+# answer lands a step later still, so the verifier applies the table itself. Other
+# methods are not measured with it.
 OUTCOME_TABLE_METHODS = frozenset({"ngram"})
 # Half-life of a request's evidence, in its steps (see PRIOR_STEPS). Counts that never
 # aged would keep a request at K = 0, which learns nothing more, for good.
@@ -242,22 +242,3 @@ class DynamicK:
         return choose_k(profile, batch_size, self.rates(profile),
                         self.max_num_speculative_tokens, self.method)
 
-
-def k_by_outcome(k: int) -> tuple[int, int, int, int]:
-    """The Ks after each outcome of a request's latest drafting step (all drafts
-    accepted, some, none, no drafts: specdec.speculation.DraftOutcome's order) for a
-    request dynamic K gives `k` > 0: k after acceptance, half of it (at least 1) after a
-    miss, when the next step accepts about half as much (OUTCOME_TABLE_METHODS).
-
-    Never deeper than k: dynamic K's rates already lean high where it drafts deep
-    (docs/design.md, Dynamic K). Against the best static K (ngram, bench.serving, three
-    repeats paired, C = 1 / 4 / 16) it is level with dynamic K without a table, within
-    the runs' noise: 0.97 / 0.95 / 0.96 where the same run gave 0.98 / 0.94 / 0.91
-    without, then 0.98 / 0.94 / 0.93 (bench/results/serving_k_by_outcome.md) and 0.99 /
-    0.95 / 0.90. Deeper after acceptance did not do better: twice k, 0.98 / 0.91 / 0.97;
-    k cut to a half after some and a quarter after a miss, 1.00 / 0.92 / 0.93; Ks cut
-    where the batch's row price met rates learnt per outcome, 0.92 / 0.91 / 0.97."""
-    if k <= 0:
-        raise ValueError(f"k_by_outcome: k must be > 0, got {k}")
-    low = max(1, (k + 1) // 2)
-    return (k, k, low, low)

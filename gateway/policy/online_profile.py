@@ -204,6 +204,9 @@ class StepSample:
     num_drafted: int
     num_accepted: int
     prefill: bool  # this response completed the request's prompt (its first on a stream)
+    # The outcome of the request's latest drafting step before this one (DraftOutcome),
+    # None before it has had one on this stream.
+    after: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("step", "batch_size", "num_tokens", "num_speculative_tokens",
@@ -514,6 +517,10 @@ class OnlineProfile:
         # method -> its steps asked for drafts, and those it had some in (aged per such
         # response), over all its requests
         self._answers: dict[str, OnlineShare] = {}
+        # (method, DraftOutcome of the request's previous drafting step) -> the counts of
+        # the steps after it, over all requests (outcome_table.py)
+        self._after: dict[tuple[str, int], OnlineAcceptance] = {}
+        self._answers_after: dict[tuple[str, int], OnlineShare] = {}
         self._cost: StepCost | None = None
         self._stale = 0  # steps added since _cost was fitted
         self._profiles: dict[tuple[int, int], ItlProfile] = {}  # grid -> profile of _cost
@@ -532,6 +539,14 @@ class OnlineProfile:
         if s.method != "none" and s.num_speculative_tokens and not s.prefill:
             answers = self._answers.setdefault(s.method, OnlineShare(ACCEPTANCE_HALF_LIFE))
             answers.update(True, s.num_drafted > 0)
+            if s.after is not None:
+                key = (s.method, s.after)
+                self._answers_after.setdefault(key, OnlineShare(ACCEPTANCE_HALF_LIFE)).update(
+                    True, s.num_drafted > 0)
+                if s.num_drafted:
+                    acc = self._after.setdefault(key, OnlineAcceptance(ACCEPTANCE_HALF_LIFE))
+                    acc.age()
+                    acc.update(s.num_drafted, s.num_accepted)
         pending = self._pending.get(s.replica)
         if pending is not None and s.step == pending.number:
             pending.merge(s)
@@ -643,6 +658,21 @@ class OnlineProfile:
         acc = self.acceptance.get(method, OnlineAcceptance())
         return acc.rates((NEUTRAL_ACCEPTANCE,), ACCEPTANCE_PRIOR_STEPS,
                          max(max_num_speculative_tokens, 1))
+
+    def rates_after(self, method: str, outcome: int,
+                    max_num_speculative_tokens: int) -> tuple[float, ...]:
+        """`method`'s rates in the steps after a drafting step of a request ended in
+        `outcome` (DraftOutcome), around its rates over all steps while they are few."""
+        acc = self._after.get((method, outcome), OnlineAcceptance())
+        most = max(max_num_speculative_tokens, 1)
+        return acc.rates(self.rates(method, most), ACCEPTANCE_PRIOR_STEPS, most)
+
+    def availability_after(self, method: str, outcome: int) -> float:
+        """The share of steps asking `method` for drafts after a drafting step that
+        ended in `outcome` in which it had some, around its share over all steps."""
+        answers = self._answers_after.get((method, outcome))
+        prior = self.availability(method)
+        return prior if answers is None else answers.share(prior, METHOD_AVAILABILITY_PRIOR_STEPS)
 
     def availability(self, method: str) -> float:
         """The share of steps asking `method` for drafts in which it had some, over all

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from drafter.method import DrafterInfo
-from gateway.policy.dynamic_k import k_by_outcome
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import MIN_STEPS
+from gateway.policy.outcome_table import table_of_level
 from gateway.profile import add_arguments, profile
 from specdec.pb import common_pb2
 from specdec.speculation import DraftOutcome
@@ -254,14 +254,6 @@ class OracleNgram(OracleDraftModel):
         return super().propose(wanted)
 
 
-def test_k_by_outcome_halves_k_after_a_miss():
-    assert k_by_outcome(4) == (4, 4, 2, 2)
-    assert k_by_outcome(3) == (3, 3, 2, 2)
-    assert k_by_outcome(1) == (1, 1, 1, 1)  # never 0: a step without drafts changes nothing
-    with pytest.raises(ValueError, match="k must be > 0"):
-        k_by_outcome(0)
-
-
 def test_k_by_outcome_reaches_the_verifier_and_sets_k_there(loop, model, smollm2_dir):
     """ngram under dynamic K on a verifier that takes tables: the gateway sends its K
     with a table, and the verifier applies it itself. Every draft of an oracle is
@@ -286,7 +278,8 @@ def test_k_by_outcome_reaches_the_verifier_and_sets_k_there(loop, model, smollm2
         resp = auto_chat(s, "ngram", 60)
         tables = [(k, t) for k, t in sent if t is not None]
         assert tables, sent
-        assert all(t == k_by_outcome(k) for k, t in tables), tables
+        # A level's table, sent with its K after some accepted (the level).
+        assert all(t == table_of_level(k, K_MAX) for k, t in tables), tables
         tables = [t for _, t in tables]
         asked = [k for k in drafter.wanted if k]
         # After the last table, every step asks its K after all accepted (the last

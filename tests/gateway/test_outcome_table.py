@@ -1,0 +1,88 @@
+"""Dynamic K as a table of K by outcome: the levels, what a table yields in the long
+run, and the level chosen for the load."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.policy.itl_profile import ItlProfile
+from gateway.policy.online_profile import OnlineProfile, StepSample
+from gateway.policy.outcome_table import choose_table, table_of_level, table_yield
+from specdec.speculation import DraftOutcome
+
+
+def test_levels():
+    assert table_of_level(1, 8) == (2, 1, 1, 1)
+    assert table_of_level(2, 8) == (4, 2, 1, 1)
+    assert table_of_level(3, 8) == (6, 3, 2, 2)
+    assert table_of_level(3, 4) == (4, 3, 2, 2)  # never past the bound
+    with pytest.raises(ValueError, match="level and bound"):
+        table_of_level(0, 8)
+
+
+def test_a_table_yields_what_its_outcomes_lead_to():
+    sure = [(1.0,)] * 4
+    # Every draft accepted: the request stays after "all accepted" and drafts its K.
+    assert table_yield((4, 2, 1, 1), sure, [1.0] * 4) == pytest.approx((5.0, 4.0))
+    # A drafter that never has drafts: one token a step, no rows.
+    assert table_yield((4, 2, 1, 1), sure, [0.0] * 4) == pytest.approx((1.0, 0.0))
+    # Never accepted: it stays after "none accepted", drafting that entry's K for nothing.
+    assert table_yield((4, 2, 3, 1), [(0.0,)] * 4, [1.0] * 4) == pytest.approx((1.0, 3.0))
+    # Two outcomes alternating: after all accepted (K = 2, both accepted half the time)
+    # and after none (K = 1, never accepted), each half the time in the long run.
+    rates = [(0.5, 1.0), (0.5,), (0.0,), (0.0,)]
+    tokens, rows = table_yield((2, 1, 1, 1), rates, [1.0] * 4)
+    # From "all": all accepted w.p. 0.5 (2 drafts), none w.p. 0.5; from "none": none.
+    # The chain ends after "none" for good: 1 token and 1 row a step.
+    assert (tokens, rows) == pytest.approx((1.0, 1.0))
+
+
+def profile(per_row: float) -> ItlProfile:
+    """Step time 20 ms plus per_row ms for each draft row of every sequence."""
+    ks = tuple(range(9))
+    return ItlProfile(batch_sizes=(1, 16), ks=ks,
+                      itl_ms=(tuple(20 + per_row * k for k in ks),
+                              tuple(20 + per_row * 16 * k for k in ks)))
+
+
+def test_the_level_follows_the_price_of_a_row():
+    rates = [(0.9,), (0.7,), (0.4,), (0.5,)]
+    available = [1.0, 0.9, 0.8, 0.6]
+
+    def choose(per_row, batch):
+        return choose_table(profile(per_row), batch, batch, "ngram", 8,
+                            lambda s: rates[s], lambda s: available[s])
+
+    levels = [choose(per_row, batch) for per_row, batch in
+              ((0.01, 1), (0.3, 1), (0.3, 4), (0.3, 16), (1.0, 16))]
+    assert levels[-1] is None  # a row of 16 costs 16 ms: plain decoding
+    depth = [0 if t is None else t[1] for t in levels]  # the level (K after some)
+    assert depth == sorted(depth, reverse=True) and depth[0] >= 2, levels
+    # Deeper after a run than after a miss, whatever the level.
+    assert all(t[0] >= t[1] >= t[2] == t[3] for t in levels if t is not None)
+
+
+def test_the_online_model_learns_the_rates_after_each_outcome():
+    online = OnlineProfile()
+
+    def sample(step, after, drafted, accepted):
+        online.observe(StepSample(replica="r", step=step, batch_size=1, num_tokens=5,
+                                  step_time_ms=20.0, draft_wait_ms=1.0, method="ngram",
+                                  num_speculative_tokens=4, num_drafted=drafted,
+                                  num_accepted=accepted, prefill=False, after=after))
+
+    for step in range(1, 300, 3):
+        sample(step, DraftOutcome.ALL_ACCEPTED, 4, 4)
+        sample(step + 1, DraftOutcome.NONE_ACCEPTED, 4, 0)
+        sample(step + 2, DraftOutcome.NO_DRAFTS, 0, 0)
+    after_all = online.rates_after("ngram", DraftOutcome.ALL_ACCEPTED, 4)
+    after_none = online.rates_after("ngram", DraftOutcome.NONE_ACCEPTED, 4)
+    overall = online.rates("ngram", 4)
+    assert all(a > 0.9 for a in after_all) and after_none[0] < 0.1, (after_all, after_none)
+    assert after_none[0] < overall[0] < after_all[0]
+    # An outcome never followed reads the method's rates and share over all steps.
+    assert online.rates_after("ngram", DraftOutcome.SOME_ACCEPTED, 4) == overall
+    assert online.availability_after("ngram", DraftOutcome.SOME_ACCEPTED) == \
+        online.availability("ngram")
+    assert online.availability_after("ngram", DraftOutcome.NO_DRAFTS) < 0.1
+    assert online.availability_after("ngram", DraftOutcome.ALL_ACCEPTED) > 0.9
