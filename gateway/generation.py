@@ -449,13 +449,18 @@ class Generation:
             return None  # no step behind this response
         self.dynamic.observe(step.num_drafted, step.num_accepted,
                              asked=step.num_speculative_tokens > 0)
+        k, table = None, None
         if self.tables:
             chosen = self._next_table(step)
             if chosen is None:
                 return None
             k, table = chosen
-        else:
-            k, table = self.dynamic.next_k(max(step.batch_size, 1), step.step), None
+        if table is None:
+            # One K a step: no table, or the method's rates make tables lose to plain
+            # decoding. This request's own rates may still say drafting pays (a reply
+            # copying its prompt), and its drafting steps teach the method's rates again:
+            # without them a method found not to pay would never be tried again.
+            k = self.dynamic.next_k(max(step.batch_size, 1), step.step)
             if k is None:
                 return None
         if k == (self.num_speculative_tokens if self.enabled else 0) and \

@@ -241,4 +241,3 @@ class DynamicK:
             return self.batch.next_k(self, profile, int(batch_size), step)
         return choose_k(profile, batch_size, self.rates(profile),
                         self.max_num_speculative_tokens, self.method)
-
