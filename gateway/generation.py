@@ -41,7 +41,13 @@ from gateway.types import (
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.pb import common_pb2, verifier_pb2
 from specdec.server import ADMITTED, is_request_failed
-from specdec.speculation import DraftOutcome, method_to_proto, reason_name, reason_to_proto
+from specdec.speculation import (
+    DraftOutcome,
+    k_by_outcome_to_proto,
+    method_to_proto,
+    reason_name,
+    reason_to_proto,
+)
 from specdec.stop import StopStringMatcher
 from specdec.tokenizer import Tokenizer
 
@@ -475,9 +481,7 @@ class Generation:
         else:
             update.num_speculative_tokens = k  # without a table, clears the verifier's
             if table is not None:
-                after = update.k_by_outcome
-                (after.after_all_accepted, after.after_some_accepted,
-                 after.after_none_accepted, after.after_no_drafts) = table
+                k_by_outcome_to_proto(table, update.k_by_outcome)
             if not self.enabled:
                 update.enabled = True
             self.num_speculative_tokens, self.enabled = k, True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from specdec.pb import common_pb2
+from specdec.pb import common_pb2, verifier_pb2
 
 # Method name -> SpecMethod. "none" is plain decoding, a choice of the gateway; the
 # others are what a drafter can be.
@@ -106,3 +106,21 @@ class DraftOutcome(enum.IntEnum):
         if not num_accepted:
             return cls.NONE_ACCEPTED
         return cls.ALL_ACCEPTED if num_accepted >= num_drafted else cls.SOME_ACCEPTED
+
+
+# PolicyUpdate.KByOutcome's fields, in DraftOutcome order (their field numbers): a table
+# of K by outcome on the wire.
+K_BY_OUTCOME_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in sorted(verifier_pb2.GenerateRequest.KByOutcome.DESCRIPTOR.fields,
+                           key=lambda f: f.number))
+
+
+def k_by_outcome_from_proto(msg: verifier_pb2.GenerateRequest.KByOutcome
+                            ) -> tuple[int, int, int, int]:
+    return tuple(getattr(msg, name) for name in K_BY_OUTCOME_FIELDS)
+
+
+def k_by_outcome_to_proto(table: tuple[int, ...],
+                          msg: verifier_pb2.GenerateRequest.KByOutcome) -> None:
+    for name, k in zip(K_BY_OUTCOME_FIELDS, table, strict=True):
+        setattr(msg, name, k)

@@ -34,7 +34,12 @@ from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingParams
 from specdec.server import ADMITTED, REQUEST_FAILED, GrpcService, start_server
-from specdec.speculation import acceptance_length, reason_to_proto
+from specdec.speculation import (
+    K_BY_OUTCOME_FIELDS,
+    acceptance_length,
+    k_by_outcome_from_proto,
+    reason_to_proto,
+)
 from specdec.structured import Grammars
 from specdec.telemetry import incoming_context
 from specdec.tls import TlsConfig
@@ -91,10 +96,8 @@ class Policy:
             if not k_by_outcome:
                 raise ValueError("policy_update.k_by_outcome: this verifier's engine "
                                  "does not take K by outcome")
-            t = update.k_by_outcome
-            table = (t.after_all_accepted, t.after_some_accepted, t.after_none_accepted,
-                     t.after_no_drafts)
-            for name, k in zip(_K_BY_OUTCOME_FIELDS, table, strict=True):
+            table = k_by_outcome_from_proto(update.k_by_outcome)
+            for name, k in zip(K_BY_OUTCOME_FIELDS, table, strict=True):
                 if k > max_num_speculative_tokens:
                     raise ValueError(f"policy_update.k_by_outcome.{name}: {k} exceeds the "
                                      f"maximum {max_num_speculative_tokens}")
@@ -114,10 +117,6 @@ class Policy:
                                     else update.disabled_reason or common_pb2.DISABLED_REASON_REQUEST)
         if update.HasField("auto_k"):
             self.auto_k = update.auto_k
-
-
-_K_BY_OUTCOME_FIELDS = ("after_all_accepted", "after_some_accepted", "after_none_accepted",
-                        "after_no_drafts")
 
 
 @dataclass(slots=True)
