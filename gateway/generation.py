@@ -25,7 +25,7 @@ from gateway.policy.admission import Decision
 from gateway.policy.batch_k import BatchKs
 from gateway.policy.dynamic_k import OUTCOME_TABLE_METHODS, DynamicK
 from gateway.policy.online_profile import OnlineProfile, StepSample
-from gateway.policy.outcome_table import Table, choose_table
+from gateway.policy.outcome_table import TABLE_REFRESH_STEPS, Table, choose_table
 from gateway.policy.shedding import ServiceTimes
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
 from gateway.types import (
@@ -490,7 +490,8 @@ class Generation:
 
     def _next_table(self, step: common_pb2.StepStats) -> tuple[int, Table | None] | None:
         """K by outcome (outcome_table.py): the table of the best level for this step's
-        batch, chosen once for all its members of the method, and its K for a stream's
+        batch, chosen once for all its members of the method (and kept while the batch's
+        size and members stay, for TABLE_REFRESH_STEPS steps), and its K for a stream's
         first drafting step (after some accepted: the level); (0, None) for plain
         decoding; None while there is no profile."""
         profile = self.dynamic.profile()
@@ -498,16 +499,20 @@ class Generation:
             return None
         method, online, batch = self.dynamic.method, self.online_profile, self.dynamic.batch
         bound = self.dynamic.max_num_speculative_tokens
-        key = (step.step, method)
-        if batch is not None and key in batch.tables:
-            table = batch.tables[key]
+        size, members = max(step.batch_size, 1), batch.count(method) if batch else 1
+        key = (method, size, members)
+        chosen = batch.tables.get(key) if batch is not None else None
+        if chosen is not None and 0 <= step.step - chosen[0] < TABLE_REFRESH_STEPS:
+            table = chosen[1]
         else:
-            table = choose_table(
-                profile, max(step.batch_size, 1), batch.count(method) if batch else 1,
-                method, bound, lambda s: online.rates_after(method, s, bound),
-                lambda s: online.availability_after(method, s))
+            table = choose_table(profile, size, members, method, bound,
+                                 lambda s: online.rates_after(method, s, bound),
+                                 lambda s: online.availability_after(method, s))
             if batch is not None:
-                batch.tables = {key: table}  # the step's choice; older ones are done with
+                # Choices old enough to be chosen again are done with.
+                batch.tables = {k: v for k, v in batch.tables.items()
+                                if 0 <= step.step - v[0] < TABLE_REFRESH_STEPS}
+                batch.tables[key] = (step.step, table)
         return (0, None) if table is None else (table[DraftOutcome.SOME_ACCEPTED], table)
 
     def _rebase(self, spec: common_pb2.SpecDecodeStats) -> None:

@@ -62,9 +62,17 @@ class Member(Protocol):
 
 def step_time(profile: ItlProfile, batch_size: float, rows: dict[str, float]) -> float:
     """Modelled ms of a step of `batch_size` sequences with rows[method] draft rows."""
-    draft = {method: np.array([n]) for method, n in rows.items()}  # one step's [1]
-    forward = profile.itls(batch_size, np.array([sum(rows.values())]) / batch_size)
-    return float((forward + _drafters_cost(profile, batch_size, draft))[0])
+    return float(step_times(profile, batch_size,
+                            {method: np.array([n]) for method, n in rows.items()})[0])
+
+
+def step_times(profile: ItlProfile, batch_size: float,
+               rows: dict[str, np.ndarray]) -> np.ndarray:
+    """step_time of n steps at once: rows[method] [n] -> [n] ms (rows empty: one plain
+    step, [1])."""
+    total = sum(rows.values()) if rows else np.zeros(1)
+    return profile.itls(batch_size, total / batch_size) + _drafters_cost(profile, batch_size,
+                                                                         rows)
 
 
 def _drafters_cost(profile: ItlProfile, batch_size: float,
@@ -286,9 +294,11 @@ class BatchK:
         self._members: dict[int, Member] = {}  # id -> member, in joining order
         self._step: int | None = None
         self._ks: dict[int, int] = {}  # id -> K chosen at self._step
-        # (step, method) -> the K-by-outcome table chosen for that step's members of
-        # that method (outcome_table.py; None: plain), so one of them chooses for all.
-        self.tables: dict[tuple[int, str], tuple[int, int, int, int] | None] = {}
+        # (method, batch size, members of the method) -> (the step it was chosen at, the
+        # K-by-outcome table chosen for them: outcome_table.py; None: plain), so one
+        # member chooses for all, and for the steps after it (TABLE_REFRESH_STEPS).
+        self.tables: dict[tuple[str, int, int],
+                          tuple[int, tuple[int, int, int, int] | None]] = {}
 
     def __len__(self) -> int:
         return len(self._members)

@@ -16,7 +16,9 @@ none with q_s * (1 - a_s1), some with the rest of q_s, and no drafts with 1 - q_
 rates a_s and q_s being the method's in the steps after outcome s (the online model
 learns them from every request). Its stationary distribution gives the table's tokens
 and draft rows per step, and the batch's goodput, (B + extra tokens) / T(B, rows), is
-read from the same step-time profile dynamic K uses. The tables tried are one family,
+read from the same step-time profile dynamic K uses, T averaged over the rows a step
+may draft: a table drafts deep after a run and little after a miss, and step time jumps
+past some rows (_spread_forward). The tables tried are one family,
 level m: 2m after all accepted, m after some, m / 2 after a miss (at least 1), level 0
 being plain decoding; 4 / 2 / 1 / 1 is level 2.
 """
@@ -27,12 +29,19 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from gateway.policy.batch_k import step_time
+from gateway.policy.batch_k import EXACT_BUDGET, step_time, step_times
 from gateway.policy.goodput import rate_at
 from gateway.policy.itl_profile import ItlProfile
 from specdec.speculation import DraftOutcome
 
 Table = tuple[int, int, int, int]  # K after each DraftOutcome, in its order
+
+# A batch's table is chosen again after this many steps (or as soon as its size or
+# its members of the method change). What it is chosen from moves slowly (the rates
+# after each outcome have a half-life of thousands of steps), while choosing takes
+# about 0.2 ms of the gateway's CPU, on a 2-core machine taken from the verifier's
+# forward of the step under way: at one request, 1 % of a 17 ms step, every step.
+TABLE_REFRESH_STEPS = 8
 
 
 def table_of_level(level: int, bound: int) -> Table:
@@ -49,26 +58,93 @@ def table_yield(table: Table, rates: Sequence[Sequence[float]],
                 availability: Sequence[float]) -> tuple[float, float]:
     """(tokens, draft rows) per step of a request under `table` in the long run: rates[s]
     and availability[s] are the method's after outcome s (DraftOutcome order)."""
-    n = len(DraftOutcome)
-    moves = np.zeros((n, n))  # [from, to]
-    tokens, rows = np.ones(n), np.zeros(n)
-    for s in DraftOutcome:
-        k, q = table[s], availability[s]
-        reach = np.cumprod([rate_at(rates[s], j) for j in range(k)]) if k else np.zeros(0)
-        first, last = (reach[0], reach[-1]) if k else (0.0, 0.0)
-        moves[s, DraftOutcome.NO_DRAFTS] += 1.0 - q
-        moves[s, DraftOutcome.NONE_ACCEPTED] += q * (1.0 - first)
-        moves[s, DraftOutcome.ALL_ACCEPTED] += q * last
-        moves[s, DraftOutcome.SOME_ACCEPTED] += q * (first - last)
-        tokens[s] += q * float(reach.sum())
-        rows[s] = q * k
-    # The stationary distribution: pi (moves - I) = 0 with sum(pi) = 1, by least squares
-    # (the chain may have outcomes it never reaches).
-    system = np.vstack([(moves - np.eye(n)).T, np.ones((1, n))])  # [n + 1, n]
-    pi = np.linalg.lstsq(system, np.concatenate([np.zeros(n), [1.0]]), rcond=None)[0]
+    tokens, rows = tables_yield([table], rates, availability)
+    return float(tokens[0]), float(rows[0])
+
+
+def tables_yield(tables: Sequence[Table], rates: Sequence[Sequence[float]],
+                 availability: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """table_yield of L tables at once: ([L] tokens, [L] draft rows) per step."""
+    tokens, spread = tables_spread(tables, rates, availability)
+    return tokens, spread @ np.arange(spread.shape[1])
+
+
+def tables_spread(tables: Sequence[Table], rates: Sequence[Sequence[float]],
+            availability: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """L tables in the long run: ([L] tokens per step, [L, most K + 1] the chance
+    that a step drafts each number of rows). The gateway scores every level while the
+    verifier runs a step on the same cores, so this is one batched solve."""
+    n, count = len(DraftOutcome), len(tables)
+    most = max((k for t in tables for k in t), default=0)
+    # reach[s][j]: the chance that position j + 1 is accepted after outcome s; [most]
+    reach = [np.cumprod([rate_at(rates[s], j) for j in range(most)]) for s in DraftOutcome]
+    sums = [np.cumsum(r) for r in reach]
+    moves = np.zeros((count, n, n))  # [table, from, to]
+    tokens = np.ones((count, n))
+    for i, table in enumerate(tables):
+        for s in DraftOutcome:
+            k, q = table[s], availability[s]
+            first, last = (reach[s][0], reach[s][k - 1]) if k else (0.0, 0.0)
+            moves[i, s, DraftOutcome.NO_DRAFTS] += 1.0 - q
+            moves[i, s, DraftOutcome.NONE_ACCEPTED] += q * (1.0 - first)
+            moves[i, s, DraftOutcome.ALL_ACCEPTED] += q * last
+            moves[i, s, DraftOutcome.SOME_ACCEPTED] += q * (first - last)
+            tokens[i, s] += q * (sums[s][k - 1] if k else 0.0)
+    pi = _stationary(moves)  # [L, n]
+    spread = np.zeros((count, most + 1))
+    for i, table in enumerate(tables):
+        for s in DraftOutcome:
+            q = availability[s]
+            spread[i, table[s]] += pi[i, s] * q
+            spread[i, 0] += pi[i, s] * (1.0 - q)
+    return (pi * tokens).sum(axis=1), spread
+
+
+def _spread_forward(profile: ItlProfile, batch: float, members: int,
+                    spread: np.ndarray) -> np.ndarray:
+    """[L]: what the spread of a step's draft rows adds to its forward, over its time at
+    the mean rows, for `members` requests each drafting by spread[l] ([L, most + 1]).
+
+    A table drafts few rows after a miss and many after a run: the step's rows are
+    random, and step time is not straight in rows (at one sequence on 2 EPYC cores a
+    forward of 9 rows took 25 ms against 16 at 5: past 8 rows the projections no longer
+    stream the weights once). Priced at the mean rows, a deep table looks as cheap as a
+    flat one of the same mean. The members' rows are independent, so the step's draft
+    rows are distributed as the members-fold convolution of one's (a power of its
+    transform; `size` past the most rows, so the cyclic convolution never wraps). As
+    in BatchK (batch_k.py), never below the time at the mean: a bend down in a fitted
+    profile is the fit's, not the machine's."""
+    most = spread.shape[1] - 1
+    size = members * most + 1
+    mean = members * (spread @ np.arange(most + 1))  # [L]
+    at_mean = profile.itls(batch, mean / batch)
+    if size * len(spread) > EXACT_BUDGET:
+        return np.zeros(len(spread))  # so many rows of independent members: near the mean
+    total = np.clip(np.fft.irfft(np.fft.rfft(spread, size) ** members, size), 0.0, None)
+    forward = profile.itls(batch, np.arange(size) / batch)  # [size]: at n draft rows
+    # A sum of products, not `@`: see batch_k._step_times on OpenBLAS's threads.
+    expected = (total * forward).sum(axis=1) / total.sum(axis=1)
+    return np.maximum(expected - at_mean, 0.0)
+
+
+def _stationary(moves: np.ndarray) -> np.ndarray:
+    """The stationary distributions [L, n] of L chains moves [L, n, n]: pi (moves - I) = 0
+    with sum(pi) = 1, one of the n balance equations replaced by the sum. A chain with
+    more than one closed class (outcomes it never leaves) has no unique one: least
+    squares then picks one, as for any chain of the batch that needs it."""
+    count, n = moves.shape[:2]
+    system = np.swapaxes(moves - np.eye(n), 1, 2).copy()  # [L, n, n]: rows are equations
+    system[:, -1, :] = 1.0
+    rhs = np.zeros(n)
+    rhs[-1] = 1.0
+    try:
+        pi = np.linalg.solve(system, np.broadcast_to(rhs, (count, n))[..., None])[..., 0]
+    except np.linalg.LinAlgError:
+        pi = np.stack([np.linalg.lstsq(
+            np.vstack([(m - np.eye(n)).T, np.ones((1, n))]),
+            np.concatenate([np.zeros(n), [1.0]]), rcond=None)[0] for m in moves])
     pi = np.clip(pi, 0.0, None)
-    pi /= pi.sum()
-    return float(pi @ tokens), float(pi @ rows)
+    return pi / pi.sum(axis=1, keepdims=True)
 
 
 def choose_table(profile: ItlProfile, batch_size: int, members: int, method: str,
@@ -80,14 +156,16 @@ def choose_table(profile: ItlProfile, batch_size: int, members: int, method: str
     outcome s."""
     batch = float(max(batch_size, members, 1))
     bound = min(bound, profile.ks[-1])
-    rates = [rates_after(s) for s in DraftOutcome]
-    available = [availability_after(s) for s in DraftOutcome]
-    best, best_goodput = None, batch / step_time(profile, batch, {})
-    for level in range(1, bound + 1):
-        table = table_of_level(level, bound)
-        tokens, rows = table_yield(table, rates, available)
-        goodput = (batch + members * (tokens - 1.0)) / step_time(profile, batch,
-                                                                 {method: members * rows})
-        if goodput > best_goodput:
-            best, best_goodput = table, goodput
-    return best
+    if bound <= 0:
+        return None
+    members = max(members, 1)
+    tables = [table_of_level(level, bound) for level in range(1, bound + 1)]
+    tokens, spread = tables_spread(tables, [rates_after(s) for s in DraftOutcome],
+                             [availability_after(s) for s in DraftOutcome])
+    rows = spread @ np.arange(spread.shape[1])  # [L] per member
+    times = (step_times(profile, batch, {method: members * rows})
+             + _spread_forward(profile, batch, members, spread))
+    goodput = (batch + members * (tokens - 1.0)) / times
+    plain = batch / step_time(profile, batch, {})
+    best = int(np.argmax(goodput))
+    return tables[best] if goodput[best] > plain else None

@@ -21,6 +21,7 @@ from gateway.policy.batch_k import (
     allocate,
     batch_goodput,
     step_time,
+    step_times,
 )
 from gateway.policy.dynamic_k import AVAILABILITY_PRIOR_STEPS, HALF_LIFE_STEPS, DynamicK
 from gateway.policy.goodput import acceptance_length, choose_k
@@ -245,6 +246,12 @@ def test_step_time_pays_each_drafters_cost_once():
     assert step_time(profile, 8, {"ngram": 2, "eagle3": 4}) == pytest.approx(
         forward + 1.0 + 6.0 + 0.5 * 4)
     assert step_time(profile, 8, {"ngram": 0, "eagle3": 0}) == pytest.approx(20 + 8 + 0.5)
+    # Many steps at once, each as alone (a method with no rows in a step pays nothing).
+    ngram, eagle3 = np.array([0.0, 2.0, 5.0]), np.array([4.0, 0.0, 1.5])
+    assert step_times(profile, 8, {"ngram": ngram, "eagle3": eagle3}) == pytest.approx(
+        [step_time(profile, 8, {"ngram": n, "eagle3": e})
+         for n, e in zip(ngram, eagle3, strict=True)])
+    assert step_times(profile, 8, {}) == pytest.approx([step_time(profile, 8, {})])
 
 
 def test_the_online_model_prices_a_drafter_by_its_sequences_tokens_and_depth():

@@ -14,7 +14,7 @@ import pytest
 from drafter.method import DrafterInfo
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import MIN_STEPS
-from gateway.policy.outcome_table import table_of_level
+from gateway.policy.outcome_table import TABLE_REFRESH_STEPS, table_of_level
 from gateway.profile import add_arguments, profile
 from specdec.pb import common_pb2
 from specdec.speculation import DraftOutcome
@@ -33,7 +33,7 @@ class FirstRightDrafter(OracleDraftModel):
         return super().propose(wanted)
 
     def draft(self, ctx, k):
-        first = super().draft(ctx, 1)
+        first = OracleDraftModel.draft(self, ctx, 1)
         # Wrong on purpose: the target's greedy token is never its predecessor + 1 twice.
         return first + [(first[0] + 1 + i) % self.model.config.vocab_size for i in range(k - 1)]
 
@@ -254,6 +254,13 @@ class OracleNgram(OracleDraftModel):
         return super().propose(wanted)
 
 
+class FirstRightNgram(OracleNgram):
+    """As OracleNgram, but only its first draft token is right (FirstRightDrafter)."""
+
+    def draft(self, ctx, k):
+        return FirstRightDrafter.draft(self, ctx, k)
+
+
 def test_k_by_outcome_reaches_the_verifier_and_sets_k_there(loop, model, smollm2_dir):
     """ngram under dynamic K on a verifier that takes tables: the gateway sends its K
     with a table, and the verifier applies it itself. Every draft of an oracle is
@@ -287,5 +294,37 @@ def test_k_by_outcome_reaches_the_verifier_and_sets_k_there(loop, model, smollm2
         assert asked.count(tables[-1][DraftOutcome.ALL_ACCEPTED]) >= 3, (asked, sent)
         spec = resp.model_extra["spec_decode"]
         assert spec["num_accepted_tokens"] == spec["num_draft_tokens"]
+    finally:
+        s.close()
+
+
+def test_a_batchs_table_is_chosen_again_only_every_few_steps(loop, model, smollm2_dir,
+                                                             monkeypatch):
+    """Choosing a table costs the gateway's CPU, on a small machine the verifier's: a
+    batch keeps its table for TABLE_REFRESH_STEPS steps, then chooses again."""
+    import gateway.generation as generation
+
+    chosen_at: list[int] = []
+    choose = generation.choose_table
+
+    def counted(*args, **kwargs):
+        chosen_at.append(len(drafter.wanted))
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "choose_table", counted)
+    drafter = FirstRightNgram(model)  # one draft accepted a step: many steps
+    prof = ItlProfile(batch_sizes=(1, 16), ks=(0, 1, 2, 4, 8),
+                      itl_ms=((10, 10.5, 11, 12, 14), (20, 21, 22, 24, 28)),
+                      acceptance={"ngram": (0.95,)})
+    s = GatewayStack(loop, model, smollm2_dir, drafters={"ngram": drafter}, profile=prof,
+                     dynamic_k_prior_steps=1)
+    try:
+        auto_chat(s, "ngram", 60)
+        steps = len(drafter.wanted)
+        assert steps > 2 * TABLE_REFRESH_STEPS, steps
+        # Chosen at the first step, then once every TABLE_REFRESH_STEPS steps.
+        assert 2 <= len(chosen_at) <= steps // TABLE_REFRESH_STEPS + 1, (chosen_at, steps)
+        assert all(b - a >= TABLE_REFRESH_STEPS - 1 for a, b in itertools.pairwise(chosen_at)), \
+            chosen_at
     finally:
         s.close()

@@ -3,11 +3,18 @@ run, and the level chosen for the load."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import OnlineProfile, StepSample
-from gateway.policy.outcome_table import choose_table, table_of_level, table_yield
+from gateway.policy.outcome_table import (
+    choose_table,
+    table_of_level,
+    table_yield,
+    tables_spread,
+    tables_yield,
+)
 from specdec.speculation import DraftOutcome
 
 
@@ -35,6 +42,39 @@ def test_a_table_yields_what_its_outcomes_lead_to():
     # From "all": all accepted w.p. 0.5 (2 drafts), none w.p. 0.5; from "none": none.
     # The chain ends after "none" for good: 1 token and 1 row a step.
     assert (tokens, rows) == pytest.approx((1.0, 1.0))
+
+
+def test_tables_scored_at_once_are_each_scored_alone():
+    rng = np.random.default_rng(0)
+    rates = [tuple(rng.uniform(0.1, 0.95, size=8)) for _ in DraftOutcome]
+    available = list(rng.uniform(0.3, 1.0, size=4))
+    tables = [table_of_level(level, 8) for level in range(1, 9)] + [(1, 5, 2, 7)]
+    tokens, rows = tables_yield(tables, rates, available)
+    for i, table in enumerate(tables):
+        # One chain at a time, by the definition: pi = pi P, sum(pi) = 1.
+        moves = np.zeros((4, 4))
+        gain, drafted = np.ones(4), np.zeros(4)
+        for s in DraftOutcome:
+            k, q = table[s], available[s]
+            reach = np.cumprod(rates[s][:k])
+            moves[s] = [q * reach[-1], q * (reach[0] - reach[-1]), q * (1 - reach[0]), 1 - q]
+            gain[s] += q * reach.sum()
+            drafted[s] = q * k
+        pi = np.linalg.matrix_power(moves, 4096)[0]  # every row of P^n tends to pi
+        assert tokens[i] == pytest.approx(pi @ gain)
+        assert rows[i] == pytest.approx(pi @ drafted)
+    # Each level drafts more rows than the one below it.
+    assert np.all(np.diff(rows[:8]) > 0)
+
+
+def test_a_chain_with_two_ends_is_scored_between_them():
+    # Drafts always accepted, and never offered after a step that had none: a request
+    # stays after "all accepted" or after "no drafts", whichever it reaches first, so
+    # the chain has no single long run (its balance equations are singular).
+    tokens, rows = tables_yield([(4, 2, 1, 1), (2, 1, 1, 1)], [(1.0,)] * 4,
+                                [1.0, 1.0, 1.0, 0.0])
+    assert np.all((1.0 < tokens) & (tokens < [5.0, 3.0]))  # between its two ends
+    assert tokens == pytest.approx(1.0 + rows)  # every row drafted is accepted
 
 
 def profile(per_row: float) -> ItlProfile:
@@ -86,3 +126,25 @@ def test_the_online_model_learns_the_rates_after_each_outcome():
         online.availability("ngram")
     assert online.availability_after("ngram", DraftOutcome.NO_DRAFTS) < 0.1
     assert online.availability_after("ngram", DraftOutcome.ALL_ACCEPTED) > 0.9
+
+
+def test_a_table_pays_for_the_steps_it_drafts_past_a_jump_in_step_time():
+    # One sequence: 20 ms plus 0.2 a draft row, and 30 ms more from 7 draft rows on
+    # (a kernel's limit). Drafts are good, so deep tables pay, up to that jump.
+    def jumped(jump: float) -> ItlProfile:
+        ks = tuple(range(9))
+        row = tuple(20 + 0.2 * k + (jump if k >= 7 else 0.0) for k in ks)
+        return ItlProfile(batch_sizes=(1, 16), ks=ks, itl_ms=(row, tuple(16 * t for t in row)))
+
+    rates, available = [(0.9,)] * 4, [1.0] * 4
+
+    def choose(profile: ItlProfile) -> tuple[int, int, int, int] | None:
+        return choose_table(profile, 1, 1, "ngram", 8, lambda s: rates[s],
+                            lambda s: available[s])
+
+    assert choose(jumped(0.0))[DraftOutcome.ALL_ACCEPTED] == 8
+    # A table drafting 8 after a run lands past the jump in every step after one, though
+    # its mean rows stay below it: it is priced at what its steps cost.
+    _, spread = tables_spread([table_of_level(4, 8)], rates, available)
+    assert spread[0] @ np.arange(9) < 7 and spread[0, 8] > 0.3
+    assert max(choose(jumped(30.0))) <= 6
