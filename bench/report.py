@@ -28,9 +28,16 @@ END = "<!-- bench:end -->"
 # (results file, heading, what produced it). Files that do not exist yet are skipped.
 SECTIONS = [
     ("serving.md", "`make run` against `vllm serve`", "python -m bench.serving"),
+    ("serving_k_by_outcome_priced.md",
+     "Dynamic K as a table of K by outcome, each table priced at what its steps cost (step "
+     "time averaged over the rows it drafts; the choice batched and kept for 8 steps), "
+     "against static K, ngram (ours only; the AMD EPYC, 2026-11-27, the next session)",
+     "python -m bench.serving --systems ours --ours 'plain,ngram K=2,ngram K=4,ngram auto' "
+     "--concurrency 1,4,16 --requests 16 --repeats 3 "
+     "--out bench/results/serving_k_by_outcome_priced.json"),
     ("serving_k_by_outcome.md",
-     "Dynamic K as a table of K by outcome (chosen for the load, applied by the verifier), "
-     "against static K, ngram (ours only; the AMD EPYC, 2026-11-27, a later session)",
+     "The same a session earlier: tables priced at their mean rows, chosen every step "
+     "(ours only; the AMD EPYC, 2026-11-27, a later session)",
      "python -m bench.serving --systems ours --ours 'plain,ngram K=2,ngram K=4,ngram auto' "
      "--concurrency 1,4,16 --requests 16 --repeats 3 "
      "--out bench/results/serving_k_by_outcome.json"),
