@@ -47,6 +47,11 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'plain,ngram K=2,ngram K=4,ngram auto' "
      "--concurrency 1,4,16 --requests 16 --repeats 2 "
      "--out bench/results/serving_draft_wait.json"),
+    ("serving_session15.md",
+     "`make run` against `vllm serve` three sessions earlier, dynamic K choosing one K a step "
+     "(the AMD EPYC, 2026-11-27)",
+     "python -m bench.serving --repeats 3 --vllm 'plain,ngram K=4' "
+     "--out bench/results/serving_session15.json"),
     ("serving_sampler_shortcut.md",
      "The same half an hour earlier, before the small-rows GEMM prefetched with the "
      "non-temporal hint (the AMD EPYC, 2026-11-27, a later session)",
