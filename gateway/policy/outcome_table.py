@@ -66,11 +66,11 @@ def tables_yield(tables: Sequence[Table], rates: Sequence[Sequence[float]],
                  availability: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     """table_yield of L tables at once: ([L] tokens, [L] draft rows) per step."""
     tokens, spread = tables_spread(tables, rates, availability)
-    return tokens, spread @ np.arange(spread.shape[1])
+    return tokens, _mean_rows(spread)
 
 
 def tables_spread(tables: Sequence[Table], rates: Sequence[Sequence[float]],
-            availability: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+                  availability: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     """L tables in the long run: ([L] tokens per step, [L, most K + 1] the chance
     that a step drafts each number of rows). The gateway scores every level while the
     verifier runs a step on the same cores, so this is one batched solve."""
@@ -100,6 +100,13 @@ def tables_spread(tables: Sequence[Table], rates: Sequence[Sequence[float]],
     return (pi * tokens).sum(axis=1), spread
 
 
+def _mean_rows(spread: np.ndarray) -> np.ndarray:
+    """[L]: the mean of each distribution of draft rows spread[l] ([L, most + 1]). A sum
+    of products, not `@`, which may hand even small products to OpenBLAS's threads and
+    spin on the verifier's cores (batch_k._step_times)."""
+    return (spread * np.arange(spread.shape[1])).sum(axis=1)
+
+
 def _spread_forward(profile: ItlProfile, batch: float, members: int,
                     spread: np.ndarray) -> np.ndarray:
     """[L]: what the spread of a step's draft rows adds to its forward, over its time at
@@ -107,8 +114,7 @@ def _spread_forward(profile: ItlProfile, batch: float, members: int,
 
     A table drafts few rows after a miss and many after a run: the step's rows are
     random, and step time is not straight in rows (at one sequence on 2 EPYC cores a
-    forward of 9 rows took 25 ms against 16 at 5: past 8 rows the projections no longer
-    stream the weights once). Priced at the mean rows, a deep table looks as cheap as a
+    forward of 9 rows took 24-25 ms against 16-18 at 5). Priced at the mean rows, a deep table looks as cheap as a
     flat one of the same mean. The members' rows are independent, so the step's draft
     rows are distributed as the members-fold convolution of one's (a power of its
     transform; `size` past the most rows, so the cyclic convolution never wraps). As
@@ -116,13 +122,13 @@ def _spread_forward(profile: ItlProfile, batch: float, members: int,
     profile is the fit's, not the machine's."""
     most = spread.shape[1] - 1
     size = members * most + 1
-    mean = members * (spread @ np.arange(most + 1))  # [L]
+    mean = members * _mean_rows(spread)  # [L]
     at_mean = profile.itls(batch, mean / batch)
     if size * len(spread) > EXACT_BUDGET:
         return np.zeros(len(spread))  # so many rows of independent members: near the mean
     total = np.clip(np.fft.irfft(np.fft.rfft(spread, size) ** members, size), 0.0, None)
     forward = profile.itls(batch, np.arange(size) / batch)  # [size]: at n draft rows
-    # A sum of products, not `@`: see batch_k._step_times on OpenBLAS's threads.
+    # A sum of products, not `@` (_mean_rows).
     expected = (total * forward).sum(axis=1) / total.sum(axis=1)
     return np.maximum(expected - at_mean, 0.0)
 
@@ -130,8 +136,9 @@ def _spread_forward(profile: ItlProfile, batch: float, members: int,
 def _stationary(moves: np.ndarray) -> np.ndarray:
     """The stationary distributions [L, n] of L chains moves [L, n, n]: pi (moves - I) = 0
     with sum(pi) = 1, one of the n balance equations replaced by the sum. A chain with
-    more than one closed class (outcomes it never leaves) has no unique one: least
-    squares then picks one, as for any chain of the batch that needs it."""
+    more than one closed class (outcomes it never leaves) has no unique one: the batch
+    is then solved chain by chain by least squares, which picks one for such a chain
+    and finds the only one of every other."""
     count, n = moves.shape[:2]
     system = np.swapaxes(moves - np.eye(n), 1, 2).copy()  # [L, n, n]: rows are equations
     system[:, -1, :] = 1.0
@@ -161,8 +168,8 @@ def choose_table(profile: ItlProfile, batch_size: int, members: int, method: str
     members = max(members, 1)
     tables = [table_of_level(level, bound) for level in range(1, bound + 1)]
     tokens, spread = tables_spread(tables, [rates_after(s) for s in DraftOutcome],
-                             [availability_after(s) for s in DraftOutcome])
-    rows = spread @ np.arange(spread.shape[1])  # [L] per member
+                                   [availability_after(s) for s in DraftOutcome])
+    rows = _mean_rows(spread)  # [L] per member
     times = (step_times(profile, batch, {method: members * rows})
              + _spread_forward(profile, batch, members, spread))
     goodput = (batch + members * (tokens - 1.0)) / times
