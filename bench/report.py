@@ -205,7 +205,8 @@ SECTIONS = [
     ("verifier_avx2.md", "Verify step against decode step on a CPU without AVX-512 (AVX2 kernel)",
      "python -m bench.verifier --threads 2 --batches 1,4 --iters 30 "
      "--out bench/results/verifier_avx2.json"),
-    ("verifier_cuda.md", "On an H100: CUDA graphs and the Triton sampler, default model's shapes",
+    ("verifier_cuda.md", "On an H100 (this code, 2026-11-27): CUDA graphs, the Triton "
+     "sampler and the decode step by kernel, default model's shapes",
      "bash bench/gpu.sh OUT MODEL_DIR, on a lent H100 (copied from OUT)"),
     ("verifier_cuda_1b.md", "On an H100: the same on a random 1.1B-parameter model",
      "bash bench/gpu.sh OUT MODEL_DIR, on a lent H100 (copied from OUT)"),
