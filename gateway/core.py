@@ -124,6 +124,7 @@ class Gateway:
         self.profile = profile
         self.online_profile = OnlineProfile()
         self.metrics.watch_step_cost(self.online_profile.cost)
+        self.metrics.watch_calibration(self.online_profile.calibrations)
         # Compiles a request's grammar to refuse a bad one before it reaches a verifier.
         self.grammars = Grammars(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_ids)
         self.batches = BatchKs()  # per replica: its dynamic-K requests choose K together
@@ -314,9 +315,11 @@ class Gateway:
             self.metrics.disabled.labels(decision.disabled_reason).inc()
         dynamic = None
         if decision.auto_k and decision.num_speculative_tokens > 0:
-            dynamic = DynamicK(self.profile_source(replica), decision.method,
+            method, online = decision.method, self.online_profile
+            dynamic = DynamicK(self.profile_source(replica), method,
                                decision.num_speculative_tokens,
-                               prior_steps=self.config.dynamic_k_prior_steps)
+                               prior_steps=self.config.dynamic_k_prior_steps,
+                               calibration=lambda: online.calibration(method))
         address = replica.address
         self.admitted[address] = self.admitted.get(address, 0) + 1
 

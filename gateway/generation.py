@@ -99,6 +99,7 @@ class Generation:
         self.replica = replica
         self.online_profile = online_profile  # fed every response's step statistics
         self.first_on_stream = True  # the next response is the stream's first (its prefill)
+        self.prefilled = False  # the latest response was a stream's first
         self.req = req
         self.request_id = request_id
         self.decision = decision
@@ -347,6 +348,7 @@ class Generation:
         """Hand the response's step statistics to the online step-time model."""
         step = resp.step_stats
         first, self.first_on_stream = self.first_on_stream, False
+        self.prefilled = first
         if self.online_profile is None or not step.step:
             return  # no step behind this response (a cancel's or abort's answer)
         method = self.decision.method
@@ -453,6 +455,13 @@ class Generation:
         step = resp.step_stats
         if not step.step:
             return None  # no step behind this response
+        if step.num_speculative_tokens and not self.prefilled and not self.tables \
+                and self.online_profile is not None:
+            # What the request's rates expected of this step's K (before they learn of
+            # it: near what they were when it was chosen), against what it accepted.
+            self.online_profile.calibrate(
+                self.dynamic.method, self.dynamic.expected_accepted(step.num_speculative_tokens),
+                step.num_accepted)
         self.dynamic.observe(step.num_drafted, step.num_accepted,
                              asked=step.num_speculative_tokens > 0)
         k, table = None, None

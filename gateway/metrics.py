@@ -95,6 +95,23 @@ class StepCostFit(Collector):
         yield from (d, e, seq, depth)
 
 
+class Calibration(Collector):
+    """Dynamic K's calibration per drafter method (OnlineProfile.calibration) as it is
+    at scrape time: the drafts its steps accepted over those their requests' rates
+    expected."""
+
+    def __init__(self, source: Callable[[], dict[str, float]]):
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily("specdec_dynamic_k_calibration",
+                              "Accepted draft tokens of dynamic-K steps over those their "
+                              "requests' rates expected when K was chosen", labels=["method"])
+        for method, value in sorted(self.source().items()):
+            g.add_metric([method], value)
+        yield g
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -154,6 +171,10 @@ class GatewayMetrics:
     def watch_step_cost(self, source: Callable[[], StepCost | None]) -> None:
         """Export the online step-time model's fit, read from `source` at each scrape."""
         self.registry.register(StepCostFit(source))
+
+    def watch_calibration(self, source: Callable[[], dict[str, float]]) -> None:
+        """Export dynamic K's calibration per method, read from `source` at each scrape."""
+        self.registry.register(Calibration(source))
 
     def observe_verifier(self, address: str, report: verifier_pb2.LoadReport) -> None:
         """The series a verifier's Load report carries."""

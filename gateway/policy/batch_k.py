@@ -10,8 +10,10 @@ the batch's tokens over the step's time,
 
     G = (B + sum over drafted positions (i, j) of reach_ij) / T(B, n),
 
-with B sequences, n draft rows in all and reach_ij = a_i1 * ... * a_ij the chance
-that request i's position j is accepted (its rates, as DynamicK keeps them). A
+with B sequences, n draft rows in all and reach_ij = c_m * a_i1 * ... * a_ij the
+chance that request i's position j is accepted (its rates, as DynamicK keeps them,
+scaled by c_m, what its method's steps accept over what such rates expected:
+DynamicK.calibration). A
 position's worth does not depend on the others', and reach falls along j, so the
 best set of n rows is the n positions of highest reach (each request's first
 positions first), and the best n is found by walking them in that order: O(B K)
@@ -58,6 +60,8 @@ class Member(Protocol):
     def rates(self) -> Sequence[float]: ...
 
     def availability(self) -> float: ...
+
+    def calibration(self) -> float: ...
 
 
 def step_time(profile: ItlProfile, batch_size: float, rows: dict[str, float]) -> float:
@@ -206,7 +210,7 @@ def _best(profile: ItlProfile, batch_size: int,
     positions = []
     for i, m in enumerate(members):
         rates = m.rates()
-        reach = 1.0
+        reach = m.calibration()  # every position's reach scaled by what its steps realize
         for j in range(min(m.max_num_speculative_tokens, profile.ks[-1])):
             reach *= rate_at(rates, j)
             positions.append((-reach, i, j))
@@ -248,7 +252,7 @@ def batch_goodput(profile: ItlProfile, batch_size: int, members: Sequence[Member
     available = [m.availability() for m in members]
     tokens = batch
     for m, q, k in zip(members, available, ks, strict=True):
-        rates, reach = m.rates(), 1.0
+        rates, reach = m.rates(), m.calibration()
         for j in range(k):
             reach *= rate_at(rates, j)
             tokens += q * reach
@@ -274,12 +278,16 @@ class _Snapshot:
     max_num_speculative_tokens: int
     _rates: tuple[float, ...]
     _availability: float
+    _calibration: float
 
     def rates(self) -> tuple[float, ...]:
         return self._rates
 
     def availability(self) -> float:
         return self._availability
+
+    def calibration(self) -> float:
+        return self._calibration
 
 
 class BatchK:
@@ -320,7 +328,7 @@ class BatchK:
         if step != self._step or id(member) not in self._ks:
             members = list(self._members.values())
             views = [_Snapshot(m.method, m.max_num_speculative_tokens, tuple(m.rates()),
-                               m.availability()) for m in members]
+                               m.availability(), m.calibration()) for m in members]
             ks, goodput = _best(profile, batch_size, views)
             if members and all(id(m) in self._ks for m in members):
                 current = [self._ks[id(m)] for m in members]

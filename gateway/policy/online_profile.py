@@ -148,6 +148,13 @@ ACCEPTANCE_HALF_LIFE = 4096.0
 # of them (52 rows, 90 ms a step) for 10 tokens where it expected 19. Replayed on the
 # same steps, a request's share starting from the method's is within 1 %.
 METHOD_AVAILABILITY_PRIOR_STEPS = 8.0
+# How the method's drafting steps' accepted drafts compare with what their requests'
+# rates expected (DynamicK.calibration): around 1 worth this many expected drafts,
+# aged with this half-life in drafting responses. Short: the curse depends on how
+# deep the batch drafts, which moves with its size, and a response is worth a few
+# tokens, so 256 of them still hold it within a few per cent.
+CALIBRATION_PRIOR_TOKENS = 16.0
+CALIBRATION_HALF_LIFE = 256.0
 # A step slower than modelled by more than ROBUST_K times the running mean absolute
 # miss (of the forward or of the draft wait) weighs (ROBUST_K * mean miss / its
 # miss)^2: half as far off again as the limit, 0.44; ten times, 0.01. With a mean
@@ -521,6 +528,9 @@ class OnlineProfile:
         # the steps after it, over all requests (outcome_table.py)
         self._after: dict[tuple[str, int], OnlineAcceptance] = {}
         self._answers_after: dict[tuple[str, int], OnlineShare] = {}
+        # method -> the accepted drafts of its requests' steps, and those their rates
+        # expected when the steps were chosen
+        self._calibration: dict[str, OnlineShare] = {}
         self._cost: StepCost | None = None
         self._stale = 0  # steps added since _cost was fitted
         self._profiles: dict[tuple[int, int], ItlProfile] = {}  # grid -> profile of _cost
@@ -673,6 +683,22 @@ class OnlineProfile:
         answers = self._answers_after.get((method, outcome))
         prior = self.availability(method)
         return prior if answers is None else answers.share(prior, METHOD_AVAILABILITY_PRIOR_STEPS)
+
+    def calibrate(self, method: str, expected: float, accepted: int) -> None:
+        """One drafting step of a `method` request: its rates expected `expected`
+        accepted drafts of the K it asked, and it accepted `accepted`."""
+        self._calibration.setdefault(method, OnlineShare(CALIBRATION_HALF_LIFE)).add(
+            expected, accepted)
+
+    def calibration(self, method: str) -> float:
+        """The accepted drafts of `method`'s steps over those their requests' rates
+        expected, around 1 while they are few."""
+        counts = self._calibration.get(method)
+        return 1.0 if counts is None else counts.share(1.0, CALIBRATION_PRIOR_TOKENS)
+
+    def calibrations(self) -> dict[str, float]:
+        """calibration() of every method that has had a drafting step under dynamic K."""
+        return {m: self.calibration(m) for m in self._calibration}
 
     def availability(self, method: str) -> float:
         """The share of steps asking `method` for drafts in which it had some, over all

@@ -58,7 +58,7 @@ def reference_goodput(profile: ItlProfile, batch: int, members: list[DynamicK],
     tokens, rows = float(batch), {}
     for m, k in zip(members, ks, strict=True):
         q = m.availability()
-        tokens += q * (acceptance_length(m.rates(), k) - 1)
+        tokens += q * m.calibration() * (acceptance_length(m.rates(), k) - 1)
         rows[m.method] = rows.get(m.method, 0.0) + q * k
     forward = 0.0
     for got in itertools.product((False, True), repeat=len(members)):
@@ -143,12 +143,13 @@ def test_the_walk_prices_only_the_prefixes_that_may_be_best_and_finds_the_best(s
                                  max_k=8, drafter_fixed=rng.uniform(0, 8))
     batch = rng.choice((4, 9, 16))
     members = [_Snapshot("ngram", 8, tuple(sorted((rng.uniform(0.1, 0.95) for _ in range(8)),
-                                                  reverse=True)), rng.uniform(0.3, 1.0))
+                                                  reverse=True)), rng.uniform(0.3, 1.0),
+                         rng.uniform(0.6, 1.2))
                for _ in range(batch)]
     ks, goodput = _best(profile, batch, members)
     positions = []
     for i, m in enumerate(members):
-        reach = 1.0
+        reach = m.calibration()
         for j in range(8):
             reach *= m.rates()[j]
             positions.append((-reach, i, j))
@@ -208,6 +209,25 @@ def test_availability_is_the_share_of_asked_steps_that_drafted():
         m.observe(0, 0, asked=True)
     assert m.availability() == pytest.approx(
         AVAILABILITY_PRIOR_STEPS / (kept + AVAILABILITY_PRIOR_STEPS), abs=0.01)
+
+
+def test_a_method_whose_steps_accept_less_than_expected_drafts_less():
+    # Calibration c scales what every position of the method's requests is expected to
+    # yield: the same as their first rate times c (each position's reach is a product
+    # from the first). Below what its step cost asks of a draft, the batch decodes plainly.
+    profile = linear_profile(a=40, per_row=4.0, max_k=4, drafter_fixed=3.0)
+    rates = (0.8, 0.7, 0.6, 0.5)
+    scaled = {}
+    for c in (1.0, 0.5, 0.4):
+        members = [member(profile, rates, calibration=lambda c=c: c) for _ in range(4)]
+        plain = [member(profile, (rates[0] * c,) + rates[1:]) for _ in range(4)]
+        scaled[c] = allocate(profile, 4, members)
+        assert scaled[c] == allocate(profile, 4, plain)
+        for ks in ((0,) * 4, (1, 2, 3, 4), (4,) * 4):
+            assert batch_goodput(profile, 4, members, ks) == pytest.approx(
+                reference_goodput(profile, 4, members, ks), rel=1e-9)
+    assert sum(scaled[1.0]) > sum(scaled[0.5]) > 0
+    assert scaled[0.4] == [0] * 4
 
 
 def test_rows_go_to_the_requests_that_are_accepted():

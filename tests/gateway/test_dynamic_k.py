@@ -75,6 +75,46 @@ def test_k_changes_during_one_request(loop, model, smollm2_dir):
         s.close()
 
 
+def test_steps_that_accept_less_than_expected_lower_the_methods_calibration(
+        loop, model, smollm2_dir):
+    """Every drafting step of a dynamic-K request tells the gateway what its rates
+    expected of the step's K and what it accepted; the prior says 0.9 a position and
+    only the first draft is ever right, so the method's calibration falls below 1."""
+    drafter = FirstRightDrafter(model)
+    prof = ItlProfile(batch_sizes=(1, 16), ks=(0, 1, 2, 4, 6, 8),
+                      itl_ms=((10, 11, 12, 14, 16, 18), (20, 22, 24, 28, 32, 36)),
+                      acceptance={"draft_model": (0.9,)})
+    s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": drafter},
+                     profile=prof, dynamic_k_prior_steps=1)
+    online = s.gateway.online_profile
+    seen: list[tuple[float, int]] = []
+    calibrate = online.calibrate
+
+    def record(method, expected, accepted):
+        assert method == "draft_model"
+        seen.append((expected, accepted))
+        calibrate(method, expected, accepted)
+
+    online.calibrate = record
+    try:
+        assert online.calibration("draft_model") == 1.0
+        resp = auto_chat(s, "draft_model", 40)
+        spec = resp.model_extra["spec_decode"]
+        # One per drafting step (the prefill's response, which drafted nothing, is not one).
+        assert len(seen) == spec["num_drafts"], (seen, spec)
+        assert sum(a for _, a in seen) == spec["num_accepted_tokens"]
+        assert all(a <= 1 for _, a in seen), seen
+        # The first at K = 8 from the prior: 0.9 + 0.9^2 + ... + 0.9^8 = 5.1 drafts, times
+        # the drafter's availability, which the prefill (asked, nothing drafted) lowered.
+        assert 4.0 < seen[0][0] < 5.2, seen
+        calibration = online.calibration("draft_model")
+        assert calibration < 0.9
+        text = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
+        assert f'specdec_dynamic_k_calibration{{method="draft_model"}} {calibration}' in text
+    finally:
+        s.close()
+
+
 def test_auto_and_default_requests_use_the_online_model_without_a_profile(
         loop, model, smollm2_dir):
     """No profile file: "auto" is accepted, and a request that does not choose K gets

@@ -15,6 +15,8 @@ from gateway.policy.goodput import choose_k
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import (
     ACCEPTANCE_PRIOR_STEPS,
+    CALIBRATION_HALF_LIFE,
+    CALIBRATION_PRIOR_TOKENS,
     METHOD_AVAILABILITY_PRIOR_STEPS,
     MIN_STEPS,
     PRIOR_ROWS_PER_A,
@@ -599,3 +601,20 @@ def test_dynamic_k_reads_a_fit_at_most_refit_steps_old():
     for _ in range(REFIT_STEPS + 1):
         v.run([("none", 0)] * 2)
     assert model.profile(16, 4).itl(2, 0) > before + 1.0
+
+
+def test_calibration_is_what_a_methods_steps_accepted_over_what_was_expected():
+    online = OnlineProfile()
+    assert online.calibration("eagle3") == 1.0  # nothing seen: as expected
+    for _ in range(2000):
+        online.calibrate("eagle3", 3.0, 2)
+    # The aged counts (1 / (1 - 2^(-1/h)) steps' worth) beside the prior's tokens at 1.
+    kept = 1 / (1 - 0.5 ** (1 / CALIBRATION_HALF_LIFE))
+    assert online.calibration("eagle3") == pytest.approx(
+        (2 * kept + CALIBRATION_PRIOR_TOKENS) / (3 * kept + CALIBRATION_PRIOR_TOKENS), rel=1e-3)
+    assert online.calibration("eagle3") < 0.7
+    assert online.calibration("ngram") == 1.0  # per method
+    # Old evidence fades: steps that accept what was expected take it back to 1.
+    for _ in range(4 * int(CALIBRATION_HALF_LIFE)):
+        online.calibrate("eagle3", 2.0, 2)
+    assert 0.97 < online.calibration("eagle3") < 1.0
