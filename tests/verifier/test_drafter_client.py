@@ -1,6 +1,7 @@
 """The verifier's drafter stream against a hung drafter: a process whose connection stays
 up but that answers nothing is cut off after the liveness deadline and reconnected, its
-sequences re-started on the new stream; the queue of unsent requests is bounded."""
+sequences re-started on the new stream; the queue of unsent requests is bounded. A
+sequence at K = 0 sends nothing until it drafts again or ends."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import time
 from concurrent import futures
 
 import grpc
+import torch
 
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
+from specdec.tensor_codec import decode_tensor, dtype_to_proto
 from tests.ports import free_port
-from verifier.drafter_client import DrafterClient, TargetInfo
+from verifier.drafter_client import HOLD_TOKENS, DrafterClient, TargetInfo
+from verifier.engine.proposer import Outcome
 
 TARGET = TargetInfo(vocab_size=100, tokenizer_hash="", hidden_size=16, num_layers=2)
 
@@ -94,3 +98,89 @@ def test_the_unsent_queue_is_bounded():
     assert client._hung(q) is None
     q.put(object())
     assert client._hung(q) == "4 requests queued unsent"
+
+
+class Records(drafter_pb2_grpc.DrafterServicer):
+    """Wants hidden states of layer 1; keeps every request, answers each at once."""
+
+    def __init__(self):
+        self.requests: list[drafter_pb2.DraftRequest] = []
+        self.arrived = threading.Condition()
+
+    def Info(self, request, context):
+        return drafter_pb2.InfoResponse(
+            method=common_pb2.SPEC_METHOD_EAGLE3, max_num_speculative_tokens=8,
+            tokenizer=common_pb2.TokenizerFingerprint(vocab_size=TARGET.vocab_size),
+            needs_hidden_states=True, hidden_state_layers=[1], hidden_size=TARGET.hidden_size,
+            hidden_state_dtype=dtype_to_proto(torch.float32))
+
+    def Draft(self, request_iterator, context):
+        for req in request_iterator:
+            with self.arrived:
+                self.requests.append(req)
+                self.arrived.notify_all()
+            yield drafter_pb2.DraftResponse(step=req.step)
+
+    def wait_for(self, n: int) -> list[drafter_pb2.DraftRequest]:
+        with self.arrived:
+            assert self.arrived.wait_for(lambda: len(self.requests) >= n, timeout=10)
+            return list(self.requests)
+
+
+def states(start: int, rows: int) -> torch.Tensor:
+    """[rows, 1, hidden]: position p's state is p everywhere, to be told apart."""
+    return torch.arange(start, start + rows, dtype=torch.float32)[:, None, None].expand(
+        rows, 1, TARGET.hidden_size).contiguous()
+
+
+def test_outcomes_of_k0_steps_are_held_until_the_sequence_drafts_or_ends():
+    servicer = Records()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    client = DrafterClient("d", f"127.0.0.1:{port}", TARGET).start()
+    try:
+        assert client.wait_available(10), client.error
+        client.track(1, [1, 2, 3], SamplingParams(), 4)
+        assert not client.send(1, {1: 0})  # the Start, nothing due
+        assert servicer.wait_for(1)[0].entries[0].WhichOneof("kind") == "start"
+        # Three plain steps (K = 0): nothing goes out.
+        for step, token in zip((2, 3, 4), (10, 11, 12), strict=True):
+            client.record(1, Outcome(0, 0, [token], states(step, 1), step))
+            assert not client.send(step + 1, {1: 0})
+        # Asked for drafts: the three in one Advance, states of positions 2..4 in order.
+        client.record(1, Outcome(0, 0, [13], states(5, 1), 5))
+        assert client.send(6, {1: 3})
+        entry = servicer.wait_for(2)[1].entries[0]
+        assert len(servicer.requests) == 2
+        adv = entry.advance
+        assert (entry.round, list(adv.new_token_ids), adv.num_speculative_tokens) == \
+            (1, [10, 11, 12, 13], 3)
+        assert (adv.num_drafted, adv.num_accepted, adv.hidden_states.start_position) == (0, 0, 2)
+        assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(2, 4))
+        client.collect(6, time.monotonic() + 1, {1: 3})
+        # A drafting step's outcome goes out at the next step, K = 0 or not.
+        client.record(1, Outcome(3, 1, [14, 15], states(6, 4), 6))
+        assert not client.send(7, {1: 0})
+        adv = servicer.wait_for(3)[2].entries[0].advance
+        assert (list(adv.new_token_ids), adv.num_drafted, adv.num_accepted) == ([14, 15], 3, 1)
+        # Held no further than HOLD_TOKENS steps.
+        for i in range(HOLD_TOKENS):
+            client.record(1, Outcome(0, 0, [20 + i], states(8 + i, 1), 8 + i))
+            client.send(8 + i, {1: 0})
+        adv = servicer.wait_for(4)[3].entries[0].advance
+        assert list(adv.new_token_ids) == list(range(20, 20 + HOLD_TOKENS))
+        assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(8, HOLD_TOKENS))
+        # Freed: the held tokens go first (no states: nothing drafts from them), then Free.
+        client.record(1, Outcome(0, 0, [99], states(8 + HOLD_TOKENS, 1), 8 + HOLD_TOKENS))
+        client.forget(1)
+        client.send(200, {})
+        last, free = servicer.wait_for(5)[4].entries
+        assert (last.seq_id, last.round, list(last.advance.new_token_ids)) == (1, 4, [99])
+        assert not last.advance.HasField("hidden_states")
+        assert free.WhichOneof("kind") == "free"
+    finally:
+        client.close()
+        server.stop(0)
