@@ -184,3 +184,32 @@ def test_outcomes_of_k0_steps_are_held_until_the_sequence_drafts_or_ends():
     finally:
         client.close()
         server.stop(0)
+
+
+def test_two_outcomes_of_one_step_reach_the_drafter_as_one():
+    # A prefill whose first positions came from the prefix cache advances twice in one
+    # step (the cached positions' states, then the chunk's): both reach the drafter, in
+    # one Advance, rather than re-starting the sequence without its states.
+    servicer = Records()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    client = DrafterClient("d", f"127.0.0.1:{port}", TARGET).start()
+    try:
+        assert client.wait_available(10), client.error
+        client.track(1, [1, 2, 3, 4, 5, 6], SamplingParams(), 4)
+        client.send(1, {})
+        servicer.wait_for(1)
+        client.record(1, Outcome(0, 0, [], states(0, 4), 0))
+        client.record(1, Outcome(0, 0, [7], states(4, 2), 4))
+        assert client.send(2, {1: 2})
+        entries = servicer.wait_for(2)[1].entries
+        assert [e.WhichOneof("kind") for e in entries] == ["advance"]
+        adv = entries[0].advance
+        assert list(adv.new_token_ids) == [7] and adv.hidden_states.start_position == 0
+        assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(0, 6))
+    finally:
+        client.close()
+        server.stop(0)
