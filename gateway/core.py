@@ -333,7 +333,8 @@ class Gateway:
                           self.replicas, self.tokenizer, self.metrics, self.online_profile,
                           deadline=t0 + timeout if timeout else None, release=release,
                           service_times=self.service_times,
-                          resume_wait_s=self.config.resume_wait_s, batches=self.batches)
+                          resume_wait_s=self.config.resume_wait_s, batches=self.batches,
+                          admitted=self.admitted)
 
     def _admit(self, replica: Replica, max_tokens: int) -> None:
         """Overloaded (429) where this request would wait past the maximum queue time on

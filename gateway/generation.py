@@ -83,12 +83,14 @@ class Generation:
                  online_profile: OnlineProfile | None = None, *, deadline: float | None = None,
                  release: Callable[[], None] | None = None,
                  service_times: ServiceTimes | None = None, resume_wait_s: float = 0.0,
-                 batches: BatchKs | None = None):
+                 batches: BatchKs | None = None, admitted: dict[str, int] | None = None):
         """deadline: time.perf_counter() by which the last token must be in (None: no
         limit); release: called once when the generation is over, read or not;
         service_times: fed how long the request held its replica's slot; resume_wait_s:
         how long a request whose replicas all failed waits for one to serve again;
-        batches: each replica's dynamic-K requests, which choose their K together."""
+        batches: each replica's dynamic-K requests, which choose their K together;
+        admitted: requests admitted and not finished, per replica address (this one
+        included), which a burst's streams see before the replica does."""
         self.deadline = deadline
         self.resume_wait_s = resume_wait_s
         self._opened: tuple[Replica, grpc.aio.StreamStreamCall] | None = None  # by start()
@@ -113,6 +115,7 @@ class Generation:
         self.spec = common_pb2.SpecDecodeStats()
         self.dynamic = dynamic  # None: K stays decision.num_speculative_tokens
         self.batches = batches
+        self.admitted = admitted
         # With dynamic K, the K of the steps before it has a profile to choose by.
         self.num_speculative_tokens = (decision.num_speculative_tokens
                                        if decision.first_k is None else decision.first_k)
@@ -135,7 +138,14 @@ class Generation:
         reason = common_pb2.DISABLED_REASON_NONE
         if d.method != "none":
             if self.dynamic is not None:
-                k = self.dynamic.next_k(replica.load + 1)
+                # The batch it joins: a burst's requests are all admitted before their
+                # streams open one by one, and the first to open, choosing K for an idle
+                # replica, drafted deep at its prefill (at 16 requests, a first drafting
+                # step of 100 ms while the drafter took in every prompt).
+                batch = replica.load + 1
+                if self.admitted is not None:
+                    batch = max(batch, self.admitted.get(replica.address, 0))
+                k = self.dynamic.next_k(batch)
                 if k is not None:  # None: no profile yet, the decision's K until there is
                     self.num_speculative_tokens = k
             speculation.num_speculative_tokens = self.num_speculative_tokens

@@ -15,7 +15,9 @@ from drafter.method import DrafterInfo
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import MIN_STEPS
 from gateway.policy.outcome_table import TABLE_REFRESH_STEPS, table_of_level
+from gateway.policy.request import SpeculativeRequest
 from gateway.profile import add_arguments, profile
+from gateway.types import GenerationRequest
 from specdec.pb import common_pb2
 from specdec.speculation import DraftOutcome
 from tests.gateway.stack import K_MAX, MODEL_NAME, GatewayStack, OracleDraftModel
@@ -111,6 +113,33 @@ def test_steps_that_accept_less_than_expected_lower_the_methods_calibration(
         assert calibration < 0.9
         text = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
         assert f'specdec_dynamic_k_calibration{{method="draft_model"}} {calibration}' in text
+    finally:
+        s.close()
+
+
+def test_a_bursts_first_k_counts_every_request_admitted(loop, model, smollm2_dir):
+    """Requests of a burst are admitted before their streams open: the first to open
+    chooses its first K for the batch they will make, not for an idle replica. Here
+    drafting pays at one sequence and not at four."""
+    prof = ItlProfile(batch_sizes=(1, 16), ks=(0, 1, 2, 4),
+                      itl_ms=((10, 10.5, 11, 12), (20, 200, 400, 800)),
+                      acceptance={"draft_model": (0.9,)})
+    s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": FirstRightDrafter(model)},
+                     profile=prof)
+    req = GenerationRequest(prompt_token_ids=tuple(s.chat_ids("Hi.")),
+                            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=8),
+                            speculative=SpeculativeRequest(method="draft_model", auto=True))
+    try:
+        alone = loop.run(s.gateway.open(req))
+        start = alone._start(alone.replica).start
+        assert start.speculation.num_speculative_tokens == 4, start
+        assert start.disabled_reason == common_pb2.DISABLED_REASON_NONE
+        alone.close()
+        burst = [loop.run(s.gateway.open(req)) for _ in range(4)]
+        start = burst[0]._start(burst[0].replica).start
+        assert start.disabled_reason == common_pb2.DISABLED_REASON_DYNAMIC_K, start
+        for g in burst:
+            g.close()
     finally:
         s.close()
 
