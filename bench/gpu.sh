@@ -33,7 +33,7 @@ cat "$out/env.txt"
     $py -m pytest -v -p no:cacheprovider -m gpu tests/verifier/test_cuda_graphs.py \
         tests/verifier/test_rejection.py tests/verifier/test_engine_distribution.py \
         tests/drafter/test_draft_model_graphs.py tests/drafter/test_eagle.py \
-        tests/verifier/test_service.py || exit 1
+        tests/verifier/test_service.py tests/verifier/test_drafter_client.py || exit 1
     $py -m pytest -v -p no:cacheprovider tests/verifier/test_rejection.py \
         -k "triton_kernel_equals_reference and not interpreted"
 } 2>&1 | tee "$out/gpu_tests.txt"

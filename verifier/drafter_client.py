@@ -131,7 +131,9 @@ class _Seq:
             self.held_hidden, self.held_rows = [], 0
         if not self.held_hidden:
             self.held_start = outcome.hidden_start
-        self.held_hidden.append(hidden)
+        # In host memory, as an encoded Advance was: on a GPU, states held for many
+        # sequences would take memory the KV cache was sized without.
+        self.held_hidden.append(hidden.to("cpu"))
         self.held_rows += hidden.shape[0]
 
     def held(self) -> int:

@@ -11,6 +11,7 @@ import time
 from concurrent import futures
 
 import grpc
+import pytest
 import torch
 
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -127,13 +128,16 @@ class Records(drafter_pb2_grpc.DrafterServicer):
             return list(self.requests)
 
 
-def states(start: int, rows: int) -> torch.Tensor:
+def states(start: int, rows: int, device: str = "cpu") -> torch.Tensor:
     """[rows, 1, hidden]: position p's state is p everywhere, to be told apart."""
-    return torch.arange(start, start + rows, dtype=torch.float32)[:, None, None].expand(
-        rows, 1, TARGET.hidden_size).contiguous()
+    return torch.arange(start, start + rows, dtype=torch.float32, device=device)[
+        :, None, None].expand(rows, 1, TARGET.hidden_size).contiguous()
 
 
-def test_outcomes_of_k0_steps_are_held_until_the_sequence_drafts_or_ends():
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_outcomes_of_k0_steps_are_held_until_the_sequence_drafts_or_ends(device):
     servicer = Records()
     server = grpc.server(futures.ThreadPoolExecutor(4))
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
@@ -148,10 +152,10 @@ def test_outcomes_of_k0_steps_are_held_until_the_sequence_drafts_or_ends():
         assert servicer.wait_for(1)[0].entries[0].WhichOneof("kind") == "start"
         # Three plain steps (K = 0): nothing goes out.
         for step, token in zip((2, 3, 4), (10, 11, 12), strict=True):
-            client.record(1, Outcome(0, 0, [token], states(step, 1), step))
+            client.record(1, Outcome(0, 0, [token], states(step, 1, device), step))
             assert not client.send(step + 1, {1: 0})
         # Asked for drafts: the three in one Advance, states of positions 2..4 in order.
-        client.record(1, Outcome(0, 0, [13], states(5, 1), 5))
+        client.record(1, Outcome(0, 0, [13], states(5, 1, device), 5))
         assert client.send(6, {1: 3})
         entry = servicer.wait_for(2)[1].entries[0]
         assert len(servicer.requests) == 2
@@ -162,19 +166,19 @@ def test_outcomes_of_k0_steps_are_held_until_the_sequence_drafts_or_ends():
         assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(2, 4))
         client.collect(6, time.monotonic() + 1, {1: 3})
         # A drafting step's outcome goes out at the next step, K = 0 or not.
-        client.record(1, Outcome(3, 1, [14, 15], states(6, 4), 6))
+        client.record(1, Outcome(3, 1, [14, 15], states(6, 4, device), 6))
         assert not client.send(7, {1: 0})
         adv = servicer.wait_for(3)[2].entries[0].advance
         assert (list(adv.new_token_ids), adv.num_drafted, adv.num_accepted) == ([14, 15], 3, 1)
         # Held no further than HOLD_TOKENS steps.
         for i in range(HOLD_TOKENS):
-            client.record(1, Outcome(0, 0, [20 + i], states(8 + i, 1), 8 + i))
+            client.record(1, Outcome(0, 0, [20 + i], states(8 + i, 1, device), 8 + i))
             client.send(8 + i, {1: 0})
         adv = servicer.wait_for(4)[3].entries[0].advance
         assert list(adv.new_token_ids) == list(range(20, 20 + HOLD_TOKENS))
         assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(8, HOLD_TOKENS))
         # Freed: the held tokens go first (no states: nothing drafts from them), then Free.
-        client.record(1, Outcome(0, 0, [99], states(8 + HOLD_TOKENS, 1), 8 + HOLD_TOKENS))
+        client.record(1, Outcome(0, 0, [99], states(8 + HOLD_TOKENS, 1, device), 8 + HOLD_TOKENS))
         client.forget(1)
         client.send(200, {})
         last, free = servicer.wait_for(5)[4].entries
