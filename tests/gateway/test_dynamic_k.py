@@ -52,16 +52,20 @@ def auto_chat(s: GatewayStack, method: str, max_tokens: int):
     return resp
 
 
+# Mild step cost and an optimistic prior (0.9 a position): K starts at the
+# deployment's maximum (8).
+OPTIMISTIC = ItlProfile(batch_sizes=(1, 16), ks=(0, 1, 2, 4, 6, 8),
+                        itl_ms=((10, 11, 12, 14, 16, 18), (20, 22, 24, 28, 32, 36)),
+                        acceptance={"draft_model": (0.9,)})
+
+
 def test_k_changes_during_one_request(loop, model, smollm2_dir):
     drafter = FirstRightDrafter(model)
-    # Mild step cost and an optimistic prior: K starts at the deployment's maximum (8).
-    # Once this request's own rates show that only position 1 is ever accepted, AL is the
-    # same for every K >= 1, and the cheapest of those, K = 1, has the best goodput.
-    prof = ItlProfile(batch_sizes=(1, 16), ks=(0, 1, 2, 4, 6, 8),
-                      itl_ms=((10, 11, 12, 14, 16, 18), (20, 22, 24, 28, 32, 36)),
-                      acceptance={"draft_model": (0.9,)})
+    # K starts at 8 (OPTIMISTIC). Once this request's own rates show that only position 1
+    # is ever accepted, AL is the same for every K >= 1, and the cheapest of those, K = 1,
+    # has the best goodput.
     s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": drafter},
-                     profile=prof, dynamic_k_prior_steps=1)
+                     profile=OPTIMISTIC, dynamic_k_prior_steps=1)
     try:
         resp = auto_chat(s, "draft_model", 40)
         asked = [k for k in drafter.wanted if k]
@@ -83,11 +87,8 @@ def test_steps_that_accept_less_than_expected_lower_the_methods_calibration(
     expected of the step's K and what it accepted; the prior says 0.9 a position and
     only the first draft is ever right, so the method's calibration falls below 1."""
     drafter = FirstRightDrafter(model)
-    prof = ItlProfile(batch_sizes=(1, 16), ks=(0, 1, 2, 4, 6, 8),
-                      itl_ms=((10, 11, 12, 14, 16, 18), (20, 22, 24, 28, 32, 36)),
-                      acceptance={"draft_model": (0.9,)})
     s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": drafter},
-                     profile=prof, dynamic_k_prior_steps=1)
+                     profile=OPTIMISTIC, dynamic_k_prior_steps=1)
     online = s.gateway.online_profile
     seen: list[tuple[float, int]] = []
     calibrate = online.calibrate

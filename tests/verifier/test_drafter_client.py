@@ -50,14 +50,20 @@ class HangsOnce(drafter_pb2_grpc.DrafterServicer):
                 yield drafter_pb2.DraftResponse(step=req.step)
 
 
-def test_a_hung_drafter_is_cut_off_and_reconnected():
-    servicer = HangsOnce()
+def serve(servicer: drafter_pb2_grpc.DrafterServicer) -> tuple[grpc.Server, str]:
+    """`servicer` on a free local port: the server and its address."""
     server = grpc.server(futures.ThreadPoolExecutor(4))
     drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
-    client = DrafterClient("d", f"127.0.0.1:{port}", TARGET, backoff_s=(0.05, 0.1),
+    return server, f"127.0.0.1:{port}"
+
+
+def test_a_hung_drafter_is_cut_off_and_reconnected():
+    servicer = HangsOnce()
+    server, address = serve(servicer)
+    client = DrafterClient("d", address, TARGET, backoff_s=(0.05, 0.1),
                            liveness_s=0.3).start()
     try:
         assert client.wait_available(10), client.error
@@ -139,12 +145,8 @@ def states(start: int, rows: int, device: str = "cpu") -> torch.Tensor:
         not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_outcomes_of_k0_steps_are_held_until_the_sequence_drafts_or_ends(device):
     servicer = Records()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
-    port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    client = DrafterClient("d", f"127.0.0.1:{port}", TARGET).start()
+    server, address = serve(servicer)
+    client = DrafterClient("d", address, TARGET).start()
     try:
         assert client.wait_available(10), client.error
         client.track(1, [1, 2, 3], SamplingParams(), 4)
@@ -195,12 +197,8 @@ def test_two_outcomes_of_one_step_reach_the_drafter_as_one():
     # step (the cached positions' states, then the chunk's): both reach the drafter, in
     # one Advance, rather than re-starting the sequence without its states.
     servicer = Records()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
-    port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    client = DrafterClient("d", f"127.0.0.1:{port}", TARGET).start()
+    server, address = serve(servicer)
+    client = DrafterClient("d", address, TARGET).start()
     try:
         assert client.wait_available(10), client.error
         client.track(1, [1, 2, 3, 4, 5, 6], SamplingParams(), 4)
