@@ -11,8 +11,9 @@ and re-starts every live sequence from its prompt and the tokens so far.
 
 A sequence at K = 0 (its speculation off, by dynamic K or the request) is not
 sent each step: its outcomes are held, merged into one Advance, and go out with
-the next step that asks it for drafts, once HOLD_TOKENS of them are held, or
-(tokens alone) before it is freed. A drafter needs a sequence's context only to
+the next step that asks it for drafts, or once HOLD_TOKENS of them are held; before
+it is freed, its tokens alone go to a drafter without hidden states (a suffix
+drafter learns from whole replies), and nothing to one with. A drafter needs a sequence's context only to
 draft for it, and a message a step for every sequence not drafting made a batch
 of 16 whose speculation dynamic K had turned off 13 % slower than plain decoding
 on two cores (the EAGLE-3 drafter woke each step to take hidden states it never
@@ -277,8 +278,11 @@ class DrafterClient:
             seq = self._seqs.pop(seq_id, None)
             if seq is not None and seq.generation == self._generation:
                 last = seq.pending
-                if seq.held_tokens:
-                    # Its tokens, not its hidden states: nothing drafts from them now.
+                if seq.held_tokens and not self.hidden_layers():
+                    # Its tokens, for a drafter that learns from whole replies (suffix).
+                    # One that drafts from hidden states has no use for them now, and
+                    # refuses new tokens without their states: such an Advance ended its
+                    # stream, and every live sequence's head context with it.
                     last = drafter_pb2.DraftEntry(seq_id=seq_id, advance=self._advance(
                         0, 0, seq.release(), None, 0))
                 if last is not None:

@@ -179,14 +179,47 @@ def test_outcomes_of_k0_steps_are_held_until_the_sequence_drafts_or_ends(device)
         adv = servicer.wait_for(4)[3].entries[0].advance
         assert list(adv.new_token_ids) == list(range(20, 20 + HOLD_TOKENS))
         assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(8, HOLD_TOKENS))
-        # Freed: the held tokens go first (no states: nothing drafts from them), then Free.
+        # Freed with an outcome held: a drafter that drafts from hidden states gets the Free
+        # alone (it refuses tokens without their states, and has no use for them now).
         client.record(1, Outcome(0, 0, [99], states(8 + HOLD_TOKENS, 1, device), 8 + HOLD_TOKENS))
         client.forget(1)
         client.send(200, {})
-        last, free = servicer.wait_for(5)[4].entries
-        assert (last.seq_id, last.round, list(last.advance.new_token_ids)) == (1, 4, [99])
+        (free,) = servicer.wait_for(5)[4].entries
+        assert (free.seq_id, free.WhichOneof("kind")) == (1, "free")
+    finally:
+        client.close()
+        server.stop(0)
+
+
+class RecordsTokens(Records):
+    """Records, for a drafter that reads tokens only (as a suffix drafter does)."""
+
+    def Info(self, request, context):
+        return drafter_pb2.InfoResponse(
+            method=common_pb2.SPEC_METHOD_SUFFIX, max_num_speculative_tokens=8,
+            tokenizer=common_pb2.TokenizerFingerprint(vocab_size=TARGET.vocab_size))
+
+
+def test_a_drafter_without_hidden_states_gets_a_freed_sequences_held_tokens():
+    # A suffix drafter learns from whole replies: a sequence freed with K = 0 outcomes
+    # held sends their tokens before its Free.
+    servicer = RecordsTokens()
+    server, address = serve(servicer)
+    client = DrafterClient("d", address, TARGET).start()
+    try:
+        assert client.wait_available(10), client.error
+        client.track(1, [1, 2, 3], SamplingParams(), 4)
+        client.send(1, {1: 0})
+        servicer.wait_for(1)
+        for step, token in zip((2, 3), (10, 11), strict=True):
+            client.record(1, Outcome(0, 0, [token], None, step))
+            assert not client.send(step, {1: 0})
+        client.forget(1)
+        client.send(4, {})
+        last, free = servicer.wait_for(2)[1].entries
+        assert (last.seq_id, last.round, list(last.advance.new_token_ids)) == (1, 1, [10, 11])
         assert not last.advance.HasField("hidden_states")
-        assert free.WhichOneof("kind") == "free"
+        assert (free.seq_id, free.WhichOneof("kind")) == (1, "free")
     finally:
         client.close()
         server.stop(0)

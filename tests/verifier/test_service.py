@@ -403,6 +403,54 @@ def test_cancel_frees_the_sequence_and_tells_the_drafter(loop, model):
         stack.close()
 
 
+class StatesMethod(OracleMethod):
+    """Drafts as OracleMethod, and needs the target's hidden states of layer 1 as an EAGLE
+    head does: the drafter service refuses an Advance bringing tokens without them."""
+
+    def info(self) -> DrafterInfo:
+        return DrafterInfo(method=common_pb2.SPEC_METHOD_EAGLE3, vocab_size=VOCAB,
+                           max_num_speculative_tokens=K_MAX, needs_hidden_states=True,
+                           hidden_state_layers=[1], hidden_size=self.model.config.hidden_size)
+
+
+def test_a_sequence_freed_after_k0_steps_leaves_a_hidden_state_drafters_stream_up(loop, model):
+    # A request whose speculation is turned off is freed with its K = 0 outcomes held,
+    # unsent. The drafter must not be sent their tokens without their states: that ended
+    # the stream, and every live sequence (here the long request) started over on a new
+    # one, its context lost.
+    method = StatesMethod(model)
+    stack = Stack(loop, model, {"states": method})
+    try:
+        short, long_ = prompts(2, seed=21)
+
+        def off_after_one(p, max_tokens):
+            requests: queue.SimpleQueue = queue.SimpleQueue()
+            requests.put(start_msg(p, max_tokens, k=2, drafter="states"))
+            responses = []
+            for r in stack.stub.Generate(iter(requests.get, None), timeout=60):
+                if not responses:
+                    requests.put(verifier_pb2.GenerateRequest(
+                        policy_update=verifier_pb2.GenerateRequest.PolicyUpdate(enabled=False)))
+                responses.append(r)
+            requests.put(None)
+            return [t for r in responses for t in r.token_ids], responses
+
+        def drafting(p, max_tokens):
+            return generate(stack.stub, start_msg(p, max_tokens, k=2, drafter="states"))
+
+        (got_short, rs), (got_long, rl) = run_concurrently(
+            lambda f, p, n: f(p, n), [(off_after_one, short, 12), (drafting, long_, 150)])
+        assert got_short == greedy_generate(model, [short], 12)[0]
+        assert got_long == greedy_generate(model, [long_], 150)[0]
+        # The short one ended after K = 0 steps while the long one was still running.
+        assert sum(r.step_stats.num_speculative_tokens == 0 for r in rs) >= 5
+        assert rs[-1].step_stats.step < rl[-1].step_stats.step
+        assert [n for _, n in method.starts] == [0, 0]  # each started once, never again
+        assert all(r.step_stats.num_drafted for r in rl[1:-1])
+    finally:
+        stack.close()
+
+
 def test_logprobs_are_the_raw_target_log_softmax(loop, model):
     stack = Stack(loop, model, {"oracle": OracleMethod(model)})
     try:
