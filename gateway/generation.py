@@ -523,6 +523,8 @@ class Generation:
         chosen = batch.tables.get(key) if batch is not None else None
         if chosen is not None and 0 <= step.step - chosen[0] < TABLE_REFRESH_STEPS:
             table = chosen[1]
+        elif batch is not None and batch.probe(profile, size, step.step):
+            table = None  # plain first, to be measured at this size
         else:
             table = choose_table(profile, size, members, method, bound,
                                  lambda s: online.rates_after(method, s, bound),

@@ -269,6 +269,13 @@ def batch_goodput(profile: ItlProfile, batch_size: int, members: Sequence[Member
 MIN_GAIN = 0.02
 
 
+# A batch of a size whose plain decoding is not measured yet (ItlProfile.measured_plain)
+# runs plain first, for at most this many steps of the size in PROBE_WINDOW steps: a
+# batch whose static-K neighbours always draft never makes a plain step to measure.
+PROBE_STEPS = 8
+PROBE_WINDOW = 512
+
+
 @dataclass(frozen=True, slots=True)
 class _Snapshot:
     """A member's rates and availability read once for a step's choice (Member): the
@@ -307,6 +314,7 @@ class BatchK:
         # member chooses for all, and for the steps after it (TABLE_REFRESH_STEPS).
         self.tables: dict[tuple[str, int, int],
                           tuple[int, tuple[int, int, int, int] | None]] = {}
+        self._probes: dict[int, list[int]] = {}  # batch size -> steps run plain to measure it
 
     def __len__(self) -> int:
         return len(self._members)
@@ -323,10 +331,26 @@ class BatchK:
         if self._members.pop(id(member), None) is not None:
             self._step = None
 
+    def probe(self, profile: ItlProfile, batch_size: int, step: int) -> bool:
+        """Whether this step of `batch_size` sequences runs plain to measure plain decoding
+        there (the model's plain step is then read off other rows and batch sizes, and a
+        batch that drafts on a wrong one never learns better); counts it if so."""
+        if profile.measured_plain(batch_size):
+            return False
+        recent = [s for s in self._probes.get(batch_size, ()) if 0 <= step - s < PROBE_WINDOW]
+        if len(recent) < PROBE_STEPS and step not in recent:
+            recent.append(step)
+        self._probes[batch_size] = recent
+        return step in recent
+
     def next_k(self, member: Member, profile: ItlProfile, batch_size: int,
                step: int) -> int:
         if step != self._step or id(member) not in self._ks:
             members = list(self._members.values())
+            if self.probe(profile, batch_size, step):
+                self._ks = dict.fromkeys(map(id, members), 0)
+                self._step = step
+                return 0
             views = [_Snapshot(m.method, m.max_num_speculative_tokens, tuple(m.rates()),
                                m.availability(), m.calibration()) for m in members]
             ks, goodput = _best(profile, batch_size, views)

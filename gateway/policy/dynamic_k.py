@@ -269,5 +269,7 @@ class DynamicK:
             return None
         if step is not None and self.batch is not None:
             return self.batch.next_k(self, profile, int(batch_size), step)
+        if not profile.measured_plain(round(batch_size)):
+            return 0  # plain first, to be measured there (BatchK.probe)
         return choose_k(profile, batch_size, self.rates(profile),
                         self.max_num_speculative_tokens, self.method)

@@ -98,6 +98,12 @@ class ItlProfile:
                                      f"number, got {ms!r}")
         return rows
 
+    def measured_plain(self, batch_size: int) -> bool:
+        """Whether plain decoding at this batch size was measured rather than only
+        modelled. A profiled table measured every cell of its grid; the online model's
+        (FittedProfile) says per batch size."""
+        return True
+
     def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
         """Bilinear interpolation of the method's table (else itl_ms), clamped to its edges.
 

@@ -91,6 +91,15 @@ from specdec.speculation import DRAFTER_METHODS
 # Steps of the forward line before a profile is given. Fewer would let the first
 # few steps (cold caches, a first long prompt) decide K for everyone.
 MIN_STEPS = 20
+# Plain decode steps of a batch size (or within an eighth of it) the forward fit must
+# have seen, within its memory (MEMORY_STEPS), before dynamic K weighs drafting against
+# plain decoding there (FittedProfile.measured_plain; BatchK runs such a batch plain
+# first). Otherwise the plain step is read off a fit of other rows and batch sizes:
+# after cells at C = 1 and 4 and one at C = 16 with eagle3 K = 2, the fit priced a
+# plain step of 16 sequences at 46.7 ms against the 36 it took, so drafting looked
+# 2-27 % better than plain; dynamic K drafted all cell long at 0.94 of plain decoding
+# and, drafting, never ran the plain step that would have told it.
+PLAIN_STEPS = 3
 # Row counts where the forward's cost per row may change (the hinges of f).
 ROW_KNOTS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 # Ridge of each change of slope toward 0, in rows^2 as PRIOR_WEIGHT: a bend needs
@@ -105,7 +114,8 @@ JUMP_PRIOR_WEIGHT = HINGE_PRIOR_WEIGHT / 16
 SEQUENCE_PRIOR_WEIGHT = 64.0
 # Weight of the oldest steps: each new step multiplies earlier weights by this, so
 # the fit remembers roughly the last 1 / (1 - FORGETTING) = 512 steps.
-FORGETTING = 1.0 - 1.0 / 512
+MEMORY_STEPS = 512
+FORGETTING = 1.0 - 1.0 / MEMORY_STEPS
 # Prior of the cost per fed row: b = a / PRIOR_ROWS_PER_A. With one batch size and
 # one K every step feeds the same rows and b is unidentifiable (any split of the
 # step time between a and b fits); the prior then decides the split. 16 matches a
@@ -457,6 +467,13 @@ class FittedProfile(ItlProfile):
     grid's edges, rather than interpolated between grid points."""
 
     cost: StepCost = field(kw_only=True, compare=False, hash=False, repr=False)
+    # Batch sizes with PLAIN_STEPS plain decode steps in the fit's memory.
+    plain_batch_sizes: frozenset[int] = field(default=frozenset(), kw_only=True,
+                                              compare=False, hash=False, repr=False)
+
+    def measured_plain(self, batch_size: int) -> bool:
+        near = batch_size // 8  # a step of 40 sequences tells one of 37 closely enough
+        return any(abs(b - batch_size) <= near for b in self.plain_batch_sizes)
 
     def _checked_table(self, name: str, table: object) -> tuple[tuple[float, ...], ...]:
         # Written by OnlineProfile.profile from the fit, every entry >= MIN_ITL_MS: the
@@ -534,6 +551,8 @@ class OnlineProfile:
         self._cost: StepCost | None = None
         self._stale = 0  # steps added since _cost was fitted
         self._profiles: dict[tuple[int, int], ItlProfile] = {}  # grid -> profile of _cost
+        # batch size -> num_steps after each of its latest PLAIN_STEPS plain decode steps
+        self._plain: dict[int, list[int]] = {}
 
     @property
     def num_steps(self) -> int:
@@ -583,6 +602,10 @@ class OnlineProfile:
     def _fit(self, step: _Step) -> None:
         cost = self._reference()  # None before MIN_STEPS: every step at full weight
         self._add(step, cost, self._robust_wait, self._robust_forward)
+        if not step.prefill and step.num_tokens == step.batch_size:  # one row a sequence
+            seen = self._plain.setdefault(step.batch_size, [])
+            seen.append(self.num_steps)
+            del seen[:-PLAIN_STEPS]
         if cost is None:
             self._warmup.append(step)
             if self.num_steps >= self.min_steps:
@@ -700,6 +723,12 @@ class OnlineProfile:
         """calibration() of every method that has had a drafting step under dynamic K."""
         return {m: self.calibration(m) for m in self._calibration}
 
+    def plain_batch_sizes(self) -> frozenset[int]:
+        """Batch sizes with PLAIN_STEPS plain decode steps in the forward fit's memory."""
+        now = self.num_steps
+        return frozenset(b for b, seen in self._plain.items()
+                         if len(seen) >= PLAIN_STEPS and now - seen[0] < MEMORY_STEPS)
+
     def availability(self, method: str) -> float:
         """The share of steps asking `method` for drafts in which it had some, over all
         its requests so far, around 1 while they are few."""
@@ -730,7 +759,8 @@ class OnlineProfile:
                 acceptance={m: self.rates(m, max_num_speculative_tokens)
                             for m in self.acceptance},
                 method_itl_ms={m: table(m) for m in cost.d},
-                availability={m: self.availability(m) for m in self._answers}, cost=cost)
+                availability={m: self.availability(m) for m in self._answers}, cost=cost,
+                plain_batch_sizes=self.plain_batch_sizes())
         return self._profiles[key]
 
 

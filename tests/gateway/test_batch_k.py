@@ -13,6 +13,8 @@ import pytest
 from gateway.policy.batch_k import (
     EXACT_BUDGET,
     MIN_GAIN,
+    PROBE_STEPS,
+    PROBE_WINDOW,
     BatchK,
     BatchKs,
     _best,
@@ -397,3 +399,40 @@ def test_the_expected_step_stays_exact_through_a_factor_of_zero():
     for n, ks in enumerate(((0, 0), (0, 1), (1, 1), (1, 2))):
         assert got[n] == pytest.approx(want(ks), rel=1e-12), (n, ks)
     assert got[3] > profile.itl(2, (0.7 + 1.0) / 2)  # above the time at the mean rows
+
+
+def test_a_batch_runs_plain_first_where_plain_decoding_is_unmeasured():
+    # Drafting pays at every batch size by this model, but the online model has measured
+    # plain decoding only at batch 4: at batch 16 the batch runs plain until it has been
+    # (at most PROBE_STEPS steps of the size in PROBE_WINDOW), and so does a stream's
+    # first K, chosen alone.
+    cost = StepCost(a=40.0, b=0.5, w=0.0, d={"ngram": 0.0}, e={"ngram": 0.0})
+    sizes, ks = batch_grid(16), tuple(range(5))
+
+    def fitted(plain: frozenset[int]) -> FittedProfile:
+        return FittedProfile(
+            batch_sizes=sizes, ks=ks, itl_ms=tuple(tuple(cost.itl(b, k) for k in ks)
+                                                   for b in sizes),
+            acceptance={"ngram": (0.9,)}, cost=cost, plain_batch_sizes=plain,
+            method_itl_ms={"ngram": tuple(tuple(cost.itl(b, k, "ngram") for k in ks)
+                                          for b in sizes)})
+
+    profile = fitted(frozenset({4}))
+    assert profile.measured_plain(4) and not profile.measured_plain(16)
+    assert fitted(frozenset({40})).measured_plain(36)  # within an eighth
+    assert not fitted(frozenset({40})).measured_plain(34)
+    batch = BatchK()
+    members = [DynamicK(lambda: profile, "ngram", 4) for _ in range(2)]
+    for m in members:
+        m.join(batch)
+    assert [m.next_k(4, step=1) for m in members] == [4, 4]
+    got = [[m.next_k(16, step=s) for m in members] for s in range(2, 2 + PROBE_STEPS + 2)]
+    assert got[:PROBE_STEPS] == [[0, 0]] * PROBE_STEPS
+    assert got[PROBE_STEPS:] == [[4, 4]] * 2
+    # Another probe once the first have left the window.
+    assert [m.next_k(16, step=2 + PROBE_WINDOW) for m in members] == [0, 0]
+    alone = DynamicK(lambda: profile, "ngram", 4)
+    assert (alone.next_k(4), alone.next_k(16)) == (4, 0)
+    # Measured there, no probe.
+    profile = fitted(frozenset({4, 16}))
+    assert [m.next_k(16, step=3 + PROBE_WINDOW) for m in members] == [4, 4]

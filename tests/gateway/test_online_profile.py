@@ -17,8 +17,10 @@ from gateway.policy.online_profile import (
     ACCEPTANCE_PRIOR_STEPS,
     CALIBRATION_HALF_LIFE,
     CALIBRATION_PRIOR_TOKENS,
+    MEMORY_STEPS,
     METHOD_AVAILABILITY_PRIOR_STEPS,
     MIN_STEPS,
+    PLAIN_STEPS,
     PRIOR_ROWS_PER_A,
     REFIT_STEPS,
     ROW_KNOTS,
@@ -618,3 +620,24 @@ def test_calibration_is_what_a_methods_steps_accepted_over_what_was_expected():
     for _ in range(4 * int(CALIBRATION_HALF_LIFE)):
         online.calibrate("eagle3", 2.0, 2)
     assert 0.97 < online.calibration("eagle3") < 1.0
+
+
+def test_plain_batch_sizes_are_those_with_plain_steps_in_the_fits_memory():
+    model = OnlineProfile()
+    v = Verifier(model, a=10.0, b=1.0, d={"ngram": 0.0}, e={"ngram": 0.0})
+    for _ in range(MIN_STEPS):
+        v.run([("ngram", 2)] * 16)  # batch 16, every sequence drafting
+    for _ in range(PLAIN_STEPS - 1):
+        v.run([("ngram", 0)] * 4)
+    v.run([("none", 0)] * 4, first=True)  # one row a sequence, but a prefill's
+    v.run([("ngram", 1)] * 4)  # drafting
+    v.run([("ngram", 2)] * 16)
+    assert model.plain_batch_sizes() == frozenset()
+    v.run([("none", 0)] * 4)
+    v.run([("ngram", 2)] * 16)  # a step is fitted once the next one arrives
+    assert model.plain_batch_sizes() == frozenset({4})
+    profile = model.profile(16, 4)
+    assert profile.measured_plain(4) and not profile.measured_plain(16)
+    for _ in range(MEMORY_STEPS - PLAIN_STEPS):
+        v.run([("ngram", 2)] * 16)
+    assert model.plain_batch_sizes() == frozenset()  # out of the fit's memory
