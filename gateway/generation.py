@@ -146,6 +146,14 @@ class Generation:
                 if self.admitted is not None:
                     batch = max(batch, self.admitted.get(replica.address, 0))
                 k = self.dynamic.next_k(batch)
+                if k and replica.unanswered - {id(self)}:
+                    # Streams opened before it have had no response yet: a burst, whose
+                    # requests open one by one, each counting those admitted so far, and
+                    # prefill together. Plain first; from its first response on, K is
+                    # chosen with the batch known (BatchK). Opened with K for the few
+                    # admitted, a burst of 16 had 7 first drafting steps at once, the
+                    # drafter taking in 7 prompts (70-110 ms) while the batch waited.
+                    k = 0
                 if k is not None:  # None: no profile yet, the decision's K until there is
                     self.num_speculative_tokens = k
             speculation.num_speculative_tokens = self.num_speculative_tokens
@@ -200,6 +208,7 @@ class Generation:
             replica, call = self._opened
             self._opened = None
             replica.inflight -= 1
+            replica.unanswered.discard(id(self))
             call.cancel()
         if self.dynamic is not None:
             self.dynamic.leave()
@@ -280,6 +289,7 @@ class Generation:
             return
         code, details = await call.code(), await call.details()
         self.replica.inflight -= 1
+        self.replica.unanswered.discard(id(self))
         call.cancel()
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise InvalidRequest(details or "invalid request")
@@ -302,6 +312,7 @@ class Generation:
         call = replica.stub.Generate(metadata=(*metadata.items(), *replica.auth),
                                      timeout=timeout)
         replica.inflight += 1
+        replica.unanswered.add(id(self))
         self.first_on_stream = True
         # K by outcome: where dynamic K runs a method it suits, on a verifier that takes it
         # (a new stream starts without one).
@@ -315,6 +326,7 @@ class Generation:
             await call.write(self._start(replica))
         except BaseException:
             replica.inflight -= 1
+            replica.unanswered.discard(id(self))
             call.cancel()
             raise
         return call
@@ -350,6 +362,7 @@ class Generation:
                     yield delta
         finally:
             replica.inflight -= 1
+            replica.unanswered.discard(id(self))
             # Frees the sequence in the verifier if the stream is still open (client gone,
             # stop string, error); a no-op on a stream that already ended.
             call.cancel()
@@ -359,6 +372,7 @@ class Generation:
         step = resp.step_stats
         first, self.first_on_stream = self.first_on_stream, False
         self.prefilled = first
+        replica.unanswered.discard(id(self))
         if self.online_profile is None or not step.step:
             return  # no step behind this response (a cancel's or abort's answer)
         method = self.decision.method

@@ -49,6 +49,9 @@ class Replica:
         self.healthy = False
         self.error = "not polled yet"
         self.inflight = 0  # Generate streams this gateway has open on it
+        # Those of them (their Generation's id) that have had no response yet: a batch
+        # forming, which the verifier will prefill together.
+        self.unanswered: set[int] = set()
         self._fingerprint = fingerprint
 
     @property

@@ -145,6 +145,38 @@ def test_a_bursts_first_k_counts_every_request_admitted(loop, model, smollm2_dir
         s.close()
 
 
+def test_a_stream_opening_beside_unanswered_ones_starts_plain(loop, model, smollm2_dir):
+    """A burst's requests open one by one, each counting the requests admitted so far,
+    and prefill together: a stream opening while others on its replica have had no
+    response yet starts plain (BatchK chooses its K from its first response, the batch
+    known). Streams that have answered, or are gone, do not count."""
+    prof = ItlProfile(batch_sizes=(1, 16), ks=(0, 1, 2, 4),  # drafting pays at any batch
+                      itl_ms=((10, 10.5, 11, 12), (20, 20.5, 21, 22)),
+                      acceptance={"draft_model": (0.9,)})
+    s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": FirstRightDrafter(model)},
+                     profile=prof)
+    req = GenerationRequest(prompt_token_ids=tuple(s.chat_ids("Hi.")),
+                            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=8),
+                            speculative=SpeculativeRequest(method="draft_model", auto=True))
+    try:
+        burst = [loop.run(s.gateway.open(req)) for _ in range(3)]
+        for g in burst:
+            loop.run(g.start())
+        assert [g.enabled for g in burst] == [True, False, False]
+        deltas = burst[0].deltas()
+        loop.run(deltas.__anext__())  # the first one's first response
+        for g in burst[1:]:
+            g.close()
+        late = loop.run(s.gateway.open(req))
+        loop.run(late.start())
+        assert late.enabled and late.num_speculative_tokens == 4
+        late.close()
+        loop.run(deltas.aclose())
+        assert not burst[0].replica.unanswered
+    finally:
+        s.close()
+
+
 def test_auto_and_default_requests_use_the_online_model_without_a_profile(
         loop, model, smollm2_dir):
     """No profile file: "auto" is accepted, and a request that does not choose K gets
