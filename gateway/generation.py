@@ -101,6 +101,10 @@ class Generation:
         self.replica = replica
         self.online_profile = online_profile  # fed every response's step statistics
         self.first_on_stream = True  # the next response is the stream's first (its prefill)
+        # Context positions this stream's drafter has seen: up to the start of the latest
+        # step that asked it for drafts (the verifier sends it the rest with its next
+        # request for drafts).
+        self.drafter_seen = 0
         self.prefilled = False  # the latest response was a stream's first
         self.req = req
         self.request_id = request_id
@@ -314,6 +318,7 @@ class Generation:
         replica.inflight += 1
         replica.unanswered.add(id(self))
         self.first_on_stream = True
+        self.drafter_seen = 0
         # K by outcome: where dynamic K runs a method it suits, on a verifier that takes it
         # (a new stream starts without one).
         self.outcome_table = None
@@ -373,18 +378,30 @@ class Generation:
         first, self.first_on_stream = self.first_on_stream, False
         self.prefilled = first
         replica.unanswered.discard(id(self))
-        if self.online_profile is None or not step.step:
-            return  # no step behind this response (a cancel's or abort's answer)
         method = self.decision.method
         if resp.spec_decode.method == common_pb2.SPEC_METHOD_NONE:
             method = "none"  # the verifier runs it plainly (no drafter on this replica)
+        # The context before this step's tokens; a step that asked for drafts had the
+        # drafter take in all of it.
+        p = self.progress
+        context = len(p.prompt) + len(p.generated)
+        backlog = 0
+        if method != "none" and step.num_speculative_tokens:
+            backlog, self.drafter_seen = context - self.drafter_seen, context
+        if self.dynamic is not None:
+            new = len(resp.token_ids)
+            self.dynamic.backlog = context + new - self.drafter_seen
+            self.dynamic.fresh = new
+            self.dynamic.remaining = p.max_tokens - len(p.generated) - new
+        if self.online_profile is None or not step.step:
+            return  # no step behind this response (a cancel's or abort's answer)
         self.online_profile.observe(StepSample(
             replica=replica.address, step=step.step, batch_size=step.batch_size,
             num_tokens=step.num_tokens, step_time_ms=step.step_time_ms,
             draft_wait_ms=step.draft_wait_ms, method=method,
             num_speculative_tokens=step.num_speculative_tokens if method != "none" else 0,
             num_drafted=step.num_drafted, num_accepted=step.num_accepted, prefill=first,
-            after=self.after))
+            after=self.after, backlog=backlog))
         if step.num_speculative_tokens and not first:
             self.after = DraftOutcome.of(step.num_drafted, step.num_accepted)
 

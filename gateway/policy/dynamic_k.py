@@ -191,6 +191,11 @@ class DynamicK:
         self.answers = OnlineShare(half_life_steps)  # steps that asked, and got drafts
         self._calibration = calibration
         self.batch: BatchK | None = None  # the replica's batch it chooses K with
+        # Kept by the request's stream (Generation): the context rows its drafter has not
+        # seen, of them those of its latest step, and the tokens it may still generate.
+        self.backlog = 0
+        self.fresh = 0
+        self.remaining = 0
 
     def join(self, batch: BatchK) -> None:
         """From now on K is chosen with `batch`'s other members (its stream opened on
@@ -239,6 +244,17 @@ class DynamicK:
         and dynamic K drafted where plain decoding was faster. The batch's choice
         scales every expected accepted draft of the method by this."""
         return 1.0 if self._calibration is None else self._calibration()
+
+    def catch_up(self) -> float:
+        """The context rows its drafter takes in a step it drafts for it, from now on:
+        its latest step's tokens, and the rest of its backlog (an EAGLE head's whole
+        prompt and reply so far, after plain steps) spread over the steps it may have
+        left: drafting from now on, it takes those in once."""
+        rest = self.backlog - self.fresh
+        if rest <= 0:
+            return float(max(self.backlog, 0))
+        per_step = 1.0 + self.expected_accepted(self.max_num_speculative_tokens)
+        return self.fresh + rest / max(1.0, self.remaining / per_step)
 
     def expected_accepted(self, k: int) -> float:
         """The accepted drafts this request's rates expect of a step asking k: the

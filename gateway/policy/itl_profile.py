@@ -133,11 +133,12 @@ class ItlProfile:
         return (1.0 - tb) * low + tb * high
 
     def drafter_waits(self, method: str, sequences: np.ndarray, tokens: np.ndarray,
-                      depth: np.ndarray) -> np.ndarray | None:
+                      depth: np.ndarray, backlog: np.ndarray | float = 0.0
+                      ) -> np.ndarray | None:
         """ms `method` adds to steps asking it for tokens[i] drafts over sequences[i]
-        sequences, at most depth[i] of one (0 where sequences[i] is 0), where the
-        profile has a model of it; None where it has only tables (whose columns are
-        steps where every sequence drafts alike)."""
+        sequences, at most depth[i] of one, taking in backlog[i] context rows (0 where
+        sequences[i] is 0), where the profile has a model of it; None where it has only
+        tables (whose columns are steps where every sequence drafts alike)."""
         return None
 
     def to_json(self) -> dict:

@@ -40,11 +40,15 @@ or a machine that gets busier):
   feeds, at a cost per row that differs.
 - the wait for drafts, draft_wait_ms = w + sum over methods m that drafted in
   the step of (d_m + s_m * sequences asked of m + e_m * draft tokens asked of m
-  + h_m * the most asked of one sequence). w is the scheduling a plain step pays
-  too; d_m a drafter's fixed cost per step, s_m its cost per sequence (its
-  bookkeeping, the hidden states it is sent), e_m per draft token, h_m per depth
-  (an EAGLE head runs one forward per drafted position, for all its sequences at
-  once). Tokens alone do not tell it: on the AMD EPYC the eagle3 drafter's wait
+  + h_m * the most asked of one sequence + c_m * context rows it takes in). w is
+  the scheduling a plain step pays too; d_m a drafter's fixed cost per step, s_m
+  its cost per sequence (its bookkeeping, the hidden states it is sent), e_m per
+  draft token, h_m per depth (an EAGLE head runs one forward per drafted position,
+  for all its sequences at once), c_m per row of context a sequence's drafter has
+  not seen since it last drafted for it (StepSample.backlog: an EAGLE head takes in
+  every such position, a few a step while it drafts every step, its whole prompt
+  and reply so far when it starts: 70-120 ms for a burst of 14-16 sequences of
+  120-250 positions, where a step of theirs took 15). Tokens alone do not tell it: on the AMD EPYC the eagle3 drafter's wait
   was 3.6 / 6.2 / 11.4 ms at K = 2 for 1 / 3.6 / 12 sequences and 0.4-1.0 ms
   more at K = 4, about 0.7 ms a sequence and 0.2-0.5 a depth, where a line in
   tokens through those steps prices a token at about 0.35 ms at any batch.
@@ -138,9 +142,11 @@ DRAFT_TOKEN_PRIOR_WEIGHT = PRIOR_WEIGHT
 # Its cost per sequence and per depth likewise, until batch sizes and Ks vary.
 DRAFT_SEQUENCE_PRIOR_WEIGHT = PRIOR_WEIGHT
 DRAFT_DEPTH_PRIOR_WEIGHT = PRIOR_WEIGHT
+# And per context row taken in, until sequences start drafting with a backlog.
+DRAFT_BACKLOG_PRIOR_WEIGHT = PRIOR_WEIGHT
 # The wait fit's coefficients per drafter method: fixed, per sequence, per token,
-# per depth (x[1 + WAIT_TERMS * i + j] for method i).
-WAIT_TERMS = 4
+# per depth, per context row taken in (x[1 + WAIT_TERMS * i + j] for method i).
+WAIT_TERMS = 5
 # w, the wait of a step that drafts nothing (scheduling), is small; held toward 0 more
 # than d, so that while every step drafts (one method at batch 1) the wait counts as
 # that drafter's rather than as a cost plain steps would pay too. Plain steps measure it.
@@ -224,10 +230,14 @@ class StepSample:
     # The outcome of the request's latest drafting step before this one (DraftOutcome),
     # None before it has had one on this stream.
     after: int | None = None
+    # Where this step asked for drafts: the context positions the drafter had not seen
+    # for this request before it (since its last drafting step on this stream, or all
+    # of them if none), which it takes in now.
+    backlog: int = 0
 
     def __post_init__(self) -> None:
         for name in ("step", "batch_size", "num_tokens", "num_speculative_tokens",
-                     "num_drafted", "num_accepted"):
+                     "num_drafted", "num_accepted", "backlog"):
             check_count(f"step sample: {name}", getattr(self, name))
         for name in ("step_time_ms", "draft_wait_ms"):
             value = getattr(self, name)
@@ -253,6 +263,7 @@ class _Step:
     asked: dict[str, int] = field(default_factory=dict)  # method -> draft tokens asked
     sequences: dict[str, int] = field(default_factory=dict)  # method -> sequences asked
     depth: dict[str, int] = field(default_factory=dict)  # method -> most asked of one
+    backlog: dict[str, int] = field(default_factory=dict)  # method -> context rows taken in
 
     def merge(self, s: StepSample) -> None:
         self.prefill |= s.prefill
@@ -260,6 +271,7 @@ class _Step:
             self.asked[s.method] = self.asked.get(s.method, 0) + s.num_speculative_tokens
             self.sequences[s.method] = self.sequences.get(s.method, 0) + 1
             self.depth[s.method] = max(self.depth.get(s.method, 0), s.num_speculative_tokens)
+            self.backlog[s.method] = self.backlog.get(s.method, 0) + s.backlog
 
 
 class ForgettingLeastSquares:
@@ -376,7 +388,8 @@ class StepCost:
     ROW_KNOTS[j]], read non-decreasing (OnlineProfile fits it so; in a cost made by
     hand a negative slope counts as flat, a negative jump as none); plus the draft wait w (plain steps too)
     and per drafting method d[m] + s[m] * sequences + e[m] * draft tokens + h[m] *
-    depth (the most drafts asked of one sequence)."""
+    depth (the most drafts asked of one sequence) + c[m] * backlog (the context rows
+    it takes in)."""
 
     a: float
     b: float
@@ -388,6 +401,7 @@ class StepCost:
     g: float = 0.0  # cost of each sequence in the batch, whatever its rows
     s: dict[str, float] = field(default_factory=dict)  # a drafter's wait per sequence
     h: dict[str, float] = field(default_factory=dict)  # a drafter's wait per depth
+    c: dict[str, float] = field(default_factory=dict)  # ... per context row taken in
 
     def __post_init__(self) -> None:
         # Segment j runs from _STARTS[j] (exclusive) to ROW_KNOTS[j]: its value at
@@ -432,18 +446,24 @@ class StepCost:
         return np.maximum(t, MIN_ITL_MS)
 
     def drafter_waits(self, method: str, sequences: float | np.ndarray,
-                      tokens: float | np.ndarray, depth: float | np.ndarray) -> np.ndarray:
+                      tokens: float | np.ndarray, depth: float | np.ndarray,
+                      backlog: float | np.ndarray = 0.0) -> np.ndarray:
         """ms `method` adds to the wait of steps asking it for `tokens` drafts over
-        `sequences` sequences, at most `depth` of one (broadcast together; it is asked)."""
+        `sequences` sequences, at most `depth` of one, taking in `backlog` context rows
+        (broadcast together; it is asked)."""
         return (self.d.get(method, 0.0) + self.s.get(method, 0.0) * np.asarray(sequences)
                 + self.e.get(method, 0.0) * np.asarray(tokens)
-                + self.h.get(method, 0.0) * np.asarray(depth))
+                + self.h.get(method, 0.0) * np.asarray(depth)
+                + self.c.get(method, 0.0) * np.asarray(backlog))
 
     def wait(self, asked: dict[str, int], sequences: dict[str, int],
-             depth: dict[str, int]) -> float:
+             depth: dict[str, int], backlog: dict[str, int] | None = None) -> float:
         """ms of a step's draft wait, asked[m] draft tokens asked of each drafting m
-        over sequences[m] sequences, at most depth[m] of one."""
-        return self.w + sum(float(self.drafter_waits(m, sequences[m], n, depth[m]))
+        over sequences[m] sequences, at most depth[m] of one, taking in backlog[m]
+        context rows."""
+        backlog = backlog or {}
+        return self.w + sum(float(self.drafter_waits(m, sequences[m], n, depth[m],
+                                                     backlog.get(m, 0)))
                             for m, n in asked.items())
 
     def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
@@ -496,11 +516,13 @@ class FittedProfile(ItlProfile):
         return self.cost.itls(batch_size, ks, method if method in self.method_itl_ms else None)
 
     def drafter_waits(self, method: str, sequences: np.ndarray, tokens: np.ndarray,
-                      depth: np.ndarray) -> np.ndarray | None:
+                      depth: np.ndarray, backlog: np.ndarray | float = 0.0
+                      ) -> np.ndarray | None:
         if method not in self.method_itl_ms:
             return None
         return np.where(np.asarray(sequences) > 0,
-                        self.cost.drafter_waits(method, sequences, tokens, depth), 0.0)
+                        self.cost.drafter_waits(method, sequences, tokens, depth, backlog),
+                        0.0)
 
 
 class OnlineProfile:
@@ -530,7 +552,8 @@ class OnlineProfile:
         precision = np.diag([WAIT_PRIOR_WEIGHT] + [DRAFT_FIXED_PRIOR_WEIGHT,
                                                    DRAFT_SEQUENCE_PRIOR_WEIGHT,
                                                    DRAFT_TOKEN_PRIOR_WEIGHT,
-                                                   DRAFT_DEPTH_PRIOR_WEIGHT]
+                                                   DRAFT_DEPTH_PRIOR_WEIGHT,
+                                                   DRAFT_BACKLOG_PRIOR_WEIGHT]
                             * len(DRAFTER_METHODS))
         self._wait = ForgettingLeastSquares(np.zeros(n), precision, FORGETTING)
         self._robust_forward, self._robust_wait = RobustWeight(), RobustWeight()
@@ -621,10 +644,12 @@ class OnlineProfile:
         x[0] = 1.0
         for m, asked in step.asked.items():
             i = 1 + WAIT_TERMS * DRAFTER_METHODS.index(m)
-            x[i:i + WAIT_TERMS] = (1.0, step.sequences[m], asked, step.depth[m])
+            x[i:i + WAIT_TERMS] = (1.0, step.sequences[m], asked, step.depth[m],
+                                   step.backlog.get(m, 0))
         self._wait.add(x, step.draft_wait_ms, 1.0 if cost is None else
                        weigh_wait(step.draft_wait_ms,
-                                  cost.wait(step.asked, step.sequences, step.depth)))
+                                  cost.wait(step.asked, step.sequences, step.depth,
+                                            step.backlog)))
         if not step.prefill:
             forward = step.step_time_ms - step.draft_wait_ms
             self._forward.add(forward_features(step.num_tokens, step.batch_size), forward,
@@ -675,14 +700,14 @@ class OnlineProfile:
             jumps = tuple(float(s) for s in theta[2 + knots:2 + 2 * knots])
             # The same for the wait: no term of it makes a step faster.
             wait = self._wait.solve_non_negative(range(len(self._wait.moment)))
-            d, s, e, h = {}, {}, {}, {}
+            d, s, e, h, c = {}, {}, {}, {}, {}
             for i, m in enumerate(DRAFTER_METHODS):
                 j = 1 + WAIT_TERMS * i
                 if self._wait.scatter[j, j] > 0:  # the method has drafted
-                    d[m], s[m], e[m], h[m] = (float(c) for c in wait[j:j + WAIT_TERMS])
+                    d[m], s[m], e[m], h[m], c[m] = (float(v) for v in wait[j:j + WAIT_TERMS])
             self._stale = 0
             self._cost = StepCost(float(a), float(b), float(wait[0]), d, e, hinges,
-                                  jumps, float(theta[-1]), s, h)
+                                  jumps, float(theta[-1]), s, h, c)
         return self._cost
 
     def rates(self, method: str, max_num_speculative_tokens: int) -> tuple[float, ...]:

@@ -43,6 +43,18 @@ def linear_profile(a: float, per_row: float, max_batch: int = 16, max_k: int = 4
                                                    for b in sizes)})
 
 
+def fitted(cost: StepCost, rates: tuple[float, ...],
+           plain: frozenset[int] = frozenset(range(1, 17))) -> FittedProfile:
+    """The online model's profile of `cost` over batch sizes 1..16 and K 0..4, with
+    `rates` for every method it has, plain decoding measured at `plain`."""
+    sizes, ks = batch_grid(16), tuple(range(5))
+    return FittedProfile(
+        batch_sizes=sizes, ks=ks, itl_ms=tuple(tuple(cost.itl(b, k) for k in ks) for b in sizes),
+        acceptance=dict.fromkeys(cost.d, rates), cost=cost, plain_batch_sizes=plain,
+        method_itl_ms={m: tuple(tuple(cost.itl(b, k, m) for k in ks) for b in sizes)
+                       for m in cost.d})
+
+
 def member(profile: ItlProfile, rates: tuple[float, ...], max_k: int = 4,
            method: str = "ngram", **kwargs) -> DynamicK:
     """A DynamicK whose rates are exactly `rates` (the prior, with no evidence)."""
@@ -407,20 +419,10 @@ def test_a_batch_runs_plain_first_where_plain_decoding_is_unmeasured():
     # (at most PROBE_STEPS steps of the size in PROBE_WINDOW), and so does a stream's
     # first K, chosen alone.
     cost = StepCost(a=40.0, b=0.5, w=0.0, d={"ngram": 0.0}, e={"ngram": 0.0})
-    sizes, ks = batch_grid(16), tuple(range(5))
-
-    def fitted(plain: frozenset[int]) -> FittedProfile:
-        return FittedProfile(
-            batch_sizes=sizes, ks=ks, itl_ms=tuple(tuple(cost.itl(b, k) for k in ks)
-                                                   for b in sizes),
-            acceptance={"ngram": (0.9,)}, cost=cost, plain_batch_sizes=plain,
-            method_itl_ms={"ngram": tuple(tuple(cost.itl(b, k, "ngram") for k in ks)
-                                          for b in sizes)})
-
-    profile = fitted(frozenset({4}))
+    profile = fitted(cost, (0.9,), frozenset({4}))
     assert profile.measured_plain(4) and not profile.measured_plain(16)
-    assert fitted(frozenset({40})).measured_plain(36)  # within an eighth
-    assert not fitted(frozenset({40})).measured_plain(34)
+    assert fitted(cost, (0.9,), frozenset({40})).measured_plain(36)  # within an eighth
+    assert not fitted(cost, (0.9,), frozenset({40})).measured_plain(34)
     batch = BatchK()
     members = [DynamicK(lambda: profile, "ngram", 4) for _ in range(2)]
     for m in members:
@@ -434,5 +436,36 @@ def test_a_batch_runs_plain_first_where_plain_decoding_is_unmeasured():
     alone = DynamicK(lambda: profile, "ngram", 4)
     assert (alone.next_k(4), alone.next_k(16)) == (4, 0)
     # Measured there, no probe.
-    profile = fitted(frozenset({4, 16}))
+    profile = fitted(cost, (0.9,), frozenset({4, 16}))
     assert [m.next_k(16, step=3 + PROBE_WINDOW) for m in members] == [4, 4]
+
+
+def test_a_drafter_that_must_first_take_in_the_context_drafts_only_where_it_pays_back():
+    # The context its drafter has not seen is taken in at a member's first drafting step
+    # (an EAGLE head's whole prompt and reply so far after plain steps): priced spread
+    # over the steps the member may have left, and its latest step's tokens every step.
+    cost = StepCost(a=20.0, b=0.5, w=0.0, d={"eagle3": 1.0}, e={"eagle3": 0.0},
+                    c={"eagle3": 0.05})
+    profile = fitted(cost, (0.7,))
+
+    def members(backlog: int, fresh: int, remaining: int) -> list[DynamicK]:
+        out = [DynamicK(lambda: profile, "eagle3", 4) for _ in range(8)]
+        for m in out:
+            m.backlog, m.fresh, m.remaining = backlog, fresh, remaining
+        return out
+
+    one = members(400, 2, 101)[0]
+    assert one.catch_up() == pytest.approx(
+        2 + 398 / (101 / (1 + one.expected_accepted(4))))
+    assert members(3, 3, 10)[0].catch_up() == 3  # drafting every step: its step's tokens
+    assert all(allocate(profile, 8, members(0, 0, 100)))
+    assert all(allocate(profile, 8, members(3, 3, 100)))
+    # 400 rows (20 ms) each, paid back over about 3 steps: plain.
+    assert allocate(profile, 8, members(400, 1, 10)) == [0] * 8
+    # Over hundreds: drafting pays.
+    assert all(allocate(profile, 8, members(400, 1, 1000)))
+    b = BatchK()
+    late = members(400, 1, 10)
+    for m in late:
+        m.join(b)
+    assert [m.next_k(8, step=1) for m in late] == [0] * 8

@@ -118,6 +118,36 @@ def test_steps_that_accept_less_than_expected_lower_the_methods_calibration(
         s.close()
 
 
+def test_each_drafting_step_reports_the_context_its_drafter_takes_in(loop, model, smollm2_dir):
+    """The online model learns what a drafter pays to take in context it has not seen
+    (StepSample.backlog): at a request's first drafting step its prompt and the prefill's
+    token, then each step the tokens of the step before."""
+    s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": FirstRightDrafter(model)})
+    online = s.gateway.online_profile
+    seen = []
+    observe = online.observe
+
+    def record(sample):
+        seen.append(sample)
+        observe(sample)
+
+    online.observe = record
+    try:
+        content = "Count to twenty."
+        client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": content}], temperature=0,
+            max_tokens=30, extra_body={"speculative": {"method": "draft_model",
+                                                       "num_speculative_tokens": 2}})
+        drafting = [x for x in seen if x.num_speculative_tokens]
+        assert len(drafting) >= 5
+        assert all(x.backlog == 0 for x in seen if not x.num_speculative_tokens)
+        assert drafting[0].backlog == len(s.chat_ids(content)) + 1
+        assert [x.backlog for x in drafting[1:]] == [x.num_accepted + 1 for x in drafting[:-1]]
+    finally:
+        s.close()
+
+
 def test_a_bursts_first_k_counts_every_request_admitted(loop, model, smollm2_dir):
     """Requests of a burst are admitted before their streams open: the first to open
     chooses its first K for the batch they will make, not for an idle replica. Here

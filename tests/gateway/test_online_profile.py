@@ -641,3 +641,40 @@ def test_plain_batch_sizes_are_those_with_plain_steps_in_the_fits_memory():
     for _ in range(MEMORY_STEPS - PLAIN_STEPS):
         v.run([("ngram", 2)] * 16)
     assert model.plain_batch_sizes() == frozenset()  # out of the fit's memory
+
+
+def test_the_wait_prices_the_context_a_drafter_takes_in():
+    # An EAGLE head takes in the context it has not seen for a sequence: a few rows a
+    # step while the sequence drafts every step, its whole prompt and reply so far when
+    # it starts after plain steps. The fit tells that cost from the one per sequence.
+    model = OnlineProfile()
+    rng = random.Random(3)
+    for step in range(1, 401):
+        batch = rng.choice([1, 4, 8, 16])
+        seqs = []  # (K, backlog)
+        for _ in range(batch):
+            k = rng.choice([0, 2, 4])
+            starts = rng.random() < 0.1
+            seqs.append((k, 0 if not k else rng.randint(80, 250) if starts else rng.randint(1, 5)))
+        asked = [(k, b) for k, b in seqs if k]
+        wait = 0.3
+        if asked:
+            wait += (4.0 + 0.7 * len(asked) + 0.2 * sum(k for k, _ in asked)
+                     + 0.5 * max(k for k, _ in asked) + 0.05 * sum(b for _, b in asked))
+        rows = sum(1 + k for k, _ in seqs)
+        for k, b in seqs:
+            model.observe(StepSample(
+                replica="v0", step=step, batch_size=batch, num_tokens=rows,
+                step_time_ms=20.0 + 2.0 * rows + wait, draft_wait_ms=wait, method="eagle3",
+                num_speculative_tokens=k, num_drafted=k, num_accepted=k, prefill=False,
+                backlog=b))
+    cost = model.cost()
+    assert cost.c["eagle3"] == pytest.approx(0.05, abs=0.002)
+    assert cost.s["eagle3"] == pytest.approx(0.7, abs=0.1)
+    assert cost.d["eagle3"] == pytest.approx(4.0, abs=0.3)
+    assert cost.wait({"eagle3": 8}, {"eagle3": 4}, {"eagle3": 2}, {"eagle3": 600}) == \
+        pytest.approx(0.3 + 4.0 + 2.8 + 1.6 + 1.0 + 30.0, rel=0.02)
+    with pytest.raises(ValueError, match="backlog"):
+        StepSample(replica="v0", step=1, batch_size=1, num_tokens=1, step_time_ms=1.0,
+                   draft_wait_ms=0.0, method="eagle3", num_speculative_tokens=1,
+                   num_drafted=0, num_accepted=0, prefill=False, backlog=-1)
