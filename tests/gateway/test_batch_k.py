@@ -469,3 +469,30 @@ def test_a_drafter_that_must_first_take_in_the_context_drafts_only_where_it_pays
     for m in late:
         m.join(b)
     assert [m.next_k(8, step=1) for m in late] == [0] * 8
+
+
+def test_a_plain_batch_is_chosen_again_only_when_the_profile_or_the_batch_changes():
+    # Members at K = 0 learn nothing of their rates: while the profile and the batch stay,
+    # a plain batch stays plain without choosing again (each choice costs the gateway's
+    # CPU, taken from the forward on a small machine).
+    profile = linear_profile(a=40.0, per_row=5.0)
+    batch = BatchK()
+    a, b = member(profile, (0.1,), prior_steps=1), member(profile, (0.1,), prior_steps=1)
+    a.join(batch)
+    b.join(batch)
+    assert (a.next_k(2, step=1), b.next_k(2, step=1)) == (0, 0)
+    for _ in range(20):  # as if they had drafted, and every draft landed
+        a.observe(4, 4)
+        b.observe(4, 4)
+    assert allocate(profile, 2, [a, b]) == [4, 4]
+    assert (a.next_k(2, step=2), b.next_k(2, step=2)) == (0, 0)  # not chosen again
+    member(profile, (0.1,)).join(batch)  # a new member: chosen again
+    assert a.next_k(3, step=3) == 4
+    refitted = linear_profile(a=40.0, per_row=5.0)  # the same model, fitted anew
+    for m in (a, b):
+        m.acceptance = type(m.acceptance)()
+    assert batch.next_k(a, refitted, 3, step=4) == 0
+    for _ in range(20):
+        a.observe(4, 4)
+    assert batch.next_k(a, refitted, 3, step=5) == 0
+    assert batch.next_k(a, linear_profile(a=40.0, per_row=5.0), 3, step=6) == 4
