@@ -28,6 +28,13 @@ END = "<!-- bench:end -->"
 # (results file, heading, what produced it). Files that do not exist yet are skipped.
 SECTIONS = [
     ("serving.md", "`make run` against `vllm serve`", "python -m bench.serving"),
+    ("serving_dynamic_k_probe_eagle3.md",
+     "Dynamic K against static K, eagle3, after the EAGLE-3 stream fix, with plain decoding "
+     "measured first at a batch size, a burst's streams starting plain, and the context a "
+     "drafter takes in priced (ours only; the AMD EPYC, 2026-11-28, a later session)",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 3 --out bench/results/serving_dynamic_k_probe_eagle3.json"),
     ("serving_dynamic_k_held_eagle3.md",
      "Dynamic K against static K, eagle3, with K = 0 outcomes held back from the drafter, "
      "dynamic K calibrated by what its steps accept, and a burst's first K chosen for the "
@@ -54,6 +61,12 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'plain,ngram K=2,ngram K=4,ngram auto' "
      "--concurrency 1,4,16 --requests 16 --repeats 2 "
      "--out bench/results/serving_draft_wait.json"),
+    ("serving_session19.md",
+     "`make run` against `vllm serve` a session earlier, with K = 0 outcomes held back from "
+     "the drafter, and the EAGLE-3 stream still ended whenever a request finished at K = 0 "
+     "(the AMD EPYC, 2026-11-27)",
+     "python -m bench.serving --repeats 3 --vllm 'plain,ngram K=4' "
+     "--out bench/results/serving_session19.json"),
     ("serving_session18.md",
      "`make run` against `vllm serve` a session earlier, before K = 0 outcomes were held "
      "back from the drafter (the AMD EPYC, 2026-11-27)",
