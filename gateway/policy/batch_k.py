@@ -382,9 +382,9 @@ class BatchK:
             if held is not None and held[0] is profile and held[1:] == plain_for[1:]:
                 # Still plain: nothing the choice reads has moved. Members at K = 0 learn
                 # nothing of their rates, and the profile is refitted every few steps
-                # (online: REFIT_STEPS). Choosing again each step took the gateway's CPU
-                # from the forward of a batch of 16 on two cores: its plain steps ran
-                # 1-1.5 ms (3-4 %) slower than those of plain requests.
+                # (online: REFIT_STEPS). A choice costs the gateway's CPU, which a small
+                # machine takes from the forward: a batch of 16 that dynamic K ran plain
+                # took 3-4 % longer a step than one of plain requests.
                 self._step = step
                 return 0
             views = [_Snapshot(m.method, m.max_num_speculative_tokens, tuple(m.rates()),

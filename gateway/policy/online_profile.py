@@ -47,8 +47,9 @@ or a machine that gets busier):
   for all its sequences at once), c_m per row of context a sequence's drafter has
   not seen since it last drafted for it (StepSample.backlog: an EAGLE head takes in
   every such position, a few a step while it drafts every step, its whole prompt
-  and reply so far when it starts: 70-120 ms for a burst of 14-16 sequences of
-  120-250 positions, where a step of theirs took 15). Tokens alone do not tell it: on the AMD EPYC the eagle3 drafter's wait
+  and reply so far when it starts: 70-120 ms for 14-16 sequences of 120-250
+  positions, where their later drafting steps waited about 15). Tokens alone do not
+  tell it: on the AMD EPYC the eagle3 drafter's wait
   was 3.6 / 6.2 / 11.4 ms at K = 2 for 1 / 3.6 / 12 sequences and 0.4-1.0 ms
   more at K = 4, about 0.7 ms a sequence and 0.2-0.5 a depth, where a line in
   tokens through those steps prices a token at about 0.35 ms at any batch.
