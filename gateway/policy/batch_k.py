@@ -294,6 +294,9 @@ MIN_GAIN = 0.02
 # batch whose static-K neighbours always draft never makes a plain step to measure.
 PROBE_STEPS = 8
 PROBE_WINDOW = 512
+# A batch chosen plain stays plain, unchosen, for up to this many steps while the
+# profile and the batch stay (BatchK.next_k).
+PLAIN_KEEP_STEPS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,8 +342,10 @@ class BatchK:
         self.tables: dict[tuple[str, int, int],
                           tuple[int, tuple[int, int, int, int] | None]] = {}
         self._probes: dict[int, list[int]] = {}  # batch size -> steps run plain to measure it
-        # (profile, batch size, member ids) of the latest choice, where it was all plain.
+        # (profile, batch size, member ids) of the latest choice, where it was all plain,
+        # and its step.
         self._plain_for: tuple[ItlProfile, int, tuple[int, ...]] | None = None
+        self._plain_step = 0
 
     def __len__(self) -> int:
         return len(self._members)
@@ -379,12 +384,13 @@ class BatchK:
                 return 0
             plain_for = (profile, batch_size, tuple(self._members))
             held = self._plain_for
-            if held is not None and held[0] is profile and held[1:] == plain_for[1:]:
-                # Still plain: nothing the choice reads has moved. Members at K = 0 learn
-                # nothing of their rates, and the profile is refitted every few steps
-                # (online: REFIT_STEPS). A choice costs the gateway's CPU, which a small
-                # machine takes from the forward: a batch of 16 that dynamic K ran plain
-                # took 3-4 % longer a step than one of plain requests.
+            if held is not None and held[0] is profile and held[1:] == plain_for[1:] \
+                    and 0 <= step - self._plain_step < PLAIN_KEEP_STEPS:
+                # Still plain: little the choice reads has moved. Members at K = 0 learn
+                # nothing new (their evidence only ages toward the prior), and an online
+                # profile is refitted every REFIT_STEPS. A choice costs the gateway's CPU,
+                # which a small machine takes from the forward: a batch of 16 that dynamic
+                # K ran plain took 3-4 % longer a step than one of plain requests.
                 self._step = step
                 return 0
             views = [_Snapshot(m.method, m.max_num_speculative_tokens, tuple(m.rates()),
@@ -399,6 +405,7 @@ class BatchK:
             self._ks = dict(zip(map(id, members), ks, strict=True))
             self._step = step
             self._plain_for = plain_for if not any(ks) else None
+            self._plain_step = step
         return self._ks.get(id(member), 0)
 
 

@@ -13,6 +13,7 @@ import pytest
 from gateway.policy.batch_k import (
     EXACT_BUDGET,
     MIN_GAIN,
+    PLAIN_KEEP_STEPS,
     PROBE_STEPS,
     PROBE_WINDOW,
     BatchK,
@@ -486,13 +487,15 @@ def test_a_plain_batch_is_chosen_again_only_when_the_profile_or_the_batch_change
         b.observe(4, 4)
     assert allocate(profile, 2, [a, b]) == [4, 4]
     assert (a.next_k(2, step=2), b.next_k(2, step=2)) == (0, 0)  # not chosen again
+    assert a.next_k(2, step=1 + PLAIN_KEEP_STEPS) == 4  # until PLAIN_KEEP_STEPS have passed
+    a.next_k(2, step=20)
     member(profile, (0.1,)).join(batch)  # a new member: chosen again
-    assert a.next_k(3, step=3) == 4
+    assert a.next_k(3, step=21) == 4
     refitted = linear_profile(a=40.0, per_row=5.0)  # the same model, fitted anew
     for m in (a, b):
         m.acceptance = type(m.acceptance)()
-    assert batch.next_k(a, refitted, 3, step=4) == 0
+    assert batch.next_k(a, refitted, 3, step=22) == 0
     for _ in range(20):
         a.observe(4, 4)
-    assert batch.next_k(a, refitted, 3, step=5) == 0
-    assert batch.next_k(a, linear_profile(a=40.0, per_row=5.0), 3, step=6) == 4
+    assert batch.next_k(a, refitted, 3, step=23) == 0
+    assert batch.next_k(a, linear_profile(a=40.0, per_row=5.0), 3, step=24) == 4
