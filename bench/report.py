@@ -245,6 +245,9 @@ SECTIONS = [
     ("drafters_eagle3.md", "The current EAGLE-3 head, single stream",
      "python -m bench.drafters --methods eagle3,eagle3_tree,eagle3_lookup --ks 2,4 "
      "--no-pipelining --out bench/results/drafters_eagle3.json"),
+    ("eagle_resume.md",
+     "EAGLE-3 resuming after plain steps: the head's context kept in sync or started over",
+     "python -m bench.eagle_resume"),
     ("suffix.md", "Suffix decoding against n-gram lookup", "python -m bench.suffix"),
     ("structured.md", "Structured outputs: grammar text as free drafts",
      "python -m bench.structured"),
