@@ -148,18 +148,25 @@ def test_each_drafting_step_reports_the_context_its_drafter_takes_in(loop, model
         s.close()
 
 
-def test_a_bursts_first_k_counts_every_request_admitted(loop, model, smollm2_dir):
-    """Requests of a burst are admitted before their streams open: the first to open
-    chooses its first K for the batch they will make, not for an idle replica. Here
-    drafting pays at one sequence and not at four."""
+def first_k_stack(loop, model, smollm2_dir, at_16: tuple[float, ...]
+                  ) -> tuple[GatewayStack, GenerationRequest]:
+    """A stack whose profile has K = 0, 1, 2, 4 at 10 / 10.5 / 11 / 12 ms for one
+    sequence and `at_16` for 16 (prior 0.9 a position), and a dynamic-K request on it."""
     prof = ItlProfile(batch_sizes=(1, 16), ks=(0, 1, 2, 4),
-                      itl_ms=((10, 10.5, 11, 12), (20, 200, 400, 800)),
-                      acceptance={"draft_model": (0.9,)})
+                      itl_ms=((10, 10.5, 11, 12), at_16), acceptance={"draft_model": (0.9,)})
     s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": FirstRightDrafter(model)},
                      profile=prof)
     req = GenerationRequest(prompt_token_ids=tuple(s.chat_ids("Hi.")),
                             sampling=common_pb2.SamplingParams(temperature=0, max_tokens=8),
                             speculative=SpeculativeRequest(method="draft_model", auto=True))
+    return s, req
+
+
+def test_a_bursts_first_k_counts_every_request_admitted(loop, model, smollm2_dir):
+    """Requests of a burst are admitted before their streams open: the first to open
+    chooses its first K for the batch they will make, not for an idle replica. Here
+    drafting pays at one sequence and not at four."""
+    s, req = first_k_stack(loop, model, smollm2_dir, at_16=(20, 200, 400, 800))
     try:
         alone = loop.run(s.gateway.open(req))
         start = alone._start(alone.replica).start
@@ -180,14 +187,8 @@ def test_a_stream_opening_beside_unanswered_ones_starts_plain(loop, model, smoll
     and prefill together: a stream opening while others on its replica have had no
     response yet starts plain (BatchK chooses its K from its first response, the batch
     known). Streams that have answered, or are gone, do not count."""
-    prof = ItlProfile(batch_sizes=(1, 16), ks=(0, 1, 2, 4),  # drafting pays at any batch
-                      itl_ms=((10, 10.5, 11, 12), (20, 20.5, 21, 22)),
-                      acceptance={"draft_model": (0.9,)})
-    s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": FirstRightDrafter(model)},
-                     profile=prof)
-    req = GenerationRequest(prompt_token_ids=tuple(s.chat_ids("Hi.")),
-                            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=8),
-                            speculative=SpeculativeRequest(method="draft_model", auto=True))
+    # Drafting pays at any batch.
+    s, req = first_k_stack(loop, model, smollm2_dir, at_16=(20, 20.5, 21, 22))
     try:
         burst = [loop.run(s.gateway.open(req)) for _ in range(3)]
         for g in burst:

@@ -5,9 +5,11 @@ sequence at K = 0 sends nothing until it drafts again or ends."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -58,6 +60,19 @@ def serve(servicer: drafter_pb2_grpc.DrafterServicer) -> tuple[grpc.Server, str]
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     return server, f"127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def connected(servicer: drafter_pb2_grpc.DrafterServicer) -> Iterator[DrafterClient]:
+    """A DrafterClient connected to `servicer`, served on a free port."""
+    server, address = serve(servicer)
+    client = DrafterClient("d", address, TARGET).start()
+    try:
+        assert client.wait_available(10), client.error
+        yield client
+    finally:
+        client.close()
+        server.stop(0)
 
 
 def test_a_hung_drafter_is_cut_off_and_reconnected():
@@ -145,10 +160,7 @@ def states(start: int, rows: int, device: str = "cpu") -> torch.Tensor:
         not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_outcomes_of_k0_steps_are_held_until_the_sequence_drafts_or_ends(device):
     servicer = Records()
-    server, address = serve(servicer)
-    client = DrafterClient("d", address, TARGET).start()
-    try:
-        assert client.wait_available(10), client.error
+    with connected(servicer) as client:
         client.track(1, [1, 2, 3], SamplingParams(), 4)
         assert not client.send(1, {1: 0})  # the Start, nothing due
         assert servicer.wait_for(1)[0].entries[0].WhichOneof("kind") == "start"
@@ -186,9 +198,6 @@ def test_outcomes_of_k0_steps_are_held_until_the_sequence_drafts_or_ends(device)
         client.send(200, {})
         (free,) = servicer.wait_for(5)[4].entries
         assert (free.seq_id, free.WhichOneof("kind")) == (1, "free")
-    finally:
-        client.close()
-        server.stop(0)
 
 
 class RecordsTokens(Records):
@@ -204,10 +213,7 @@ def test_a_drafter_without_hidden_states_gets_a_freed_sequences_held_tokens():
     # A suffix drafter learns from whole replies: a sequence freed with K = 0 outcomes
     # held sends their tokens before its Free.
     servicer = RecordsTokens()
-    server, address = serve(servicer)
-    client = DrafterClient("d", address, TARGET).start()
-    try:
-        assert client.wait_available(10), client.error
+    with connected(servicer) as client:
         client.track(1, [1, 2, 3], SamplingParams(), 4)
         client.send(1, {1: 0})
         servicer.wait_for(1)
@@ -220,9 +226,6 @@ def test_a_drafter_without_hidden_states_gets_a_freed_sequences_held_tokens():
         assert (last.seq_id, last.round, list(last.advance.new_token_ids)) == (1, 1, [10, 11])
         assert not last.advance.HasField("hidden_states")
         assert (free.seq_id, free.WhichOneof("kind")) == (1, "free")
-    finally:
-        client.close()
-        server.stop(0)
 
 
 def test_two_outcomes_of_one_step_reach_the_drafter_as_one():
@@ -230,10 +233,7 @@ def test_two_outcomes_of_one_step_reach_the_drafter_as_one():
     # step (the cached positions' states, then the chunk's): both reach the drafter, in
     # one Advance, rather than re-starting the sequence without its states.
     servicer = Records()
-    server, address = serve(servicer)
-    client = DrafterClient("d", address, TARGET).start()
-    try:
-        assert client.wait_available(10), client.error
+    with connected(servicer) as client:
         client.track(1, [1, 2, 3, 4, 5, 6], SamplingParams(), 4)
         client.send(1, {})
         servicer.wait_for(1)
@@ -245,6 +245,3 @@ def test_two_outcomes_of_one_step_reach_the_drafter_as_one():
         adv = entries[0].advance
         assert list(adv.new_token_ids) == [7] and adv.hidden_states.start_position == 0
         assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(0, 6))
-    finally:
-        client.close()
-        server.stop(0)
