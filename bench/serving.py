@@ -225,7 +225,7 @@ def cell_stats(replies: list[Reply], wall_s: float) -> dict:
             "itl_ms_p50": percentile(gaps, 50), "itl_ms_p99": percentile(gaps, 99),
             "acceptance_length": statistics.mean(als) if als else None,
             "draft_size": statistics.mean(sizes) if sizes else None,
-            "texts": [r.text for r in replies]}
+            "texts": [r.text for r in replies], "reply_tokens": [r.tokens for r in replies]}
 
 
 def _body(speculative: dict | None) -> dict | None:
@@ -657,11 +657,18 @@ def summarise(cells: dict[str, dict[str, list[dict]]], reference: dict[str, list
             run = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]
             ref = reference.get(c)
             texts = run["texts"]
-            out[name][c] = {k: v for k, v in run.items() if k != "texts"}
+            out[name][c] = {k: v for k, v in run.items() if k not in ("texts", "reply_tokens")}
             out[name][c]["tok_s_runs"] = [round(r["tok_s"], 2) for r in runs]
             out[name][c]["requests"] = len(texts)
             out[name][c]["identical"] = (sum(a == b for a, b in zip(texts, ref, strict=True))
                                          if ref is not None else None)
+            if ref is not None and out[name][c]["identical"] < len(texts):
+                # The evidence for a reply that differs: where it leaves plain's.
+                counts = run.get("reply_tokens")  # the server's completion tokens
+                out[name][c]["differing"] = [
+                    {"request": i, "reply": a, "plain": b}
+                    | ({"tokens": counts[i]} if counts else {})
+                    for i, (a, b) in enumerate(zip(texts, ref, strict=True)) if a != b]
     return out
 
 

@@ -10,13 +10,14 @@ no host reads, shapes fixed by the metadata's tensors alone.
 from __future__ import annotations
 
 import itertools
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from specdec.models import paged_attention
+from specdec.models import linear, paged_attention
 from specdec.models.kv_cache import AttentionMetadata
 
 
@@ -60,8 +61,8 @@ class _SdpaState:
 
 @dataclass(slots=True)
 class _SplitState:
-    """A CPU step split between the paged kernel (decode and verify rows) and torch's
-    path (the rest: prefill chunks, token trees)."""
+    """A CPU step split between the paged kernel (decode rows, verify blocks and token
+    trees) and torch's path (the rest: prefill chunks, trees of over 63 tokens)."""
 
     meta: AttentionMetadata
     kernel_seqs: torch.Tensor  # [S] int64: batch indices of the kernel's sequences
@@ -69,6 +70,8 @@ class _SplitState:
     rest: _SdpaState | None  # torch's path for the other sequences
     rest_rows: torch.Tensor | None  # [T'] their tokens' indices in the step
     whole: _SdpaState | None = None  # torch's path for all, built for a dtype the kernel lacks
+    # [T] int64: a tree token's ancestors in its block as bits, 0 elsewhere; None: no tree
+    tree_bits: torch.Tensor | None = None
 
 
 class SdpaBackend(AttentionBackend):
@@ -81,15 +84,18 @@ class SdpaBackend(AttentionBackend):
 
     On CPU in float32, sequences of up to paged_attention.MAX_QUERY new tokens
     without a token tree (decode and verify) go to the paged kernel instead, which
-    reads the cache in place and does not pad (paged_attention.py).
+    reads the cache in place and does not pad (paged_attention.py); with
+    SPECDEC_BATCH_INVARIANT=1 (linear.BATCH_INVARIANT) prefill chunks too, so a
+    row's bits never depend on how many rows its sequence brings to the step.
     """
 
     def prepare(self, meta: AttentionMetadata) -> _SdpaState | _SplitState:
         if (meta.positions.device.type == "cpu" and self.sliding_window is None
                 and self.head_dim % paged_attention.LANES == 0 and paged_attention.available()):
             trees = meta.tree_masks or [None] * meta.batch_size
+            longest = math.inf if linear.BATCH_INVARIANT else paged_attention.MAX_QUERY
             short = [b for b, (n, tree) in enumerate(zip(meta.query_lens, trees, strict=True))
-                     if n <= paged_attention.MAX_QUERY and tree is None]
+                     if n <= (longest if tree is None else paged_attention.MAX_TREE)]
             if short:
                 return self._split(meta, short)
         return self._prepare(meta)
@@ -112,6 +118,14 @@ class SdpaBackend(AttentionBackend):
                 block_size=meta.block_size,
                 tree_masks=None if meta.tree_masks is None else [meta.tree_masks[b] for b in rest])
             state.rest, state.rest_rows = self._prepare(sub), rows
+        if meta.tree_masks is not None and any(meta.tree_masks[b] is not None for b in short):
+            state.tree_bits = torch.zeros(meta.num_tokens, dtype=torch.int64)
+            starts = meta.query_start.tolist()
+            for b in short:
+                if (tree := meta.tree_masks[b]) is not None:
+                    # Row r's mask [q] bool -> sum of 2^c over the columns it sees.
+                    powers = torch.tensor([1 << c for c in range(tree.shape[1])])
+                    state.tree_bits[starts[b]:starts[b + 1]] = (tree.cpu().long() * powers).sum(1)
         return state
 
     def _prepare(self, meta: AttentionMetadata) -> _SdpaState:
@@ -180,7 +194,7 @@ class SdpaBackend(AttentionBackend):
         out = torch.empty_like(q)
         meta = state.meta
         paged_attention.attend(q, k_cache, v_cache, out, meta.block_tables, meta.query_start,
-                               meta.seq_lens, state.kernel_seqs, state.max_len,
+                               meta.seq_lens, state.kernel_seqs, state.tree_bits, state.max_len,
                                meta.block_size)
         if state.rest is not None:
             out.index_copy_(0, state.rest_rows,

@@ -10,6 +10,16 @@ slows down sharply past a few input rows (at SmolLM2-135M size, 5 rows take
 ~1.7x the time of 1), which makes a verify step of K + 1 tokens cost far more
 than a decode step although both read the same weights.
 
+The two kernels round differently, so a token's logits depend on whether its
+step had more than SMALL_ROWS_MAX rows, and a near-tie can flip between plain
+decoding and speculation (or with the batch). SPECDEC_BATCH_INVARIANT=1 runs
+every row count on the small-rows kernel (blocked passes past one pass) and
+every prompt chunk on the paged attention kernel (attention.py): a row's bits
+then never depend on the step, at a price on big steps (SmolLM2-135M, AMD
+EPYC, 2 threads: a plain step of 16 sequences 27.3 -> 32.5 ms, a verify step
+of 4 x 5 rows 28.4 -> 34.6 ms, 16 x 5 rows 73 -> 92 ms, prefill +24-35 %; no
+oneDNN copy of the weights either).
+
 `pack_linear_weights(module)` prepares a whole model for both paths;
 `use_small_rows(module)` the small-rows path alone (the EAGLE heads: their
 steps are always few rows).
@@ -17,11 +27,16 @@ steps are always few rows).
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specdec.models import small_rows
+
+log = logging.getLogger(__name__)
 
 # Rows from which a projection runs on the oneDNN-packed weight. Below, F.linear
 # (MKL's GEMV-like path) is faster; from 4 rows on it falls off a cliff (SmolLM2's
@@ -33,11 +48,16 @@ PACKED_MIN_ROWS = 4
 # available: one pass over the weight; past it the packed weight wins. 16 on Intel
 # with AVX-512, 12 elsewhere (small_rows.max_rows() has the measurements).
 SMALL_ROWS_MAX = small_rows.max_rows()
+# Every row on the small-rows kernel, and every prompt chunk on the paged attention
+# kernel: bit-exact rows whatever the step (see the module's docstring). Read at
+# each call, so a test may switch it.
+ENV_BATCH_INVARIANT = "SPECDEC_BATCH_INVARIANT"
+BATCH_INVARIANT = os.environ.get(ENV_BATCH_INVARIANT, "0") == "1"
 
 
 class Linear(nn.Linear):
-    """nn.Linear that may hold a oneDNN-packed copy of its weight and run few
-    rows on the small-rows kernel (see pack_linear_weights, use_small_rows)."""
+    """nn.Linear that may hold a oneDNN-packed copy of its weight and run rows on
+    the small-rows kernel (see pack_linear_weights, use_small_rows)."""
 
     packed: torch.Tensor | None = None
     small_rows: bool = False
@@ -46,7 +66,7 @@ class Linear(nn.Linear):
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """x: [M, in] -> [M, out] on the path its Linear was prepared for (getattr: a plain
     nn.Linear takes F.linear)."""
-    if x.shape[0] <= SMALL_ROWS_MAX and getattr(layer, "small_rows", False):
+    if getattr(layer, "small_rows", False) and (BATCH_INVARIANT or x.shape[0] <= SMALL_ROWS_MAX):
         return small_rows.linear(x, layer.weight, layer.bias)
     packed = getattr(layer, "packed", None)
     if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
@@ -64,16 +84,21 @@ def _dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device]:
 @torch.no_grad()
 def pack_linear_weights(module: nn.Module, enabled: bool = True) -> bool:
     """Run every Linear of `module` through oneDNN on a reordered copy of its weight
-    (CPU float32/bfloat16 only; returns whether it did), and in float32 few rows on
-    the small-rows kernel when this machine can build it. The copies are not
-    parameters: call again after changing weights, dtype or device."""
+    (CPU float32/bfloat16 only; returns whether it did), and in float32 few rows (all
+    rows under BATCH_INVARIANT, with no copy) on the small-rows kernel when this
+    machine can build it. The copies are not parameters: call again after changing
+    weights, dtype or device."""
     dtype, device = _dtype_device(module)
     enabled = (enabled and device.type == "cpu" and torch.backends.mkldnn.is_available()
                and dtype in (torch.float32, torch.bfloat16))
     small = enabled and dtype == torch.float32 and small_rows.available()
+    if enabled and dtype == torch.float32 and BATCH_INVARIANT and not small:
+        log.warning("%s=1, but the small-rows kernel is off (%s): rows are not "
+                    "batch-invariant", ENV_BATCH_INVARIANT, small_rows.unavailable_reason())
     for m in module.modules():
         if isinstance(m, Linear):
-            m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()) if enabled else None
+            m.packed = (torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
+                        if enabled and not (small and BATCH_INVARIANT) else None)
             m.small_rows = small
     return enabled
 

@@ -70,8 +70,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", attention: str = "sdpa",
                pack_linear: bool = True) -> LlamaForCausalLM:
     """pack_linear: on CPU in float32, run the projections on oneDNN-packed
-    weights (see linear.pack_linear_weights; costs a second copy of
-    the projection weights)."""
+    weights and few rows on the small-rows kernel (see linear.pack_linear_weights;
+    the packed copy costs a second copy of the projection weights, except under
+    SPECDEC_BATCH_INVARIANT=1, where every row runs on the small-rows kernel)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(dtype)

@@ -10,7 +10,10 @@
  * the cost follows the rows each sequence really has.
  *
  * Query token j of a sequence of len tokens with nq new ones sees keys 0 .. first + j,
- * first = len - nq being the position of its first query token; query head hq reads
+ * first = len - nq being the position of its first query token; in a token tree's
+ * block (tree_bits[t] != 0, bit i for the block's token i) it sees keys 0 .. first - 1
+ * and then its ancestors and itself, in block order: the keys, in the order, that
+ * decoding that path one token at a time would see. Query head hq reads
  * KV head hq / group (GQA). Every score is one 8-lane accumulator over the head
  * dimension in order, then a fixed pairwise sum; softmax and the weighted sum of
  * values run over the row's keys in position order. A row's rounding therefore
@@ -159,7 +162,8 @@ static inline void values8(const float *s, const float *const *values, int64_t c
 /* out[t, h, :] for every query token t of the sequences listed in seqs.
  * q, out: [T, heads, dim]; k_cache, v_cache: [slots, kv_heads, dim];
  * block_tables: [B, table_stride]; query_start: [B + 1]; seq_lens: [B] (with the
- * step's tokens); seqs: [num_seqs] indices into the batch; max_len: the longest.
+ * step's tokens); seqs: [num_seqs] indices into the batch; max_len: the longest;
+ * tree_bits: [T] each token's ancestors in its tree block, 0 outside trees (or NULL).
  *
  * A work item is one (sequence, query head): its query tokens one row at a time, all
  * reading the same KV head's keys and values (from L1 or L2 after the first row).
@@ -177,7 +181,7 @@ static inline void values8(const float *s, const float *const *values, int64_t c
 void paged_attention(const float *q, const float *k_cache, const float *v_cache, float *out,
                      const int64_t *block_tables, int64_t table_stride,
                      const int64_t *query_start, const int64_t *seq_lens,
-                     const int64_t *seqs, int64_t num_seqs,
+                     const int64_t *seqs, int64_t num_seqs, const int64_t *tree_bits,
                      int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
                      int64_t max_len, float scale, int threads)
 {
@@ -188,6 +192,9 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
         float *scores = aligned_alloc(32, sizeof(float) * stride);          /* [stride] */
         const float **keys = malloc(sizeof(float *) * stride);              /* [max_len] */
         const float **values = malloc(sizeof(float *) * stride);            /* [max_len] */
+        /* A tree block's own key and value rows in block order (at most 64 tokens):
+         * each of its rows lays its ancestors' over keys[first ..] before it reads. */
+        const float *block_keys[64], *block_values[64];
         int64_t cached = -1; /* the (sequence, KV head) whose key and value rows are in keys */
 #pragma omp for collapse(2) schedule(guided)
         for (int64_t i = 0; i < num_seqs; i++) {
@@ -207,9 +214,24 @@ void paged_attention(const float *q, const float *k_cache, const float *v_cache,
                         }
                     }
                     cached = i * kv_heads + h;
+                    if (tree_bits && tree_bits[t0])
+                        for (int64_t o = 0; o < nq; o++) {
+                            block_keys[o] = keys[first + o];
+                            block_values[o] = values[first + o];
+                        }
                 }
                 for (int64_t j = 0; j < nq; j++) {
-                    const int64_t row = (t0 + j) * heads + hq, n = first + j + 1;
+                    const int64_t row = (t0 + j) * heads + hq;
+                    int64_t n = first + j + 1;
+                    if (tree_bits && tree_bits[t0 + j]) {
+                        n = first;
+                        for (int64_t o = 0; o <= j; o++)
+                            if (tree_bits[t0 + j] >> o & 1) {
+                                keys[n] = block_keys[o];
+                                values[n] = block_values[o];
+                                n++;
+                            }
+                    }
                     const float *qr = q + row * dim;
                     float *s = scores;
                     int64_t l = 0;

@@ -61,7 +61,8 @@ def _cpu_vendor() -> str:
 
 
 def max_rows() -> int:
-    """Rows up to which the kernel beats oneDNN's packed weight on this CPU
+    """Rows up to which the kernel beats oneDNN's packed weight on this CPU, and the
+    most it takes in one pass over the weight; more run in blocked passes
     (SPECDEC_SMALL_ROWS_MAX overrides). A pass over the weight holds 16 rows with
     AVX-512 and 12 with AVX2, but past 12 rows the 16-row tiles are one column
     wide, and only an Intel core with full-width AVX-512 units still wins there.
@@ -128,6 +129,11 @@ def load(source: Path, switch: str) -> tuple[ctypes.CDLL | None, str | None]:
 
 
 @functools.cache
+def _one_pass_max() -> int:
+    return max_rows()
+
+
+@functools.cache
 def _kernel():
     """The C function, or None (with the reason in _reason, logged once)."""
     global _reason
@@ -136,7 +142,7 @@ def _kernel():
         log.warning("small-rows GEMM off, CPU projections use torch's kernels: %s", _reason)
         return None
     fn = lib.small_rows_gemm
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64]
     fn.restype = None
     return fn
 
@@ -161,8 +167,9 @@ def unavailable_reason() -> str | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for float32 CPU tensors: x [M, K], weight [N, K], bias [N] -> [M, N].
-    Call only when available()."""
+    """F.linear for float32 CPU tensors: x [M, K], weight [N, K], bias [N] -> [M, N],
+    any M: up to max_rows() rows in one pass over the weight, more in blocked passes,
+    each row's bits the same either way. Call only when available()."""
     fn = _kernel()
     if fn is None:
         raise RuntimeError(f"the small-rows GEMM is off: {_reason}")
@@ -179,5 +186,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
         fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-           y.data_ptr(), m, n, x.shape[1], torch.get_num_threads())
+           y.data_ptr(), m, n, x.shape[1], torch.get_num_threads(), _one_pass_max())
     return y

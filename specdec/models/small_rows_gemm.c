@@ -76,23 +76,29 @@ static inline float hsum8(__m256 v) {
 #error "small_rows_gemm needs AVX-512F, or AVX2 and FMA"
 #endif
 
-/* One tile: rows m0..m0+MB-1 of x against weight rows n..n+NB-1. */
-#define TILE(MB, NB)                                                                    \
-  static void tile_##MB##_##NB(const float *x, const float *w, const float *b, float *y, \
-                               int64_t N, int64_t K, int64_t n) {                        \
+/* Weight rows per block of a blocked call: a multiple of every tile width (4, 3,
+ * 2); 48 rows of K = 1536 (288 KiB) and the next block stay in L2 while every
+ * pass reads them. */
+#define CHUNK 48
+
+/* One tile: rows m0..m0+MB-1 of x against weight rows n..n+NB-1, prefetching weight
+ * rows n+AHEAD.. (NB of them; none where AHEAD is 0) with hint HINT. */
+#define TILE_FN(NAME, MB, NB, AHEAD, HINT)                                              \
+  static void NAME(const float *x, const float *w, const float *b, float *y,             \
+                   int64_t N, int64_t K, int64_t n) {                                    \
     vec acc[MB][NB];                                                                     \
     for (int m = 0; m < MB; m++)                                                         \
       for (int j = 0; j < NB; j++) acc[m][j] = VZERO();                                  \
-    /* The next tile's rows, as an integer address: it may lie past the end. */          \
-    const uintptr_t ahead = (uintptr_t)w + sizeof(float) * (uintptr_t)((n + NB) * K);   \
+    /* The rows to prefetch, as an integer address: they may lie past the end. */        \
+    const uintptr_t ahead = (uintptr_t)w + sizeof(float) * (uintptr_t)((n + AHEAD) * K); \
     int64_t k = 0;                                                                       \
     for (; k + LANES <= K; k += LANES) {                                                 \
       vec wv[NB];                                                                        \
       for (int j = 0; j < NB; j++) wv[j] = VLOAD(w + (n + j) * K + k);                   \
       /* NB cache lines of the next tile every 16 columns: all of it by the end. */      \
-      if (k % 16 == 0)                                                                   \
+      if (AHEAD && k % 16 == 0)                                                          \
         for (int j = 0; j < NB; j++)                                                     \
-          _mm_prefetch((const char *)(ahead + sizeof(float) * (NB * k + 16 * j)), _MM_HINT_NTA); \
+          _mm_prefetch((const char *)(ahead + sizeof(float) * (NB * k + 16 * j)), HINT); \
       for (int m = 0; m < MB; m++) {                                                     \
         vec xv = VLOAD(x + m * K + k);                                                   \
         for (int j = 0; j < NB; j++) acc[m][j] = VFMA(xv, wv[j], acc[m][j]);             \
@@ -111,6 +117,13 @@ static inline float hsum8(__m256 v) {
       for (int j = 0; j < NB; j++)                                                       \
         y[m * N + n + j] = VSUM(acc[m][j]) + (b ? b[n + j] : 0.0f);                      \
   }
+/* A single pass asks for the next tile's rows, non-temporal. */
+#define TILE(MB, NB) TILE_FN(tile_##MB##_##NB, MB, NB, NB, _MM_HINT_NTA)
+/* Blocked passes: the first over a block asks for the next block into L2 (CHUNK
+ * rows on), where every pass over it finds it; the others ask for nothing. */
+#define BLOCK_TILE(MB, NB)                                                              \
+  TILE_FN(first_##MB##_##NB, MB, NB, CHUNK, _MM_HINT_T1)                                \
+  TILE_FN(block_##MB##_##NB, MB, NB, 0, _MM_HINT_T1)
 
 typedef void (*tile_fn)(const float *, const float *, const float *, float *, int64_t, int64_t,
                         int64_t);
@@ -131,6 +144,12 @@ static const int WIDTH[MAX_TILE_ROWS + 1] = {0, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2,
 static const tile_fn SINGLE[MAX_TILE_ROWS + 1] = {
     0,         tile_1_1,  tile_2_1,  tile_3_1,  tile_4_1,  tile_5_1,  tile_6_1,  tile_7_1, tile_8_1,
     tile_9_1,  tile_10_1, tile_11_1, tile_12_1, tile_13_1, tile_14_1, tile_15_1, tile_16_1};
+/* Blocked passes: 8 rows against 3 weight rows (24 accumulators). */
+BLOCK_TILE(8, 3)
+#define BLOCK_ROWS 8
+#define BLOCK_WIDTH 3
+#define BLOCK block_8_3
+#define FIRST first_8_3
 #else
 /* 16 registers: at most 12 accumulators beside the tile's weight vectors. 1-2 rows:
  * 4 weight rows a tile; 3 rows: 3; 4-5 rows: 2; 6-12 rows: 1. */
@@ -145,12 +164,45 @@ static const int WIDTH[MAX_TILE_ROWS + 1] = {0, 4, 4, 3, 2, 2, 1, 1, 1, 1, 1, 1,
 static const tile_fn SINGLE[MAX_TILE_ROWS + 1] = {
     0,        tile_1_1, tile_2_1, tile_3_1, tile_4_1,  tile_5_1,  tile_6_1,
     tile_7_1, tile_8_1, tile_9_1, tile_10_1, tile_11_1, tile_12_1};
+/* Blocked passes: 5 rows against 2 weight rows (10 accumulators). */
+BLOCK_TILE(5, 2)
+#define BLOCK_ROWS 5
+#define BLOCK_WIDTH 2
+#define BLOCK block_5_2
+#define FIRST first_5_2
 #endif
 
-/* Rows in passes of at most MAX_TILE_ROWS (each pass streams the weight once);
- * weight rows split evenly between threads, in whole tiles. b may be NULL. */
+/* y = x w^T (+ b). Up to one_pass_max rows: passes of at most MAX_TILE_ROWS, each
+ * streaming the weight once, its rows split evenly between threads in whole tiles.
+ * More rows (prefill chunks, verify steps of big batches): each thread's weight
+ * rows in blocks of CHUNK, every pass of BLOCK_ROWS rows run over a block while
+ * it is in L2. Either way every y[m, n] is the same accumulation over k, so a
+ * row's bits do not depend on M or on the path. b may be NULL. */
 void small_rows_gemm(const float *x, const float *w, const float *b, float *y, int64_t M,
-                     int64_t N, int64_t K, int num_threads) {
+                     int64_t N, int64_t K, int num_threads, int64_t one_pass_max) {
+  if (M > one_pass_max) {
+#pragma omp parallel num_threads(num_threads)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int64_t blocks = N / CHUNK; /* whole blocks; the last thread also takes the rest */
+      const int64_t lo = blocks * t / nt * CHUNK;
+      const int64_t hi = t == nt - 1 ? N : blocks * (t + 1) / nt * CHUNK;
+      for (int64_t c0 = lo; c0 < hi; c0 += CHUNK) {
+        const int64_t c1 = c0 + CHUNK < hi ? c0 + CHUNK : hi;
+        for (int64_t m0 = 0; m0 < M; m0 += BLOCK_ROWS) {
+          const int64_t mb = M - m0 < BLOCK_ROWS ? M - m0 : BLOCK_ROWS;
+          const tile_fn wide = mb < BLOCK_ROWS ? WIDE[mb] : m0 == 0 ? FIRST : BLOCK;
+          const int64_t width = mb == BLOCK_ROWS ? BLOCK_WIDTH : WIDTH[mb];
+          const float *xm = x + m0 * K;
+          float *ym = y + m0 * N;
+          int64_t n = c0;
+          for (; n + width <= c1; n += width) wide(xm, w, b, ym, N, K, n);
+          for (; n < c1; n++) SINGLE[mb](xm, w, b, ym, N, K, n);
+        }
+      }
+    }
+    return;
+  }
 #pragma omp parallel num_threads(num_threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();

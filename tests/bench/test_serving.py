@@ -37,12 +37,17 @@ def test_summary_takes_the_median_repeat_and_counts_identical_replies():
 
     cells = {"ours plain": {"1": [cell(10.0, ["a", "b"])]},
              "vllm plain": {"1": [cell(30.0, ["a", "x"]), cell(12.0, ["a", "b"]),
-                                  cell(20.0, ["a", "b"])]}}
+                                  cell(20.0, ["a", "b"])]},
+             "vllm ngram K=4": {"1": [cell(15.0, ["a", "y"])]}}
     s = serving.summarise(cells, {"1": ["a", "b"]})
     assert s["vllm plain"]["1"]["tok_s"] == 20.0
     assert s["vllm plain"]["1"]["tok_s_runs"] == [30.0, 12.0, 20.0]
     assert (s["vllm plain"]["1"]["identical"], s["vllm plain"]["1"]["requests"]) == (2, 2)
     assert "texts" not in s["ours plain"]["1"]
+    # A reply that differs is kept with plain's, the others are not.
+    assert s["vllm ngram K=4"]["1"]["identical"] == 1
+    assert s["vllm ngram K=4"]["1"]["differing"] == [{"request": 1, "reply": "y", "plain": "b"}]
+    assert "differing" not in s["vllm plain"]["1"]
     assert serving.best(s, "vllm ", "1") == ("vllm plain", 20.0)
 
 
@@ -208,7 +213,8 @@ def test_a_reduced_run_of_our_stack_and_engine(tmp_path):
         for c, requests in (("1", 2), ("4", 4)):
             assert s[name][c]["tok_s"] > 0
             # greedy: every configuration, and the engine in process, give plain's text
-            assert s[name][c]["identical"] == s[name][c]["requests"] == requests
+            assert s[name][c]["identical"] == s[name][c]["requests"] == requests, \
+                (name, c, s[name][c].get("differing"))
     b = s["ours plain"]["1"]["breakdown"]
     assert b["tokens_per_step"] == pytest.approx(1.0, abs=0.3)  # plain: one token a step
     assert b["rows_per_step"] >= b["batch_mean"]  # a row per sequence, prefill chunks more

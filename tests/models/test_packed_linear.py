@@ -1,5 +1,6 @@
-"""Projections on oneDNN-packed weights (the CPU float32 default of
-load_model) give the logits of plain F.linear."""
+"""Projections on oneDNN-packed weights and the small-rows kernel (the CPU float32
+default of load_model; the kernel alone for every row under
+SPECDEC_BATCH_INVARIANT) give the logits of plain F.linear."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from specdec.models import linear as linear_module
 from specdec.models import load_model, small_rows
 from specdec.models.linear import PACKED_MIN_ROWS, Linear, linear, pack_linear_weights
 
@@ -24,8 +26,13 @@ def step_logits(model, lens: list[int]) -> torch.Tensor:
     return model(ids, meta, cache, logits_indices=torch.arange(sum(lens))).logits
 
 
-def is_packed(model) -> bool:
-    return all(m.packed is not None for m in model.modules() if isinstance(m, Linear))
+def is_prepared(model) -> bool:
+    """Every Linear with a packed copy, and on the small-rows kernel where this
+    machine builds it; under BATCH_INVARIANT (with the kernel) no copy."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    small = small_rows.available()
+    copy = not (small and linear_module.BATCH_INVARIANT)
+    return all(m.small_rows == small and (m.packed is not None) == copy for m in linears)
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +43,17 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
-def test_tiny_packed_matches_plain(tiny_dir):
+@pytest.mark.parametrize("invariant", [False, True])
+def test_tiny_packed_matches_plain(tiny_dir, monkeypatch, invariant):
+    monkeypatch.setattr(linear_module, "BATCH_INVARIANT", invariant)
     packed = load_model(tiny_dir, dtype="float32")
     plain = load_model(tiny_dir, dtype="float32", pack_linear=False)
-    assert is_packed(packed) and not any(
-        isinstance(m, Linear) and m.packed is not None for m in plain.modules())
-    assert all(m.small_rows == small_rows.available()
-               for m in packed.modules() if isinstance(m, Linear))
-    # 18 rows run on the packed weights; 1, 5 and 9 on the small-rows kernel
-    # where this machine has it.
+    assert is_prepared(packed) and not any(
+        isinstance(m, Linear) and (m.packed is not None or m.small_rows)
+        for m in plain.modules())
+    # 18 rows run on the packed weights (blocked passes of the small-rows kernel
+    # under BATCH_INVARIANT); 1, 5 and 9 on the small-rows kernel where this
+    # machine has it.
     for lens in ([1, 5, 3], [1], [2, 3], [9, 9]):
         torch.testing.assert_close(step_logits(packed, lens), step_logits(plain, lens),
                                    rtol=0, atol=1e-5)
@@ -60,7 +69,7 @@ def test_float64_not_packed(tiny_dir):
 @pytest.mark.model
 def test_smollm2_packed_matches_plain(smollm2_dir):
     packed = load_model(smollm2_dir, dtype="float32")
-    assert is_packed(packed)
+    assert is_prepared(packed)
     plain = load_model(smollm2_dir, dtype="float32", pack_linear=False)
     # 30 layers of float32 sums in another order: logits of magnitude ~10-20 drift apart
     # by up to ~1e-4 (1.05e-4 seen on an AVX2 machine, where oneDNN tiles differently).

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.models import paged_attention
+from specdec.models import linear, paged_attention
 from specdec.models.attention import SdpaBackend, _SplitState
 from specdec.models.kv_cache import AttentionMetadata
+from specdec.tree import ancestor_mask
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
@@ -60,9 +61,10 @@ def queries(num_tokens: int, dtype=torch.float32, seed: int = 2) -> torch.Tensor
     return torch.randn(num_tokens, HEADS, DIM, generator=gen).to(dtype)  # [T, H, D]
 
 
-def test_matches_torch_on_a_ragged_batch():
-    """Decode rows, verify blocks up to MAX_QUERY, a prefill chunk past it and a token
-    tree (both torch's), contexts from 1 token to several hundred."""
+def test_matches_torch_on_a_ragged_batch(monkeypatch):
+    """Decode rows, verify blocks up to MAX_QUERY, a prefill chunk past it (torch's,
+    by default) and a token tree, contexts from 1 token to several hundred."""
+    monkeypatch.setattr(linear, "BATCH_INVARIANT", False)
     lens = [1, 37, 300, 16, 129, 64, 250]
     qs = [1, 3, 16, 1, 17, 40, 5]
     tree = torch.tril(torch.ones(5, 5, dtype=torch.bool))
@@ -75,7 +77,7 @@ def test_matches_torch_on_a_ragged_batch():
     backend = SdpaBackend(HEADS, KV_HEADS, DIM)
     state = backend.prepare(meta)
     assert isinstance(state, _SplitState)
-    assert state.kernel_seqs.tolist() == [0, 1, 2, 3]  # 17 and 40 rows, and the tree: torch
+    assert state.kernel_seqs.tolist() == [0, 1, 2, 3, 6]  # 17 and 40 rows: torch
     got = backend.forward(q, k, v, state)
     want = backend.forward(q, k, v, backend._prepare(meta))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -134,13 +136,64 @@ def test_rows_are_batch_invariant():
         torch.set_num_threads(threads)
 
 
+def test_a_tree_token_reads_what_decoding_its_path_would():
+    """A token tree's row gets the bits of a decode step of its path: its context,
+    then its ancestors and itself, as if they had been decoded one by one."""
+    context = 150
+    mask = ancestor_mask([-1, 0, 0, 1, 2, 3])  # block: root, then tokens 0..5
+    q_len = mask.shape[0]
+    lens = [context + q_len, 90]
+    tables, blocks = shuffled_tables(lens)
+    k, v = cache(blocks)
+    backend = SdpaBackend(HEADS, KV_HEADS, DIM)
+    q = queries(q_len + 1)
+    meta = step(lens, [q_len, 1], tables, [mask, None])
+    state = backend.prepare(meta)
+    assert state.kernel_seqs.tolist() == [0, 1] and state.tree_bits is not None
+    tree = backend.forward(q, k, v, state)
+    torch.testing.assert_close(tree, backend.forward(q, k, v, backend._prepare(meta)),
+                               rtol=1e-5, atol=1e-5)
+    # Token 4 (block row 5) descends from tokens 0 and 2 (rows 1, 3): decoding that path
+    # puts the root, 0, 2, 4 at positions context .. context + 3. Lay a cache out so.
+    path = [0, 1, 3, 5]
+    slots = torch.tensor([tables[0][(context + r) // BLOCK] * BLOCK + (context + r) % BLOCK
+                          for r in range(q_len)])
+    k2, v2 = k.clone(), v.clone()
+    k2[slots[:len(path)]], v2[slots[:len(path)]] = k[slots[path]], v[slots[path]]
+    decode = backend.forward(q[5:6], k2, v2, backend.prepare(
+        step([context + len(path)], [1], tables[:1])))
+    assert torch.equal(decode, tree[5:6])
+
+
+def test_batch_invariant_mode_takes_prefill_chunks(monkeypatch):
+    """Under SPECDEC_BATCH_INVARIANT=1 prefill chunks run on the kernel too: the last
+    row of a 60-row chunk gets the bits of a decode step at its position, as a
+    prompt's tail after a prefix-cache hit gets those of a full prefill."""
+    monkeypatch.setattr(linear, "BATCH_INVARIANT", True)
+    lens = [200, 300]
+    tables, blocks = shuffled_tables(lens)
+    k, v = cache(blocks)
+    backend = SdpaBackend(HEADS, KV_HEADS, DIM)
+    q = queries(60 + 1)
+    state = backend.prepare(step(lens, [60, 1], tables))
+    assert isinstance(state, _SplitState) and state.kernel_seqs.tolist() == [0, 1]
+    chunk = backend.forward(q, k, v, state)
+    decode = backend.forward(q[59:60], k, v, backend.prepare(step([200], [1], tables[:1])))
+    assert torch.equal(chunk[59:60], decode)
+    torch.testing.assert_close(chunk, backend.forward(q, k, v, backend._prepare(
+        step(lens, [60, 1], tables))), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(linear, "BATCH_INVARIANT", False)
+    assert backend.prepare(step(lens, [60, 1], tables)).kernel_seqs.tolist() == [1]
+
+
 def test_bad_operands_are_refused():
     k, v = cache(2)
     meta = step([5], [1], [[1]])
     out = torch.empty(1, HEADS, DIM)
     with pytest.raises(ValueError, match="q must be contiguous float32"):
         paged_attention.attend(queries(1).double(), k, v, out, meta.block_tables,
-                               meta.query_start, meta.seq_lens, torch.tensor([0]), 5, BLOCK)
+                               meta.query_start, meta.seq_lens, torch.tensor([0]), None, 5, BLOCK)
     with pytest.raises(ValueError, match="seqs must be contiguous int64"):
         paged_attention.attend(queries(1), k, v, out, meta.block_tables, meta.query_start,
-                               meta.seq_lens, torch.tensor([0], dtype=torch.int32), 5, BLOCK)
+                               meta.seq_lens, torch.tensor([0], dtype=torch.int32), None, 5,
+                               BLOCK)

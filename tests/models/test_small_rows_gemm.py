@@ -1,6 +1,7 @@
 """The small-rows GEMM (specdec/models/small_rows_gemm.c): F.linear's result
-on float32 CPU tensors for the rows of a decode or verify step, each row's
-rounding independent of the rows beside it, and the dispatch of linear()."""
+on float32 CPU tensors for any number of rows (one pass over the weight for a
+decode or verify step, blocked passes past it), each row's rounding independent
+of the rows beside it and of the path, and the dispatch of linear()."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specdec.models import linear as linear_module
 from specdec.models import small_rows
 from specdec.models.linear import SMALL_ROWS_MAX, Linear, linear
 
@@ -34,9 +36,9 @@ def operands(m: int, n: int, k: int, seed: int = 0):
 @pytest.mark.parametrize("k", [16, 37, 576, 1536])
 @pytest.mark.parametrize("n", [1, 7, 67, 576])
 def test_matches_float64(n, k):
-    """Every row count through three passes (17.. and 33.. rows), N and K with
-    tails, with and without bias."""
-    for m in range(1, 35):
+    """Every row count from one pass to blocked passes with a short last one, N
+    and K with tails, with and without bias."""
+    for m in [*range(1, 35), 47, 64]:
         x, w, b = operands(m, n, k, seed=m)
         want = x.double() @ w.double().T
         # Float32 rounding of a K-term dot product of unit normals: well under 1e-5 * K.
@@ -47,17 +49,18 @@ def test_matches_float64(n, k):
 
 
 def test_rows_batch_invariant():
-    """A row's output is bit-for-bit the same alone, beside any other rows, and
-    with one thread or two: what a verify step's row computes, a decode step
-    of that token computes too."""
-    x, w, b = operands(SMALL_ROWS_MAX, 1003, 576)
-    alone = torch.cat([small_rows.linear(x[i:i + 1], w, b) for i in range(SMALL_ROWS_MAX)])
+    """A row's output is bit-for-bit the same alone, beside any other rows (in one
+    pass or in blocked passes) and with one thread or two: what a verify step's
+    row computes, a decode step or a prefill chunk of that token computes too."""
+    rows = 3 * SMALL_ROWS_MAX + 5
+    x, w, b = operands(rows, 1003, 576)
+    alone = torch.cat([small_rows.linear(x[i:i + 1], w, b) for i in range(rows)])
     threads = torch.get_num_threads()
     try:
         for nt in (1, 2):
             torch.set_num_threads(nt)
-            for m in range(1, SMALL_ROWS_MAX + 1):
-                for start in range(SMALL_ROWS_MAX - m + 1):
+            for m in [*range(1, SMALL_ROWS_MAX + 3), 2 * SMALL_ROWS_MAX + 1, rows]:
+                for start in range(0, rows - m + 1, 3):
                     got = small_rows.linear(x[start:start + m], w, b)
                     assert torch.equal(got, alone[start:start + m]), (nt, m, start)
     finally:
@@ -79,19 +82,23 @@ def test_non_contiguous_input():
     assert torch.equal(small_rows.linear(xt, w, b), small_rows.linear(x, w, b))
 
 
-def test_linear_dispatch():
-    """Up to SMALL_ROWS_MAX rows on the small-rows kernel, more on the oneDNN-packed weight."""
+@pytest.mark.parametrize("invariant", [False, True])
+def test_linear_dispatch(monkeypatch, invariant):
+    """Up to SMALL_ROWS_MAX rows on the small-rows kernel, more on the oneDNN-packed
+    weight; under SPECDEC_BATCH_INVARIANT every row count on the kernel."""
+    monkeypatch.setattr(linear_module, "BATCH_INVARIANT", invariant)
     torch.manual_seed(0)
     layer = Linear(576, 256, bias=True)
     layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
     layer.small_rows = True
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for rows in (1, 5, 8, 12, SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1, 24):
+        for rows in (1, 5, 8, 12, SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1, 24, 100):
             x = torch.randn(rows, 576, generator=gen)
             small = small_rows.linear(x, layer.weight, layer.bias)
             packed = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
-            want = small if rows <= SMALL_ROWS_MAX else packed
+            assert not torch.equal(small, packed), f"{rows} rows: the paths agree bit for bit"
+            want = small if invariant or rows <= SMALL_ROWS_MAX else packed
             assert torch.equal(linear(x, layer), want), f"{rows} rows took the other path"
             torch.testing.assert_close(linear(x, layer), F.linear(x, layer.weight, layer.bias),
                                        rtol=0, atol=1e-5)
