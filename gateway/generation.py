@@ -11,6 +11,7 @@ verifier stream, which frees the sequence in the verifier and its drafter.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -52,6 +53,7 @@ from specdec.stop import StopStringMatcher
 from specdec.tokenizer import Tokenizer
 
 tracer = trace.get_tracer("specdec.gateway")
+log = logging.getLogger(__name__)
 # One line per request when it ends (`--log-format json` makes it a JSON object).
 request_log = logging.getLogger("gateway.requests")
 
@@ -265,6 +267,16 @@ class Generation:
             except _ReplicaAborted as e:
                 error = f"verifier {replica.address} aborted the request: {e}"
                 resumable = True
+            except _UpdateLost as e:
+                # Not the replica's failure: go on there, from what has come out. If it
+                # did fail, opening the new stream says so.
+                log.info("request %s: a policy update found its stream ended (%s); "
+                         "going on from %d tokens", self.request_id, e,
+                         len(self.progress.generated))
+                self._rebase(self.spec)
+                self.spec = common_pb2.SpecDecodeStats()
+                self.metrics.resumed.inc()
+                continue
             if resumable:
                 self._rebase(self.spec)
                 self.spec = common_pb2.SpecDecodeStats()
@@ -361,10 +373,23 @@ class Generation:
                     yield delta
                     return
                 update = self._next_policy(resp)
+                broken = None
                 if update is not None:
-                    await call.write(update)
+                    try:
+                        await call.write(update)
+                    except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+                        # The stream ended while this update was on its way, most often
+                        # because the verifier has just finished the request and its last
+                        # responses are still in flight: the write fails ("Internal error
+                        # from Core") and every read then reports that failure. What this
+                        # response brought still goes out; the request goes on where it
+                        # is. (Raised before the yield, it took this response's text with
+                        # it: a reply missing a token in the middle.)
+                        broken = e
                 if delta.text or delta.token_ids:
                     yield delta
+                if broken is not None:
+                    raise _UpdateLost(str(broken)) from broken
         finally:
             replica.inflight -= 1
             replica.unanswered.discard(id(self))
@@ -576,3 +601,7 @@ class Generation:
 
 class _ReplicaAborted(Exception):
     pass
+
+
+class _UpdateLost(Exception):
+    """A policy update could not be written: the stream had ended (see _stream_on)."""

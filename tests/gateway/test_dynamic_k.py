@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import itertools
 
+import grpc
 import httpx2
 import openai
 import pytest
@@ -204,6 +205,65 @@ def test_a_stream_opening_beside_unanswered_ones_starts_plain(loop, model, smoll
         late.close()
         loop.run(deltas.aclose())
         assert not burst[0].replica.unanswered
+    finally:
+        s.close()
+
+
+class EndsAtFirstUpdate:
+    """A Generate call whose first policy update finds the stream ended, as when the
+    verifier finishes the request while the update is on its way: the write fails
+    and every read after it reports the failure (grpc.aio does both)."""
+
+    def __init__(self, call):
+        self.call, self.error, self.updates = call, None, 0
+
+    async def write(self, msg):
+        if msg.WhichOneof("kind") == "policy_update":
+            self.updates += 1
+            if self.error is None:
+                self.call.cancel()
+                self.error = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(),
+                                                  grpc.aio.Metadata(), "Internal error from Core")
+        if self.error is not None:
+            raise self.error
+        await self.call.write(msg)
+
+    async def read(self):
+        if self.error is not None:
+            raise self.error
+        return await self.call.read()
+
+    def cancel(self):
+        return self.call.cancel()
+
+
+def test_a_policy_update_that_finds_its_stream_ended_loses_no_text(loop, model, smollm2_dir):
+    """The response before a failed update still reaches the client, and the request
+    goes on from there on the same replica, which stays healthy: the reply is the
+    target's, whole. (The response was lost with the update's failure, and the replica
+    taken for failed: replies missing a token in the middle.)"""
+    # K starts at 8 and falls to 1 within the request (test_k_changes_during_one_request).
+    s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": FirstRightDrafter(model)},
+                     profile=OPTIMISTIC, dynamic_k_prior_steps=1)
+    req = GenerationRequest(prompt_token_ids=tuple(s.chat_ids("Count to twenty.")),
+                            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=24),
+                            speculative=SpeculativeRequest(method="draft_model", auto=True))
+    try:
+        g = loop.run(s.gateway.open(req))
+        loop.run(g.start())
+        replica, call = g._opened
+        wrapped = EndsAtFirstUpdate(call)
+        g._opened = (replica, wrapped)
+
+        async def text():
+            return "".join([d.text async for d in g.deltas()])
+
+        got = loop.run(text())
+        assert wrapped.updates == 1  # an update was written, and failed
+        assert got == s.reference(list(req.prompt_token_ids), 24)[0]
+        assert replica.healthy and not replica.error
+        metrics = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
+        assert "specdec_requests_resumed_total 1.0" in metrics
     finally:
         s.close()
 
