@@ -83,8 +83,9 @@ class SdpaBackend(AttentionBackend):
     leaks into real outputs.
 
     On CPU in float32, sequences of up to paged_attention.MAX_QUERY new tokens
-    without a token tree (decode and verify) go to the paged kernel instead, which
-    reads the cache in place and does not pad (paged_attention.py); with
+    (decode and verify) and token trees of up to paged_attention.MAX_TREE go to the
+    paged kernel instead, which reads the cache in place and does not pad
+    (paged_attention.py); with
     SPECDEC_BATCH_INVARIANT=1 (linear.BATCH_INVARIANT) prefill chunks too, so a
     row's bits never depend on how many rows its sequence brings to the step.
     """
