@@ -273,13 +273,14 @@ class Generation:
                 log.info("request %s: a policy update found its stream ended (%s); "
                          "going on from %d tokens", self.request_id, e,
                          len(self.progress.generated))
-                self._rebase(self.spec)
-                self.spec = common_pb2.SpecDecodeStats()
-                self.metrics.resumed.inc()
-                continue
+                error = None
+                resumable = True
             if resumable:
                 self._rebase(self.spec)
                 self.spec = common_pb2.SpecDecodeStats()
+                if error is None:  # the same replica
+                    self.metrics.resumed.inc()
+                    continue
                 failed.append(replica)
                 replica.healthy = False
                 replica.error = error
