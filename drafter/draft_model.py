@@ -34,7 +34,7 @@ from drafter.registry import register
 from specdec.models import LlamaForCausalLM, PagedKVCache, load_model
 from specdec.models.cuda_graphs import CudaGraphRunner
 from specdec.pb import common_pb2
-from specdec.sampling import SamplingMetadata, SamplingParams, apply_sampling
+from specdec.sampling import SamplingMetadata, SamplingParams, apply_sampling, inverse_cdf
 
 # Files whose presence says a model directory carries its own tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -334,9 +334,13 @@ class DraftModelMethod(DraftMethod):
             q = apply_sampling(logits.index_select(0, rows), metadata,
                                torch.ones(len(sampled), dtype=torch.int64,
                                           device=logits.device))  # [S, V] float32
-            for row, n in enumerate(sampled):
-                generator = metadata.generators[row]
-                greedy[n] = int(torch.multinomial(q[row], 1, generator=generator))
+            # One uniform per row from its request's generator, then the inverse CDF for
+            # all rows at once: torch.multinomial walks the vocabulary row by row
+            # (0.8 ms a row of 49152 tokens on a CPU core).
+            u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=g.device)
+                           for g in metadata.generators]).to(q.device)  # [S]
+            for row, (n, token) in enumerate(zip(sampled, inverse_cdf(q, u).tolist(), strict=True)):
+                greedy[n] = token
                 jobs[n].probs.append(q[row])
         for job, token in zip(jobs, greedy, strict=True):
             job.token_ids.append(token)

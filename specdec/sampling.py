@@ -232,3 +232,46 @@ def _apply_top_k_top_p(
         drop[:, -1] = False
         sorted_logits.masked_fill_(drop, float("-inf"))
     return logits.scatter_(-1, order, sorted_logits)
+
+
+# Tokens per block of `inverse_cdf`'s first search: only the chosen block's weights are
+# accumulated one by one.
+CDF_BLOCK = 256
+
+
+def inverse_cdf(
+    weights: torch.Tensor,  # [B, V] float32 >= 0, each row with a positive sum
+    u: torch.Tensor,  # [B] float64 in [0, 1)
+) -> torch.Tensor:  # [B] int64
+    """Row b's token by the inverse CDF at u[b]: token v with probability
+    weights[b, v] / sum(weights[b]), and a zero weight never.
+
+    In two levels, since a float32 running sum over 49152 tokens drifts by about 1e-7
+    a token, the size of many tokens' probabilities, and a float64 copy of the whole
+    row costs more than the rest: a block of CDF_BLOCK tokens is chosen by its float32
+    sum (within about 1e-6 of its weight, relatively), then a token within it by the
+    float64 running sum of its weights, scaled to the block's float32 sum. So every
+    token's probability is within a factor 1 +- 1e-6 of its weight's share."""
+    batch, vocab = weights.shape
+    num_blocks = -(-vocab // CDF_BLOCK)
+    if num_blocks * CDF_BLOCK != vocab:
+        weights = torch.nn.functional.pad(weights, (0, num_blocks * CDF_BLOCK - vocab))
+    blocks = weights.view(batch, num_blocks, CDF_BLOCK)
+    mass = blocks.sum(-1).double()  # [B, blocks]
+    ends = mass.cumsum(-1)  # [B, blocks]: the weight up to each block's end
+    target = (u * ends[:, -1])[:, None]  # [B, 1]
+    # Rounding (u * sum rounding up to the sum) can put the target a hair past the
+    # last block of positive weight: that block then.
+    block = torch.minimum(torch.searchsorted(ends, target, right=True), _last_positive(mass))
+    inside = blocks.gather(1, block[:, :, None].expand(batch, 1, CDF_BLOCK)).squeeze(1)
+    running = inside.double().cumsum_(-1)  # [B, CDF_BLOCK]
+    before = torch.where(block > 0, ends.gather(1, (block - 1).clamp_(min=0)), 0.0)  # [B, 1]
+    # The target's place in the block, from the block's float32 sum to its exact one.
+    at = (target - before) / mass.gather(1, block) * running[:, -1:]
+    within = torch.searchsorted(running, at, right=True)
+    return (block * CDF_BLOCK + torch.minimum(within, _last_positive(inside))).squeeze(1)
+
+
+def _last_positive(x: torch.Tensor) -> torch.Tensor:
+    """[B, 1]: the index of the last positive entry of each row of x [B, N]."""
+    return x.shape[1] - 1 - (x > 0).flip(-1).long().argmax(-1, keepdim=True)

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.stats import chi_square_p_value
 from specdec.pb import common_pb2
-from specdec.sampling import SamplingMetadata, SamplingParams, apply_sampling
+from specdec.sampling import (
+    CDF_BLOCK,
+    SamplingMetadata,
+    SamplingParams,
+    apply_sampling,
+    inverse_cdf,
+)
 
 
 @pytest.mark.parametrize(
@@ -79,3 +86,26 @@ def test_params_from_the_wire():
                    SamplingParams(temperature=0.75, seed=2**64 - 1)):
         assert SamplingParams.from_proto(params.to_proto()) == params
     assert SamplingParams.from_proto(SamplingParams(top_k=-1).to_proto()).top_k == 0
+
+
+def test_inverse_cdf_follows_the_weights():
+    """Weights over three blocks and a padded tail, zeros among them: samples follow
+    them (chi-square), a zero weight is never drawn, and the ends of u land on the
+    first and the last positive weight."""
+    vocab = 2 * CDF_BLOCK + 100
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.rand(vocab, generator=gen) ** 4  # unnormalised, uneven
+    weights[CDF_BLOCK: 2 * CDF_BLOCK] = 0  # a whole block without mass
+    weights[::7] = 0
+    weights[vocab - 3:] = 0  # the last positive weight is not the last token
+    n = 200_000
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    tokens = inverse_cdf(weights.expand(n, vocab), u)
+    observed = torch.bincount(tokens, minlength=vocab)[None]  # [1, V]
+    expected = (weights.double() / weights.double().sum() * n)[None]  # [1, V]
+    assert observed[expected == 0].sum() == 0
+    assert chi_square_p_value(observed, expected) > 1e-3
+    ends = inverse_cdf(weights.expand(2, vocab),
+                       torch.tensor([0.0, 1 - 2.0 ** -53], dtype=torch.float64))
+    positive = weights.nonzero()[:, 0]
+    assert ends.tolist() == [int(positive[0]), int(positive[-1])]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specdec.sampling import SamplingMetadata, SamplingParams, apply_sampling
-from verifier.sampling import rejection_triton
+from verifier.sampling import rejection_triton, sampler
 from verifier.sampling.rejection import (
     PLACEHOLDER_TOKEN_ID,
     draw_random,
@@ -171,13 +171,19 @@ def chi_square_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
     [(1.0, 0, 1.0, 0.0), (0.7, 4, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.3, 0, 1.0, 0.15)],
     ids=["plain", "t0.7_topk4", "topp0.8", "t1.3_minp0.15"],
 )
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
-def test_two_tokens_follow_the_target(dense_q, temperature, top_k, top_p, min_p, device):
+@pytest.mark.parametrize("device", ["cpu", "cpu_race", pytest.param("cuda", marks=ON_CUDA)])
+def test_two_tokens_follow_the_target(dense_q, temperature, top_k, top_p, min_p, device,
+                                      monkeypatch):
     """One step with drafts from q; the first two tokens must be ~ p(t1) p(t2 | t1).
 
     20,000 requests draft K=2; 10,000 more, interleaved, draft K=1, so that their second
-    token is the bonus token whenever the draft is accepted.
+    token is the bonus token whenever the draft is accepted. A CPU samples the final token
+    by the inverse CDF; cpu_race makes it run the exponential race, a GPU's form.
     """
+    if device == "cpu_race":
+        device = "cpu"
+        monkeypatch.setattr(sampler, "draw_random",
+                            lambda k, vocab, meta, race: draw_random(k, vocab, meta, True))
     target_logits, q_table = markov_tables()
     p_table = filtered_table(target_logits, temperature, top_k, top_p, min_p)  # [V, V]
     gen = torch.Generator().manual_seed(7)

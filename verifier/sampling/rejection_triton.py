@@ -181,6 +181,9 @@ def rejection_sample_from_random_triton(
     batches is most of the sampler's time."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed; it comes with the `gpu` extra")
+    if exp_noise.dim() != 2:
+        raise ValueError("exp_noise: the kernel samples by the exponential race, [B, V] noise "
+                         "(draw_random with race=True)")
     max_k = check_inputs(target_probs, target_argmax, draft_token_ids, draft_probs,
                          num_draft_tokens, is_greedy, uniform, exp_noise, max_num_drafts)
     batch_size = num_draft_tokens.shape[0]

@@ -3,10 +3,11 @@ sampling on the Triton kernel where it runs (CUDA with triton installed) and on 
 torch reference elsewhere; both give the same outputs bit for bit (rejection.py has
 the terms, rejection_triton.py the kernel).
 
-Seeded requests are sampled with noise keyed by (seed, position): the token at
-position t is argmax_v p_t(v) / E_t(v), E_t ~ Exp(1) drawn from a generator seeded
-by mixing the request's seed with t (the exponential race: an exact sample of p_t).
-A draft at t is accepted when it is that token, so every emitted token is the one
+Seeded requests are sampled with a draw keyed by (seed, position): the token at
+position t is the inverse CDF of p_t at u_t, one float64 uniform from a generator
+seeded by mixing the request's seed with t (an exact sample of p_t, whatever the
+device; rejection.inverse_cdf). A draft at t is accepted when it is that token, so
+every emitted token is the one
 plain decoding with the same seed emits there: a seeded request's text does not
 depend on K, its drafter, its batch or a resume from its tokens so far. For a
 one-hot draft x the rule accepts with probability p_t(x) and otherwise yields a
@@ -23,7 +24,7 @@ from dataclasses import replace
 
 import torch
 
-from specdec.sampling import SamplingMetadata, apply_sampling
+from specdec.sampling import SamplingMetadata, apply_sampling, inverse_cdf
 from verifier.sampling.rejection import draw_random, greedy_accept, rejection_sample_from_random
 
 _MASK64 = (1 << 64) - 1
@@ -43,20 +44,25 @@ def position_keyed_tokens(
     num_draft_tokens: Sequence[int],  # [B]
     keys: Sequence[tuple[int, int] | None],  # [B] (seed, position of the row-0 token) or None
 ) -> dict[int, torch.Tensor]:  # row -> sampled token id (0-d int64)
-    """Each keyed request's token at every one of its rows, from its position's noise."""
-    tokens: dict[int, torch.Tensor] = {}
-    generator = torch.Generator(device=target_probs.device)
-    noise = torch.empty(target_probs.shape[-1], dtype=torch.float32, device=target_probs.device)
+    """Each keyed request's token at every one of its rows, from its position's draw."""
+    rows: list[int] = []
+    draws: list[torch.Tensor] = []
+    generator = torch.Generator()  # host draws: the same numbers on any device
     row = 0
     for k, key in zip(num_draft_tokens, keys, strict=True):
         if key is not None:
             seed, position = key
             for j in range(k + 1):
                 generator.manual_seed(position_seed(seed, position + j))
-                noise.exponential_(generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
-                tokens[row + j] = (target_probs[row + j] / noise).argmax()
+                rows.append(row + j)
+                draws.append(torch.rand(1, generator=generator, dtype=torch.float64))
         row += k + 1
-    return tokens
+    if not rows:
+        return {}
+    device = target_probs.device
+    index = torch.tensor(rows, dtype=torch.int64, device=device)
+    tokens = inverse_cdf(target_probs.index_select(0, index), torch.cat(draws).to(device))
+    return dict(zip(rows, tokens.unbind(), strict=True))
 
 
 def rejection_sample(
@@ -89,10 +95,13 @@ def rejection_sample(
                                all_greedy=all(greedy))
     if metadata.all_greedy:  # the sampled ones all seeded: verified as greedy, above
         return greedy_accept(target_argmax, draft_token_ids, num_draft_tokens)
-    uniform, exp_noise = draw_random(num_draft_tokens, target_logits.shape[-1], metadata)
+    # The exponential race on a GPU (the Triton kernel's form); the inverse CDF elsewhere,
+    # where V exponentials per request cost more than the forward (rejection.py).
+    race = target_logits.is_cuda
+    uniform, final_noise = draw_random(num_draft_tokens, target_logits.shape[-1], metadata, race)
 
     from_random = rejection_sample_from_random
-    if target_logits.is_cuda:
+    if race:
         # Imported on first CUDA use: CPU runs never pay for importing triton.
         from verifier.sampling.rejection_triton import (
             HAS_TRITON,
@@ -102,4 +111,4 @@ def rejection_sample(
         if HAS_TRITON:
             from_random = rejection_sample_from_random_triton
     return from_random(target_probs, target_argmax, draft_token_ids, draft_probs,
-                       num_draft_tokens, metadata.is_greedy, uniform, exp_noise)
+                       num_draft_tokens, metadata.is_greedy, uniform, final_noise)
