@@ -60,17 +60,19 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-# The benchmarks of record (about 40 minutes here, plus vLLM's install the first
+# The benchmarks of record (about 50 minutes here, plus vLLM's install the first
 # time): decode speed, verify step against decode step, and `make run` against
-# `vllm serve` over HTTP (bench/serving.py: same client, requests and concurrency;
-# latencies, exactness and a per-step breakdown); then bench.report rebuilds
-# docs/benchmarks.md and the README's headline table from bench/results/. The deeper
+# `vllm serve` over HTTP, greedy and sampled (bench/serving.py: same client, requests
+# and concurrency; latencies, exactness and a per-step breakdown); then bench.report
+# rebuilds docs/benchmarks.md and the README's headline table from bench/results/. The deeper
 # single-purpose benchmarks (bench.grid, bench.drafters, bench.gateway, bench.suffix,
 # bench.peers) run on their own; rerun bench.report after them.
 bench: model $(VENV)/.bench-stamp peers-venv
 	$(PY) bench/decode.py
 	$(PY) -m bench.verifier
 	$(PY) -m bench.serving
+	$(PY) -m bench.serving --temperature 0.7 --ours 'plain,ngram K=4,default' \
+		--vllm 'plain,ngram K=4' --repeats 2 --out bench/results/serving_sampled.json
 	$(PY) -m bench.report
 
 $(VENV)/.bench-stamp: pyproject.toml $(STAMP)

@@ -28,6 +28,11 @@ END = "<!-- bench:end -->"
 # (results file, heading, what produced it). Files that do not exist yet are skipped.
 SECTIONS = [
     ("serving.md", "`make run` against `vllm serve`", "python -m bench.serving"),
+    ("serving_sampled.md",
+     "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
+     "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
+     "python -m bench.serving --temperature 0.7 --ours 'plain,ngram K=4,default' "
+     "--vllm 'plain,ngram K=4' --repeats 2 --out bench/results/serving_sampled.json"),
     ("serving_dynamic_k_probe_eagle3.md",
      "Dynamic K against static K, eagle3, after the EAGLE-3 stream fix, with plain decoding "
      "measured first at a batch size, a burst's streams starting plain, and the context a "
@@ -261,6 +266,7 @@ MATRIX = "matrix.md"
 # The README's headline: `make run` against `vllm serve` (bench/serving.py), tok/s at
 # every concurrency.
 HEADLINE_SOURCE = "serving.json"
+SAMPLED_SOURCE = "serving_sampled.json"  # a line under the headline table, where it exists
 HEADLINE_ROWS = [
     ("ours plain", "ours (`make run`), no speculation"),
     ("ours ngram K=4", "ours, ngram K=4"),
@@ -348,16 +354,40 @@ def render_headline(results: Path = RESULTS) -> str:
                 continue
             parts.append(f"| {label} | " + " | ".join(
                 f"{cells[c]['tok_s']:.1f}" if c in cells else "-" for c in cs) + " |")
-        ratios = []
-        for c in cs:
-            ours = [x[c]["tok_s"] for k, x in s.items() if k.startswith("ours ") and c in x]
-            # vLLM's own methods: a `remote` mode drafts with our drafter service.
-            peer = [x[c]["tok_s"] for k, x in s.items()
-                    if k.startswith("vllm ") and not k.startswith("vllm remote ") and c in x]
-            ratios.append(f"{max(ours) / max(peer):.2f}x" if ours and peer else "-")
-        parts += ["| **ours best / vLLM best** | " + " | ".join(ratios) + " |", ""]
+        parts += ["| **ours best / vLLM best** | "
+                  + " | ".join(_ratio(_best(s, "ours ", c), _best(s, "vllm ", c)) for c in cs)
+                  + " |", ""]
+        sampled = results / SAMPLED_SOURCE
+        if sampled.is_file():
+            run = json.loads(sampled.read_text())
+            t, s = run["config"]["temperature"], run["summary"]
+            cs = [str(c) for c in run["config"]["concurrency"]]
+
+            def at(name: str) -> list[float | None]:
+                return [s.get(name, {}).get(c, {}).get("tok_s") for c in cs]
+
+            best = " / ".join(_ratio(_best(s, "ours ", c), _best(s, "vllm ", c)) for c in cs)
+            plain = " / ".join(_ratio(a, b) for a, b in zip(at("ours plain"), at("vllm plain"),
+                                                             strict=True))
+            parts += [f"Sampled at temperature {t} (unseeded), the same requests, "
+                      f"{run['timestamp'][:10]}: ours best / vLLM best {best}, ours plain / "
+                      f"vLLM plain {plain} at C = {' / '.join(cs)} "
+                      f"([bench/results/{SAMPLED_SOURCE.replace('.json', '.md')}]"
+                      f"(bench/results/{SAMPLED_SOURCE.replace('.json', '.md')})).", ""]
     parts.append(END)
     return "\n".join(parts)
+
+
+def _best(summary: dict, prefix: str, c: str) -> float | None:
+    """The fastest row of a system at concurrency c; vLLM's of its own methods (a
+    `remote` mode drafts with our drafter service)."""
+    found = [x[c]["tok_s"] for k, x in summary.items()
+             if k.startswith(prefix) and not k.startswith("vllm remote ") and c in x]
+    return max(found) if found else None
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
 
 
 def splice(readme: str, section: str) -> str:

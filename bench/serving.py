@@ -19,8 +19,8 @@ Servers, each started on free ports, measured, and stopped before the next start
   service as its proposer at K=4.
 
 A cell is one configuration at concurrency C: N = max(C, --requests) chat requests
-over the prompts below (cycled, same order for every system), streamed, greedy, at
-most --max-tokens tokens, C of them in flight at all times (a new one starts when one
+over the prompts below (cycled, same order for every system), streamed, greedy (or
+unseeded at --temperature, where replies are not compared), at most --max-tokens tokens, C of them in flight at all times (a new one starts when one
 ends). Reported per cell: output tokens/s over the cell's wall time, TTFT and
 inter-chunk latency (ITL) p50/p99, acceptance length where the server reports it,
 and how many replies equal ours without speculation. A secondary table gives our
@@ -169,7 +169,7 @@ class Reply:
 
 
 async def stream_one(client: openai.AsyncOpenAI, messages: list[dict], max_tokens: int,
-                     extra_body: dict | None) -> Reply:
+                     extra_body: dict | None, temperature: float = 0.0) -> Reply:
     t0 = time.perf_counter()
     last = None
     ttft = None
@@ -178,7 +178,7 @@ async def stream_one(client: openai.AsyncOpenAI, messages: list[dict], max_token
     tokens = 0
     al = size = None
     stream = await client.chat.completions.create(
-        model=SERVED_NAME, messages=messages, temperature=0, max_tokens=max_tokens,
+        model=SERVED_NAME, messages=messages, temperature=temperature, max_tokens=max_tokens,
         stream=True, stream_options={"include_usage": True}, extra_body=extra_body)
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -199,7 +199,7 @@ async def stream_one(client: openai.AsyncOpenAI, messages: list[dict], max_token
 
 
 async def run_cell(client, requests: list[Prompt], concurrency: int, max_tokens: int,
-                   extra_body: dict | None) -> dict:
+                   extra_body: dict | None, temperature: float = 0.0) -> dict:
     """N requests, `concurrency` in flight at all times; replies in request order."""
     replies: list[Reply | None] = [None] * len(requests)
     queue = iter(range(len(requests)))
@@ -207,7 +207,7 @@ async def run_cell(client, requests: list[Prompt], concurrency: int, max_tokens:
     async def slot() -> None:
         for i in queue:
             replies[i] = await stream_one(client, list(requests[i].messages), max_tokens,
-                                          extra_body)
+                                          extra_body, temperature)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(slot() for _ in range(concurrency)))
@@ -248,7 +248,8 @@ async def drive(base: str, configs: dict[str, dict | None], prompts: list[Prompt
                 for name in names[shift:] + names[:shift]:
                     before = probe.snapshot()
                     cell = await run_cell(client, workload(prompts, c, args.requests), c,
-                                          args.max_tokens, _body(configs[name]))
+                                          args.max_tokens, _body(configs[name]),
+                                          args.temperature)
                     cell["breakdown"] = probe.breakdown(before, probe.snapshot(), cell["wall_s"])
                     cells[name].setdefault(str(c), []).append(cell)
                     al, size = cell["acceptance_length"], cell["draft_size"]
@@ -618,7 +619,7 @@ class InProcessEngine:
             while pending and engine.num_running + engine.num_waiting < c:
                 p = pending.pop(0)
                 r = Request(f"r{next(self._counter)}", self.ids[p.name], self.args.max_tokens,
-                            SamplingParams(temperature=0.0))
+                            SamplingParams(temperature=self.args.temperature))
                 order.append(r.request_id)
                 texts[r.request_id] = []
                 engine.add_request(r)
@@ -719,7 +720,10 @@ def render(result: dict) -> str:
         f"`make run` against `vllm serve`: {result['model']} float32 on {result['device_name']} "
         f"x{result['cpus']} ({', '.join(f'{k} {x}' for k, x in v.items())}); "
         f"{len(cfg['prompts'])} chat prompts, requests per cell max(C, {cfg['requests']}) with C "
-        f"in flight, streamed through the `openai` client, greedy, up to {cfg['max_tokens']} "
+        f"in flight, streamed through the `openai` client, "
+        + (f"sampled at temperature {cfg['temperature']} (unseeded: replies not compared)"
+           if cfg.get("temperature") else "greedy")
+        + f", up to {cfg['max_tokens']} "
         f"tokens; median of {cfg['repeats']} repeat(s); load average "
         f"{result['load_average_1min'][0]} -> {result['load_average_1min'][1]}; "
         f"{result['wall_s'] / 60:.1f} min.",
@@ -939,6 +943,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=_ints, default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=8, help="requests per cell at least")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 (default): greedy, replies compared with ours plain; above: "
+                         "sampled, unseeded, on every server alike")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--systems", default="ours,vllm,engine",
                     help="comma-separated, of " + ", ".join(SYSTEMS) + " (default %(default)s)")
@@ -1010,7 +1017,9 @@ def main(argv: list[str] | None = None) -> None:
         del engine
     torch.set_num_threads(threads)
 
-    reference = {c: runs[-1]["texts"] for c, runs in cells.get("ours plain", {}).items()}
+    # Sampled replies (unseeded) are draws: nothing to compare them with.
+    reference = {} if args.temperature else \
+        {c: runs[-1]["texts"] for c, runs in cells.get("ours plain", {}).items()}
     result = {
         "bench": "serving", "model": "SmolLM2-135M-Instruct", "device_name": device_name(),
         "machine": platform.machine(), "cpus": os.cpu_count(),
@@ -1022,6 +1031,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_average_1min": [load0, round(os.getloadavg()[0], 2)],
         "config": {"concurrency": args.concurrency, "requests": args.requests,
                    "max_tokens": args.max_tokens, "repeats": args.repeats,
+                   "temperature": args.temperature,
                    "prompts": [p.name for p in prompts], "ours": OURS, "ours_vllm": OURS_VLLM,
                    "vllm": VLLM, "vllm_args": list(VLLM_ARGS)},
         "summary": summarise(cells, reference), "unavailable": unavailable, "preload": preload,

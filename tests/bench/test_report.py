@@ -49,3 +49,14 @@ def test_headline_rows_come_from_the_serving_comparison(tmp_path):
     assert "| `vllm serve`, no speculation | 12.0 | 40.0 |" in section
     assert "| **ours best / vLLM best** | 1.25x | 0.50x |" in section
     assert "99.0" not in section  # only the headline rows
+    assert "Sampled at" not in section  # no sampled run: no line for it
+    (tmp_path / "serving_sampled.json").write_text(json.dumps({
+        "timestamp": "2026-01-02T05:00:00",
+        "config": {"concurrency": [1, 4], "temperature": 0.7},
+        "summary": {"ours plain": {"1": cell(9.0), "4": cell(30.0)},
+                    "ours default": {"1": cell(18.0), "4": cell(20.0)},
+                    "vllm plain": {"1": cell(10.0), "4": cell(20.0)},
+                    "vllm remote ngram K=4": {"1": cell(50.0)}}}))
+    assert ("Sampled at temperature 0.7 (unseeded), the same requests, 2026-01-02: ours best / "
+            "vLLM best 1.80x / 1.50x, ours plain / vLLM plain 0.90x / 1.50x at C = 1 / 4"
+            in report.render_headline(tmp_path))

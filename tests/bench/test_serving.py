@@ -143,6 +143,9 @@ def test_render_names_a_missing_vllm_and_the_ratios():
     assert "| ours ngram K=4 | 15.0 | 100 | 150 | 20.0 | 40.0 | - | 3.50 | 2/2 |" in text
     assert "| `make run` plain / engine | 0.80 |" in text
     assert "| ours best / vLLM best (its own methods) | - |" in text
+    assert "greedy" in text and "sampled" not in text
+    result["config"]["temperature"] = 0.7
+    assert "sampled at temperature 0.7 (unseeded: replies not compared)" in serving.render(result)
 
 
 def test_a_vllm_engine_verifier_reports_steps_and_tokens_only():
