@@ -18,7 +18,10 @@ needs a sequence's context only to draft for it, and a message a step for every
 sequence not drafting made a batch of 16 whose speculation dynamic K had turned
 off 13 % slower than plain decoding on two cores (the EAGLE-3 drafter woke each
 step to take hidden states it never used, and the verifier encoded them, on the
-cores the forward runs on).
+cores the forward runs on). Held hidden states stay where the target wrote them,
+in the KV cache's feature store (Outcome.hidden_kept), and are read when they go
+out: copied out a step at a time they still cost such a batch 3 %. A sequence
+whose held rows are gone by then (preempted, its KV freed) is re-started instead.
 
 A drafter that is slower than the deadline is never asked for a new
 proposal while its previous one is still outstanding: the step's outcomes
@@ -50,7 +53,7 @@ from specdec.server import GRPC_OPTIONS, token_metadata
 from specdec.telemetry import outgoing_metadata
 from specdec.tensor_codec import decode_tensor, dtype_from_proto, encode_tensor
 from specdec.tls import TlsConfig, open_channel
-from verifier.engine.proposer import Outcome, Proposal
+from verifier.engine.proposer import FeatureReader, Outcome, Proposal
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("specdec.verifier")
@@ -114,10 +117,11 @@ class _Seq:
     generation: int = -1  # stream generation its Start went out on; -1 = not yet
     pending: drafter_pb2.DraftEntry | None = None  # outcome waiting for the next send
     # Outcomes of K = 0 steps not sent yet (see the module's docstring): their new
-    # tokens, and their hidden states ([P_i, layers, hidden] each, of positions
-    # held_start.. in a row), where the drafter wants them.
+    # tokens, and their hidden states, of positions held_start.. in a row, where the
+    # drafter wants them: each piece [P_i, layers, hidden], or (start, P_i), rows in
+    # the verifier's feature store.
     held_tokens: list[int] = field(default_factory=list)
-    held_hidden: list[torch.Tensor] = field(default_factory=list)
+    held_hidden: list[torch.Tensor | tuple[int, int]] = field(default_factory=list)
     held_start: int = 0
     held_rows: int = 0
 
@@ -125,7 +129,8 @@ class _Seq:
         """Merge a K = 0 step's outcome into those held."""
         self.held_tokens.extend(outcome.new_token_ids)
         hidden = outcome.hidden_states
-        if hidden is None or not hidden.shape[0]:
+        rows = outcome.hidden_kept or (hidden.shape[0] if hidden is not None else 0)
+        if not rows:
             return
         if self.held_hidden and outcome.hidden_start != self.held_start + self.held_rows:
             # Not the next positions (the target recomputed some): the drafter gets these
@@ -133,10 +138,17 @@ class _Seq:
             self.held_hidden, self.held_rows = [], 0
         if not self.held_hidden:
             self.held_start = outcome.hidden_start
+        self.held_rows += rows
+        if outcome.hidden_kept:
+            last = self.held_hidden[-1] if self.held_hidden else None
+            if isinstance(last, tuple):  # the next positions of the same store range
+                self.held_hidden[-1] = (last[0], last[1] + rows)
+            else:
+                self.held_hidden.append((outcome.hidden_start, rows))
+            return
         # In host memory, as an encoded Advance was: on a GPU, states held for many
         # sequences would take memory the KV cache was sized without.
         self.held_hidden.append(hidden.to("cpu"))
-        self.held_rows += hidden.shape[0]
 
     def held(self) -> int:
         """Tokens or hidden-state rows held, the more of the two (a prefill's chunks
@@ -183,6 +195,8 @@ class DrafterClient:
         self._thread = threading.Thread(target=self._run, name=f"drafter-{name}", daemon=True)
         self.misses: dict[int, str] = {}  # seq_id -> reason, for the last send/collect
         self.draft_time_ms = 0.0  # what the drafter reported for the last collected answer
+        # The engine's reader of held rows in its feature store (DrafterPool binds it).
+        self.read_features: FeatureReader | None = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -267,9 +281,19 @@ class DrafterClient:
             adv.hidden_states.start_position = hidden_start
         return adv
 
-    def _held_entry(self, seq_id: int, seq: _Seq) -> drafter_pb2.DraftEntry:
-        """The sequence's held outcomes as one Advance (nothing held after)."""
-        hidden = torch.cat(seq.held_hidden) if seq.held_hidden else None
+    def _held_entry(self, seq_id: int, seq: _Seq) -> drafter_pb2.DraftEntry | None:
+        """The sequence's held outcomes as one Advance (nothing held after); None, with
+        everything still held, where rows held in the feature store are gone."""
+        pieces = []
+        for piece in seq.held_hidden:
+            if isinstance(piece, tuple):
+                start, num = piece
+                rows = self.read_features(seq_id, start, num)  # [num, L * hidden]
+                if rows is None:
+                    return None
+                piece = rows.view(num, len(self.hidden_layers()), -1).to("cpu")
+            pieces.append(piece)
+        hidden = torch.cat(pieces) if pieces else None
         start = seq.held_start
         return drafter_pb2.DraftEntry(seq_id=seq_id, advance=self._advance(
             0, 0, seq.release(), hidden, start))
@@ -322,6 +346,12 @@ class DrafterClient:
             self._last = []
             for seq_id, seq in self._seqs.items():
                 k = min(wanted.get(seq_id, 0), seq.max_num_speculative_tokens)
+                goes = seq.pending is not None or k or seq.held() >= HOLD_TOKENS
+                entry = None
+                if seq.generation == self._generation and goes and seq.held():
+                    entry = self._held_entry(seq_id, seq)
+                    if entry is None:  # its held states are gone: re-started below
+                        seq.generation, seq.pending = -1, None
                 if seq.generation != self._generation:
                     entries.append(
                         drafter_pb2.DraftEntry(
@@ -338,10 +368,8 @@ class DrafterClient:
                     )
                     seq.generation = self._generation
                     seq.release()  # the Start carries the tokens
-                elif seq.pending is not None or k or seq.held() >= HOLD_TOKENS:
-                    if seq.held():
-                        entry = self._held_entry(seq_id, seq)
-                    else:
+                elif goes:
+                    if entry is None:
                         entry = seq.pending or drafter_pb2.DraftEntry(
                             seq_id=seq_id, advance=drafter_pb2.DraftEntry.Advance())
                     seq.round += 1

@@ -12,7 +12,7 @@ import time
 from specdec.pb import common_pb2
 from specdec.speculation import DRAFTER_METHODS, METHODS, method_name
 from verifier.drafter_client import DrafterClient
-from verifier.engine.proposer import Outcome, Proposal, Proposer
+from verifier.engine.proposer import FeatureReader, Outcome, Proposal, Proposer
 from verifier.engine.sequence import Request
 
 
@@ -107,6 +107,11 @@ class DrafterPool(Proposer):
         owner = self._owner.pop(seq_id, None)
         if owner is not None:
             owner.forget(seq_id)
+
+    def bind_feature_reader(self, read: FeatureReader) -> bool:
+        for client in self.clients.values():
+            client.read_features = read
+        return True
 
     def hidden_layers(self, seq_id: int) -> tuple[int, ...]:
         owner = self._owner.get(seq_id)

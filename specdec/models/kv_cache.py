@@ -292,13 +292,14 @@ class PagedKVCache:
         the blocks it registers from now on carry none."""
         self._seqs[seq_id].features_ok = False
 
-    def read_features(self, seq_id: int, num: int) -> torch.Tensor:
-        """[num, L * hidden]: the features of the sequence's first num positions."""
+    def read_features(self, seq_id: int, num: int, start: int = 0) -> torch.Tensor:
+        """[num, L * hidden]: the features of the sequence's positions start..start+num-1."""
         seq, bs = self._seqs[seq_id], self.block_size
-        if num > seq.length:
-            raise ValueError(f"features of {num} positions in a sequence of length {seq.length}")
+        if start + num > seq.length:
+            raise ValueError(f"features of positions {start}..{start + num - 1} in a sequence "
+                             f"of length {seq.length}")
         blocks = torch.tensor(seq.blocks, dtype=torch.int64)
-        pos = torch.arange(num)
+        pos = torch.arange(start, start + num)
         return self.features.index_select(0, (blocks[pos // bs] * bs + pos % bs).to(self.device))
 
     # -- one forward pass ----------------------------------------------------

@@ -200,6 +200,43 @@ def test_outcomes_of_k0_steps_are_held_until_the_sequence_drafts_or_ends(device)
         assert (free.seq_id, free.WhichOneof("kind")) == (1, "free")
 
 
+def test_held_rows_left_in_the_feature_store_are_read_when_they_go_out():
+    """Outcomes whose rows the engine left in its feature store (hidden_kept) are read
+    only when they go out, consecutive ones in one read, in order with rows taken out;
+    a sequence whose rows are gone by then (preempted) starts over from its tokens."""
+    servicer = Records()
+    store = states(0, 64)  # [64, 1, H]: position p's row, as the store keeps it
+    reads = []
+
+    def read(seq_id, start, num):
+        reads.append((seq_id, start, num))
+        return None if seq_id == 2 else store[start: start + num].reshape(num, -1)
+
+    with connected(servicer) as client:
+        client.read_features = read
+        client.track(1, [1, 2, 3], SamplingParams(), 4)
+        client.track(2, [4, 5], SamplingParams(), 4)
+        client.send(1, {1: 0, 2: 0})
+        servicer.wait_for(1)
+        # Sequence 1: its prompt's rows (0..2) and two plain steps in the store, then a
+        # step's rows taken out; sequence 2: a plain step in the store.
+        client.record(1, Outcome(0, 0, [], None, 0, hidden_kept=3))
+        client.record(1, Outcome(0, 0, [10], None, 3, hidden_kept=1))
+        client.record(1, Outcome(0, 0, [11], None, 4, hidden_kept=1))
+        client.record(1, Outcome(0, 0, [12], states(5, 1), 5))
+        client.record(2, Outcome(0, 0, [20], None, 2, hidden_kept=1))
+        assert not client.send(2, {1: 0, 2: 0})
+        assert reads == []  # held, nothing read
+        assert client.send(3, {1: 2, 2: 2})
+        entries = {e.seq_id: e for e in servicer.wait_for(2)[1].entries}
+        adv = entries[1].advance
+        assert (list(adv.new_token_ids), adv.hidden_states.start_position) == ([10, 11, 12], 0)
+        assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(0, 6))
+        assert reads == [(1, 0, 5), (2, 2, 1)]  # the store's range of sequence 1 in one read
+        start = entries[2].start
+        assert (list(start.prompt_token_ids), list(start.output_token_ids)) == ([4, 5], [20])
+
+
 class RecordsTokens(Records):
     """Records, for a drafter that reads tokens only (as a suffix drafter does)."""
 

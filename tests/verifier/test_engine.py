@@ -234,18 +234,55 @@ class HiddenRecorder(ScriptedProposer):
             self.rows.setdefault(seq_id, {})[outcome.hidden_start + i] = outcome.hidden_states[i]
 
 
-def test_hidden_states_of_kept_positions_reach_the_proposer(model):
-    """Chunked prefill and verify steps hand the drafter the target's hidden
-    states of exactly the positions kept, equal to one full forward's."""
+class KeptHiddenRecorder(HiddenRecorder):
+    """A HiddenRecorder that takes the rows of steps without drafts as places in the
+    engine's feature store, and reads them at the next propose, as the drafter client
+    does when it next sends."""
+
+    def __init__(self, references):
+        super().__init__(references)
+        self.read = None
+        self.unread: list[tuple[int, int, int]] = []  # (seq_id, start, num)
+        self.kept = 0
+
+    def bind_feature_reader(self, read):
+        self.read = read
+        return True
+
+    def propose(self, wanted, tokens):
+        for seq_id, start, num in self.unread:
+            rows = self.read(seq_id, start, num)  # [num, L * H]
+            for i in range(num):
+                self.rows.setdefault(seq_id, {})[start + i] = rows[i].view(len(self.LAYERS), -1)
+        self.unread = []
+        return super().propose(wanted, tokens)
+
+    def advance(self, seq_id, outcome):
+        if not outcome.hidden_kept:
+            return super().advance(seq_id, outcome)
+        assert outcome.hidden_states is None and not outcome.num_drafted
+        self.kept += outcome.hidden_kept
+        self.unread.append((seq_id, outcome.hidden_start, outcome.hidden_kept))
+
+
+@pytest.mark.parametrize("recorder", [HiddenRecorder, KeptHiddenRecorder])
+def test_hidden_states_of_kept_positions_reach_the_proposer(model, recorder):
+    """Chunked prefill, plain decode and verify steps hand the drafter the target's
+    hidden states of exactly the positions kept, equal to one full forward's: taken
+    out of the step's, or read later from the feature store (steps without drafts,
+    for a proposer that reads it)."""
     reqs = make_requests(3, 4, 20, seed=11)
-    for r in reqs:
-        r.num_speculative_tokens = 4
+    for i, r in enumerate(reqs):
+        r.num_speculative_tokens = 4 if i else 0  # the first decodes plain
     refs = {i: r.prompt_token_ids + g for i, (r, g) in enumerate(
         zip(reqs, greedy_generate(model, [r.prompt_token_ids for r in reqs], 20), strict=True))}
-    proposer = HiddenRecorder(refs)
+    proposer = recorder(refs)
     engine = Engine(model, EngineConfig(max_num_batched_tokens=16, max_num_speculative_tokens=8),
                     proposer)
     out = run(engine, reqs)
+    if recorder is KeptHiddenRecorder:
+        assert proposer.kept > 20  # prompts and plain decode steps went through the store
+        assert engine._read_features(0, 0, 1) is None  # freed: its rows are no longer its
     for seq_id, r in enumerate(reqs):
         tokens = r.prompt_token_ids + out[r.request_id]
         cache = model.make_kv_cache(64, 16)

@@ -168,6 +168,9 @@ class Engine:
         self.step_time_ema_ms = 0.0
         self.num_steps = 0
         self.times = StepTimes()
+        # Plain steps' hidden rows reach the proposer as places in the feature store.
+        self._lazy_features = proposer is not None and proposer.bind_feature_reader(
+            self._read_features)
 
     # -- requests ----------------------------------------------------------
 
@@ -327,17 +330,19 @@ class Engine:
                 # First the rows of the positions the prefix cache gave it.
                 n, seq = item.seq.cached_features, item.seq
                 item.seq.cached_features = 0
-                rows = self.cache.read_features(seq.seq_id, n)  # [n, L * hidden]
-                self.proposer.advance(seq.seq_id, Outcome(
-                    0, 0, [], rows.view(n, len(self.cache.feature_layers), -1), 0))
+                if self._lazy_features:
+                    self.proposer.advance(seq.seq_id, Outcome(0, 0, [], hidden_kept=n))
+                else:
+                    rows = self.cache.read_features(seq.seq_id, n)  # [n, L * hidden]
+                    self.proposer.advance(seq.seq_id, Outcome(
+                        0, 0, [], rows.view(n, len(self.cache.feature_layers), -1), 0))
             if item.is_prefill:
                 start_pos = item.seq.num_computed
                 item.seq.num_computed += item.num_tokens
                 self.cache.commit(item.seq.seq_id, item.seq.tokens, item.seq.num_computed)
                 if item.seq.in_prefill and item.seq.seq_id in hidden.first_row:
-                    self.proposer.advance(item.seq.seq_id, Outcome(
-                        0, 0, [], hidden.take(item.seq.seq_id, self.proposer, item.num_tokens),
-                        start_pos))
+                    self.proposer.advance(item.seq.seq_id, self._plain_outcome(
+                        item.seq.seq_id, [], hidden, item.num_tokens, start_pos))
 
     def _sample(self, sampled: list[Scheduled], chains: Chains,
                 draft_probs: dict[int, torch.Tensor]) -> tuple[list[list[int]], list[int]]:
@@ -439,10 +444,14 @@ class Engine:
         if self.proposer is not None and reason is None:
             # Hidden rows kept: a whole prefill chunk, or the last token plus the accepted drafts.
             kept = item.num_tokens if item.is_prefill else accepted + 1
-            tree_rows = None if path is None else [0, *(1 + j for j in path[:accepted])]
-            self.proposer.advance(seq.seq_id, Outcome(
-                num_drafted, accepted, appended,
-                hidden.take(seq.seq_id, self.proposer, kept, tree_rows), start_pos))
+            if not num_drafted:
+                outcome = self._plain_outcome(seq.seq_id, appended, hidden, kept, start_pos)
+            else:
+                tree_rows = None if path is None else [0, *(1 + j for j in path[:accepted])]
+                outcome = Outcome(num_drafted, accepted, appended,
+                                  hidden.take(seq.seq_id, self.proposer, kept, tree_rows),
+                                  start_pos)
+            self.proposer.advance(seq.seq_id, outcome)
         miss = None
         if item.num_speculative_tokens and not num_drafted and self.proposer is not None:
             miss = self.proposer.miss_reason(seq.seq_id)
@@ -450,6 +459,26 @@ class Engine:
             self._finish(seq, reason)
         return StepOutput(seq.request.request_id, appended, num_drafted, accepted, reason,
                           item.num_speculative_tokens, miss, logprobs)
+
+    def _plain_outcome(self, seq_id: int, appended: list[int], hidden: Hidden, kept: int,
+                       start_pos: int) -> Outcome:
+        """The outcome of a step that fed no drafts (a prefill chunk or a plain decode),
+        its hidden rows (kept of them from start_pos) left in the feature store where the
+        runner wrote them (runner._keep_features: the sequence keeps features, and its
+        drafter reads the layers kept), else taken out of the step's."""
+        if (self._lazy_features and seq_id in hidden.first_row
+                and self.cache.wants_features(seq_id)
+                and self.proposer.hidden_layers(seq_id) == self.cache.feature_layers):
+            return Outcome(0, 0, appended, None, start_pos, hidden_kept=kept)
+        return Outcome(0, 0, appended, hidden.take(seq_id, self.proposer, kept), start_pos)
+
+    def _read_features(self, seq_id: int, start: int, num: int) -> torch.Tensor | None:
+        """[num, L * hidden] feature rows of the sequence's positions start.., or None
+        where it no longer holds them all (Proposer.bind_feature_reader)."""
+        if (seq_id not in self.cache or not self.cache.wants_features(seq_id)
+                or self.cache.length(seq_id) < start + num):
+            return None
+        return self.cache.read_features(seq_id, num, start)
 
     def _keep_accepted_kv(self, seq: Sequence, path: list[int] | None, accepted: int) -> None:
         """KV was written for the last token and every draft; keep the accepted ones
