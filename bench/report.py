@@ -72,6 +72,11 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'plain,ngram K=2,ngram K=4,ngram auto' "
      "--concurrency 1,4,16 --requests 16 --repeats 2 "
      "--out bench/results/serving_draft_wait.json"),
+    ("serving_session20.md",
+     "`make run` against `vllm serve` a session earlier, with a K = 0 sequence's hidden "
+     "states copied out of each step and held (the AMD EPYC, 2026-11-28)",
+     "python -m bench.serving --repeats 3 --vllm 'plain,ngram K=4' "
+     "--out bench/results/serving_session20.json"),
     ("serving_session19.md",
      "`make run` against `vllm serve` a session earlier, with K = 0 outcomes held back from "
      "the drafter, and the EAGLE-3 stream still ended whenever a request finished at K = 0 "
