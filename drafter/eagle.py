@@ -52,7 +52,7 @@ from drafter.heads.load import load_head
 from drafter.method import Draft, DrafterInfo, DraftMethod
 from drafter.ngram import TokenBuffer, find_continuation
 from drafter.registry import register
-from specdec.models.linear import use_small_rows
+from specdec.models.linear import pack_linear_weights
 from specdec.pb import common_pb2
 from specdec.sampling import SamplingParams
 from specdec.tree import chain_with_siblings
@@ -130,9 +130,12 @@ class _EagleMethod(DraftMethod):
             raise ValueError(f"tree_width must be >= 1, got {tree_width}")
         self.tree_width = tree_width
         self.head: DraftHead = load_head(self.name, model_dir, target_dir, dtype, device)
-        # Few rows every drafting step, as the target's verify steps. Inference only: the
-        # kernel has no autograd, so a head loaded for training keeps F.linear.
-        use_small_rows(self.head)
+        # As the target's projections: few rows (a drafting step of a few sequences) on
+        # the small-rows kernel, more (a batch's step, a context taken in) on oneDNN's
+        # packed weights, where F.linear took 2.2-2.6x as long (16-32 rows of the
+        # default head, one thread). Inference only: a head loaded for training keeps
+        # F.linear.
+        pack_linear_weights(self.head)
         cfg = self.head.config
         vocab_size, tokenizer_hash = _fingerprint(Path(target_dir), cfg.vocab_size)
         self._info = DrafterInfo(

@@ -20,9 +20,9 @@ EPYC, 2 threads: a plain step of 16 sequences 27.3 -> 32.5 ms, a verify step
 of 4 x 5 rows 28.4 -> 34.6 ms, 16 x 5 rows 73 -> 92 ms, prefill +24-35 %; no
 oneDNN copy of the weights either).
 
-`pack_linear_weights(module)` prepares a whole model for both paths;
-`use_small_rows(module)` the small-rows path alone (the EAGLE heads: their
-steps are always few rows).
+`pack_linear_weights(module)` prepares a module for both paths: the target
+model, and the EAGLE heads in the drafter (a batch's drafting step, or a context
+taken in, is more rows than the kernel holds).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ BATCH_INVARIANT = os.environ.get(ENV_BATCH_INVARIANT, "0") == "1"
 
 class Linear(nn.Linear):
     """nn.Linear that may hold a oneDNN-packed copy of its weight and run rows on
-    the small-rows kernel (see pack_linear_weights, use_small_rows)."""
+    the small-rows kernel (see pack_linear_weights)."""
 
     packed: torch.Tensor | None = None
     small_rows: bool = False
@@ -101,15 +101,3 @@ def pack_linear_weights(module: nn.Module, enabled: bool = True) -> bool:
                         if enabled and not (small and BATCH_INVARIANT) else None)
             m.small_rows = small
     return enabled
-
-
-def use_small_rows(module: nn.Module) -> bool:
-    """Run the Linears of `module` on the small-rows kernel for few rows (float32 on
-    a CPU that has it); no packed copies. Inference only: the kernel has no autograd.
-    Returns whether it does."""
-    dtype, device = _dtype_device(module)
-    on = dtype == torch.float32 and device.type == "cpu" and small_rows.available()
-    for m in module.modules():
-        if isinstance(m, Linear):
-            m.small_rows = on
-    return on

@@ -28,6 +28,7 @@ from specdec.models import (
     save_model,
     small_rows,
 )
+from specdec.models import linear as linear_module
 from specdec.models.linear import Linear
 from specdec.pb import common_pb2
 from specdec.sampling import SamplingParams
@@ -703,24 +704,42 @@ def test_tree_drafts_over_the_wire_keep_greedy_output(loop, target, target_dir, 
     assert any(not tree.is_chain(p) for p in trees)
 
 
-def test_float32_head_runs_its_projections_on_the_small_rows_kernel(tmp_path, target_dir):
-    """The drafter's head takes the target's small-rows path where the machine has it;
-    a head loaded for training (load_head alone) keeps F.linear, which has autograd."""
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
+def test_float32_head_runs_its_projections_on_the_targets_kernels(tmp_path, target_dir,
+                                                                   invariant, monkeypatch):
+    """The drafter's head takes the target's CPU paths: few rows on the small-rows
+    kernel where the machine has it, more (a batch's step, a context taken in) on
+    oneDNN's packed weights (every row on the kernel under SPECDEC_BATCH_INVARIANT);
+    a head loaded for training (load_head alone) keeps F.linear, which has autograd.
+    All give F.linear's values."""
+    monkeypatch.setattr(linear_module, "BATCH_INVARIANT", invariant)
     save_head(tmp_path / "head", "eagle3", head_tensors("eagle3", seed=9))
     method = Eagle3Method(tmp_path / "head", target_dir, dtype="float32")
     head = method.head
     projections = [m for m in head.modules() if isinstance(m, Linear)]
     assert len(projections) == 6  # fc, qkv, o, gate_up, down, lm_head
     assert all(m.small_rows == small_rows.available() for m in projections)
-    assert not any(m.small_rows for m in load_head("eagle3", tmp_path / "head", target_dir)
-                   .modules() if isinstance(m, Linear))
+    packs = torch.backends.mkldnn.is_available() and not (invariant and small_rows.available())
+    assert all((m.packed is not None) == packs for m in projections)
+    trained = [m for m in load_head("eagle3", tmp_path / "head", target_dir).modules()
+               if isinstance(m, Linear)]
+    assert not any(m.small_rows or m.packed is not None for m in trained)
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(5, H, generator=gen)
-    raw = torch.randn(3, 3, H, generator=gen)
-    with torch.inference_mode():
-        fast = head.draft_logits(hidden), head.features(raw)
-        for m in projections:
-            m.small_rows = False
-        plain = head.draft_logits(hidden), head.features(raw)
-    for a, b in zip(fast, plain, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    results = []
+    for rows in (5, 20):  # each side of the small-rows kernel's limit
+        hidden = torch.randn(rows, H, generator=gen)
+        raw = torch.randn(rows, 3, H, generator=gen)
+        with torch.inference_mode():
+            results.append((head.draft_logits(hidden), head.features(raw)))
+    for m in projections:
+        m.small_rows, m.packed = False, None
+    for rows, fast in zip((5, 20), results, strict=True):
+        gen = torch.Generator().manual_seed(0)
+        if rows == 20:  # the same draws as above
+            torch.randn(5, H, generator=gen), torch.randn(5, 3, H, generator=gen)
+        hidden = torch.randn(rows, H, generator=gen)
+        raw = torch.randn(rows, 3, H, generator=gen)
+        with torch.inference_mode():
+            plain = head.draft_logits(hidden), head.features(raw)
+        for a, b in zip(fast, plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
