@@ -33,6 +33,14 @@ SECTIONS = [
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
      "python -m bench.serving --temperature 0.7 --ours 'plain,ngram K=4,default' "
      "--vllm 'plain,ngram K=4' --repeats 2 --out bench/results/serving_sampled.json"),
+    ("serving_dynamic_k_packed_eagle3.md",
+     "The same with the EAGLE head's projections on oneDNN's packed weights past 12 rows "
+     "(ours only; the AMD EPYC, 2026-11-28, a later session): the drafter's own time at "
+     "C = 16, K = 2 is unchanged in serving (10.5 ms a step; lookup and trees leave the head "
+     "few rows), and dynamic K's ratios moved within the machine's noise that hour",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 3 --out bench/results/serving_dynamic_k_packed_eagle3.json"),
     ("serving_dynamic_k_lazy_eagle3.md",
      "Dynamic K against static K, eagle3, with plain steps' hidden rows left in the feature "
      "store until they go out (ours only; the AMD EPYC, 2026-11-28, a later session)",
