@@ -388,11 +388,10 @@ def render_headline(results: Path = RESULTS) -> str:
             best = " / ".join(_ratio(_best(s, "ours ", c), _best(s, "vllm ", c)) for c in cs)
             plain = " / ".join(_ratio(a, b) for a, b in zip(at("ours plain"), at("vllm plain"),
                                                              strict=True))
+            table = f"bench/results/{sampled.with_suffix('.md').name}"
             parts += [f"Sampled at temperature {t} (unseeded), the same requests, "
                       f"{run['timestamp'][:10]}: ours best / vLLM best {best}, ours plain / "
-                      f"vLLM plain {plain} at C = {' / '.join(cs)} "
-                      f"([bench/results/{SAMPLED_SOURCE.replace('.json', '.md')}]"
-                      f"(bench/results/{SAMPLED_SOURCE.replace('.json', '.md')})).", ""]
+                      f"vLLM plain {plain} at C = {' / '.join(cs)} ([{table}]({table})).", ""]
     parts.append(END)
     return "\n".join(parts)
 

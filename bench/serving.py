@@ -20,12 +20,13 @@ Servers, each started on free ports, measured, and stopped before the next start
 
 A cell is one configuration at concurrency C: N = max(C, --requests) chat requests
 over the prompts below (cycled, same order for every system), streamed, greedy (or
-unseeded at --temperature, where replies are not compared), at most --max-tokens tokens, C of them in flight at all times (a new one starts when one
-ends). Reported per cell: output tokens/s over the cell's wall time, TTFT and
-inter-chunk latency (ITL) p50/p99, acceptance length where the server reports it,
-and how many replies equal ours without speculation. A secondary table gives our
-engine in this process (no HTTP, no gRPC, no other processes) on the same requests,
-run right after ours at each concurrency, for the cost of the serving path.
+unseeded at --temperature, where replies are not compared), at most --max-tokens
+tokens, C of them in flight at all times (a new one starts when one ends). Reported
+per cell: output tokens/s over the cell's wall time, TTFT and inter-chunk latency
+(ITL) p50/p99, acceptance length where the server reports it, and how many replies
+equal ours without speculation. A secondary table gives our engine in this process
+(no HTTP, no gRPC, no other processes) on the same requests, run right after ours at
+each concurrency, for the cost of the serving path.
 
     .venv/bin/python -m bench.serving [--quick] [--repeats N] [--systems ...] [--out PATH]
 

@@ -6,15 +6,14 @@ the terms, rejection_triton.py the kernel).
 Seeded requests are sampled with a draw keyed by (seed, position): the token at
 position t is the inverse CDF of p_t at u_t, one float64 uniform from a generator
 seeded by mixing the request's seed with t (an exact sample of p_t, whatever the
-device; rejection.inverse_cdf). A draft at t is accepted when it is that token, so
-every emitted token is the one
-plain decoding with the same seed emits there: a seeded request's text does not
-depend on K, its drafter, its batch or a resume from its tokens so far. For a
-one-hot draft x the rule accepts with probability p_t(x) and otherwise yields a
-sample of p_t without x, exactly the usual rejection rule; for drafts with
-probabilities q it accepts with sum_x q(x) p(x) instead of sum_x min(p, q)(x), the
-price of that determinism. Unseeded requests keep the usual rule and one shared
-generator.
+device; specdec.sampling.inverse_cdf). A draft at t is accepted when it is that
+token, so every emitted token is the one plain decoding with the same seed emits
+there: a seeded request's text does not depend on K, its drafter, its batch or a
+resume from its tokens so far. For a one-hot draft x the rule accepts with
+probability p_t(x) and otherwise yields a sample of p_t without x, exactly the usual
+rejection rule; for drafts with probabilities q it accepts with sum_x q(x) p(x)
+instead of sum_x min(p, q)(x), the price of that determinism. Unseeded requests keep
+the usual rule and one shared generator.
 """
 
 from __future__ import annotations
