@@ -33,6 +33,13 @@ SECTIONS = [
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
      "python -m bench.serving --temperature 0.7 --ours 'plain,ngram K=4,default' "
      "--vllm 'plain,ngram K=4' --repeats 2 --out bench/results/serving_sampled.json"),
+    ("serving_dynamic_k_budget_eagle3.md",
+     "Dynamic K against static K, eagle3, with the head taking in at most 256 context rows a "
+     "proposal beyond each sequence's step (ours only; the AMD EPYC, 2026-11-28, a later "
+     "session): a burst's prompts no longer stall one step for the whole batch",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 3 --out bench/results/serving_dynamic_k_budget_eagle3.json"),
     ("serving_dynamic_k_packed_eagle3.md",
      "The same with the EAGLE head's projections on oneDNN's packed weights past 12 rows "
      "(ours only; the AMD EPYC, 2026-11-28, a later session): the drafter's own time at "

@@ -359,6 +359,39 @@ def test_long_prefill_joins_the_head_cache_before_any_proposal(tmp_path, target_
     assert method.propose({"s": 3})["s"].token_ids == drv.reference(ref, "s", 3)
 
 
+def test_a_burst_of_contexts_is_taken_in_a_bounded_number_of_rows_a_proposal(
+        tmp_path, target_dir, target):
+    # Three prompts of 30 positions with a budget of 40 rows a proposal: the first is
+    # taken in whole and drafts, the second's first 11 rows fill the budget, the third
+    # waits; neither drafts. The next proposals finish them. A sequence bringing only
+    # a step's rows (16 or fewer) is never held back. Every draft is the head's own.
+    from drafter.eagle import _STEP_ROWS
+
+    tensors = head_tensors("eagle3", seed=9)
+    save_head(tmp_path / "head", "eagle3", tensors)
+    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64")
+    method.catch_up_budget_rows = 40
+    ref = Reference("eagle3", tensors, target)
+    drv = Driver(method)
+    for key in "abc":
+        drv.start(key, torch.randint(VOCAB, (30,), generator=drv.g).tolist())
+        drv.prefill(key, [30], 5)
+    caught = []
+    for _ in range(3):
+        drafts = method.propose(dict.fromkeys("abc", 3))
+        caught.append(sorted(drafts))
+        for key, d in drafts.items():
+            assert d.token_ids == drv.reference(ref, key, 3)
+    assert caught == [["a"], ["a", "b"], ["a", "b", "c"]]
+    # A step's own rows go in whatever the budget.
+    method.catch_up_budget_rows = 0
+    for key in "abc":
+        drv.decode(key, [7] * _STEP_ROWS)
+    drafts = method.propose(dict.fromkeys("abc", 2))
+    assert {k: d.token_ids for k, d in drafts.items()} == \
+        {k: drv.reference(ref, k, 2) for k in "abc"}
+
+
 def test_rollback_and_a_full_head_cache(tmp_path, target_dir, target):
     tensors = head_tensors("eagle3", seed=6)
     save_head(tmp_path / "head", "eagle3", tensors)
