@@ -87,6 +87,11 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'plain,ngram K=2,ngram K=4,ngram auto' "
      "--concurrency 1,4,16 --requests 16 --repeats 2 "
      "--out bench/results/serving_draft_wait.json"),
+    ("serving_session22.md",
+     "`make run` against `vllm serve` a session earlier, before the EAGLE head took a burst's "
+     "contexts in over several proposals (the AMD EPYC, 2026-11-28)",
+     "python -m bench.serving --repeats 3 --vllm 'plain,ngram K=4' "
+     "--out bench/results/serving_session22.json"),
     ("serving_session20.md",
      "`make run` against `vllm serve` a session earlier, with a K = 0 sequence's hidden "
      "states copied out of each step and held (the AMD EPYC, 2026-11-28)",
