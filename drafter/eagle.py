@@ -15,6 +15,9 @@ live in the head's KV cache. A proposal runs, batched over the sequences:
 as vLLM's EAGLE proposer does, and then drops the draft rows from the cache
 again: the next outcome brings the target's own features for whatever was
 accepted. Drafts are greedy and carry no probabilities (one-hot q, exact).
+Step 1 takes in at most CATCH_UP_BUDGET_ROWS rows beyond each sequence's own
+step: a burst's prompts join over several proposals, each sequence drafting
+once its whole context is in.
 
 With tree_width > 1, a greedy request's proposal is a token tree (EAGLE-2's
 idea at no extra head cost): the chain above plus, at each depth, the head's
@@ -65,7 +68,7 @@ _MAX_PENDING_ROWS = 256
 # not fit takes in what is left of the budget and gets no draft this step (its rows
 # join at the next ones). After a burst of prompts, taking every context in at once
 # stalled the whole batch's step: 16 prompts on two CPU cores, 1819 rows, 259 ms where
-# a step took 35, and dynamic K, finding drafting near even at that batch, then ran
+# a step took 35 ms, and dynamic K, finding drafting near even at that batch, then ran
 # 65 plain steps after it. A bounded catch-up never stalls a step far, and what a batch
 # that turns to plain decoding has not taken in yet costs nothing.
 CATCH_UP_BUDGET_ROWS = 256
