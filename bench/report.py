@@ -33,6 +33,12 @@ SECTIONS = [
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
      "python -m bench.serving --temperature 0.7 --ours 'plain,ngram K=4,default' "
      "--vllm 'plain,ngram K=4' --repeats 2 --out bench/results/serving_sampled.json"),
+    ("serving_plain_c1.md",
+     "`make run` without speculation against the in-process engine at one request in flight, "
+     "five repeats (the AMD EPYC, 2026-11-28, a later session): per repeat 0.94 / 0.82 / 0.88 "
+     "/ 0.90 / 0.93 of the engine's tok/s",
+     "python -m bench.serving --systems ours,engine --ours plain --concurrency 1 "
+     "--requests 16 --repeats 5 --out bench/results/serving_plain_c1.json"),
     ("serving_dynamic_k_budget_eagle3.md",
      "Dynamic K against static K, eagle3, with the head taking in at most 256 context rows a "
      "proposal beyond each sequence's step (ours only; the AMD EPYC, 2026-11-28, a later "
