@@ -200,6 +200,8 @@ class _EagleMethod(DraftMethod):
         plan: list[tuple[Hashable, _Seq, int]] = []  # (key, seq, K)
         looked_up: dict[Hashable, Draft] = {}
         free_blocks = self._cache.num_free_blocks
+        work: list[tuple[_Seq, int]] = []  # (seq, context rows it takes in now)
+        budget = self.catch_up_budget_rows
         for key, k in wanted.items():
             seq, k = self._seqs.get(key), min(k, cap)
             if seq is None or k < 1:
@@ -212,28 +214,19 @@ class _EagleMethod(DraftMethod):
                     continue
             if not self._can_draft(seq):
                 continue
-            need = self._cache.blocks_needed(seq.cache_id, self._rows_ready(seq) + k - 1)
+            rows = self._rows_ready(seq)
+            need = self._cache.blocks_needed(seq.cache_id, rows + k - 1)
             if need > free_blocks:
                 continue  # head cache full: this sequence runs without a draft this round
             free_blocks -= need
-            plan.append((key, seq, k))
-        if not plan:
-            return looked_up
-        work, budget, ready = [], self.catch_up_budget_rows, []
-        for entry in plan:
-            seq = entry[1]
-            rows = self._rows_ready(seq)
-            if rows > _STEP_ROWS and rows > budget:
-                if budget:
-                    work.append((seq, budget))  # the first part of its context
-                budget = 0
-                continue  # no draft this step
-            budget = max(budget - rows, 0)
-            if rows:
-                work.append((seq, rows))
-            ready.append(entry)
+            # A context past the budget: what is left of it now, the draft later.
+            take = rows if rows <= _STEP_ROWS or rows <= budget else budget
+            budget = max(budget - take, 0)
+            if take:
+                work.append((seq, take))
+            if take == rows:
+                plan.append((key, seq, k))
         self._catch_up(work)
-        plan = ready
         if not plan:
             return looked_up
         try:
