@@ -17,6 +17,7 @@ from verifier.sampling.rejection import (
     PLACEHOLDER_TOKEN_ID,
     draw_random,
     greedy_accept,
+    greedy_chains,
     rejection_sample_from_random,
 )
 from verifier.sampling.rejection_triton import (
@@ -119,6 +120,27 @@ def test_greedy_shortcut_equals_the_general_function(counts):
     got = greedy_accept(argmax, drafts, k)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(rejection_sample(logits, drafts, None, k, meta)[0], want[0])
+
+
+@pytest.mark.parametrize("counts", [[0, 3, 4, 1, 5, 2, 0, 3], [0, 0, 0], [2]])
+def test_greedy_chains_as_lists_equal_greedy_accept(counts):
+    """The engine's all-greedy path reads the same tokens as greedy_accept, as lists:
+    each chain's kept drafts and the token after them, and how many it kept."""
+    gen = torch.Generator().manual_seed(5)
+    vocab_size = 300
+    row_start, k = ragged(counts)
+    logits = torch.randn(int(k.sum()) + len(counts), vocab_size, generator=gen)
+    argmax = logits.argmax(-1)
+    # Mostly right, so that chains run deep and some keep every draft.
+    drafts = [[int(argmax[s + j]) if torch.rand(1, generator=gen) < 0.8
+               else int(torch.randint(0, vocab_size, (1,), generator=gen)) for j in range(n)]
+              for s, n in zip(row_start.tolist(), counts, strict=True)]
+    want_ids, want_accepted = greedy_accept(
+        argmax, torch.tensor(sum(drafts, []), dtype=torch.int64), k)
+    token_ids, num_accepted = greedy_chains(logits, drafts)
+    assert num_accepted == want_accepted.tolist()
+    assert token_ids == [row[: a + 1] for row, a in zip(want_ids.tolist(), num_accepted,
+                                                          strict=True)]
 
 
 # --- distribution ------------------------------------------------------------------

@@ -45,6 +45,7 @@ from verifier.engine.sequence import (
     Status,
     check_k_by_outcome,
 )
+from verifier.sampling.rejection import greedy_chains
 from verifier.sampling.sampler import rejection_sample
 from verifier.sampling.tree_acceptance import Chains, chain_blocks
 
@@ -349,6 +350,9 @@ class Engine:
         """Rejection-sample every sequence's chain. Returns per sequence its row of
         output ids (the first num_accepted + 1 are its new tokens) and num_accepted."""
         seqs = [item.seq for item in sampled]
+        params = [s.request.sampling for s in seqs]
+        if all(p.is_greedy for p in params):
+            return greedy_chains(self._processed(chains, seqs), chains.drafts)
         dev, i64 = chains.logits.device, torch.int64
         num_drafts = torch.tensor([len(d) for d in chains.drafts], dtype=i64, device=dev)  # [B]
         # [sum K_i]: the chains' drafts, concatenated
@@ -358,7 +362,6 @@ class Engine:
             blocks = [(draft_probs.get(s.seq_id), len(d))
                       for s, d in zip(seqs, chains.drafts, strict=True)]
             q = _draft_q(draft_ids, chains.logits.shape[-1], blocks)
-        params = [s.request.sampling for s in seqs]
         # Seeded requests draw no generator's state: their noise is keyed by (seed,
         # position of the token), so a resumed or re-batched request samples the same.
         metadata = SamplingMetadata.from_params(params, [None] * len(seqs), self.shared_generator,

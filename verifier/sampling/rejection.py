@@ -217,6 +217,26 @@ def greedy_accept(
     return _outputs(x, num_accepted, target_argmax[row_start + num_accepted]), num_accepted
 
 
+def greedy_chains(logits: torch.Tensor, drafts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """greedy_accept on a batch's chains as lists, for a caller that wants lists: per
+    chain its new tokens (the drafts kept while each is the argmax of its row, then the
+    argmax of the row after them) and how many drafts it kept. logits: [sum(K_i + 1),
+    V], K_i = len(drafts[i]). One argmax and a walk in Python: greedy_accept's dozen
+    small tensor ops cost a CPU step about 0.3 ms, 2 % of a 14 ms step at one request
+    in flight."""
+    argmax = logits.argmax(dim=-1).tolist()  # [sum(K_i + 1)]
+    token_ids, num_accepted = [], []
+    row = 0
+    for chain in drafts:
+        kept = 0
+        while kept < len(chain) and chain[kept] == argmax[row + kept]:
+            kept += 1
+        token_ids.append([*chain[:kept], argmax[row + kept]])
+        num_accepted.append(kept)
+        row += len(chain) + 1
+    return token_ids, num_accepted
+
+
 def _layout(num_draft_tokens: torch.Tensor, max_k: int) -> tuple[torch.Tensor, ...]:
     """Where request i's drafts and rows are: draft_start [B] and row_start [B] (its
     first draft and row), is_draft [B, max_K] (position j < K_i), and the indices of
