@@ -37,6 +37,17 @@ def accept_all(logits, draft_ids, draft_probs, num_drafts, metadata, position_ke
     return out, num_drafts.clone()
 
 
+def accept_all_greedy(logits, drafts):
+    """The same broken rule on the engine's all-greedy path (rejection.greedy_chains):
+    every draft is kept, then the argmax of the row after them."""
+    argmax = logits.argmax(dim=-1).tolist()
+    token_ids, row = [], 0
+    for chain in drafts:
+        token_ids.append([*chain, argmax[row + len(chain)]])
+        row += len(chain) + 1
+    return token_ids, [len(chain) for chain in drafts]
+
+
 def test_reduced_matrix_has_no_failed_cell(tmp_path):
     out = tmp_path / "matrix.json"
     threads = torch.get_num_threads()
@@ -62,6 +73,7 @@ def test_a_sampler_that_accepts_every_draft_fails_greedy_cells(built, drafter, m
     dims = matrix.Dims(drafter, "greedy", "static", 8, "float32", "sdpa", False)
     assert matrix.run_cell(built, dims).status == "pass"
     monkeypatch.setattr("verifier.engine.engine.rejection_sample", accept_all)
+    monkeypatch.setattr("verifier.engine.engine.greedy_chains", accept_all_greedy)
     cell = matrix.run_cell(built, dims)
     assert cell.status == "fail" and "below the plain token" in cell.note
 
