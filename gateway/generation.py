@@ -103,6 +103,7 @@ class Generation:
         self.replica = replica
         self.online_profile = online_profile  # fed every response's step statistics
         self.first_on_stream = True  # the next response is the stream's first (its prefill)
+        self.opened_at = 0.0  # time.monotonic() its current stream opened
         # Context positions this stream's drafter has seen: up to the start of the latest
         # step that asked it for drafts (the verifier sends it the rest with its next
         # request for drafts).
@@ -148,7 +149,7 @@ class Generation:
                 # streams open one by one, and the first to open, choosing K for an idle
                 # replica, drafted deep at its prefill (at 16 requests, a first drafting
                 # step of 100 ms while the drafter took in every prompt).
-                batch = replica.load + 1
+                batch = replica.joining()
                 if self.admitted is not None:
                     batch = max(batch, self.admitted.get(replica.address, 0))
                 k = self.dynamic.next_k(batch)
@@ -213,7 +214,7 @@ class Generation:
         if self._opened is not None:
             replica, call = self._opened
             self._opened = None
-            replica.inflight -= 1
+            replica.stream_ended(self.opened_at)
             replica.unanswered.discard(id(self))
             call.cancel()
         if self.dynamic is not None:
@@ -329,6 +330,7 @@ class Generation:
         call = replica.stub.Generate(metadata=(*metadata.items(), *replica.auth),
                                      timeout=timeout)
         replica.inflight += 1
+        self.opened_at = time.monotonic()
         replica.unanswered.add(id(self))
         self.first_on_stream = True
         self.drafter_seen = 0
@@ -392,7 +394,7 @@ class Generation:
                 if broken is not None:
                     raise _UpdateLost(str(broken)) from broken
         finally:
-            replica.inflight -= 1
+            replica.stream_ended(self.opened_at)
             replica.unanswered.discard(id(self))
             # Frees the sequence in the verifier if the stream is still open (client gone,
             # stop string, error); a no-op on a stream that already ended.

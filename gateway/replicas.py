@@ -4,15 +4,20 @@ healthy while its Load answers and its gRPC health says SERVING: a verifier
 whose engine failed, or that is shutting down, says NOT_SERVING while it still
 answers Load.
 
-A replica's load is the larger of what it last reported (running + waiting)
-and the streams this gateway has open on it: reports lag by a poll interval,
-and a burst of requests arriving within one interval must not all pick the
-same replica (nor all pass the auto-disable threshold).
+A replica's load is the larger of what it last reported (running + waiting),
+less the streams of this gateway that ended since that report was asked for, and
+the streams this gateway has open on it: reports lag by a poll interval, and a
+burst of requests arriving within one interval must not all pick the same
+replica (nor all pass the auto-disable threshold); and one request following
+another must not count the one that just ended (at one request in flight, every
+dynamic-K request opened counting a batch of 2, a size plain decoding had never
+been measured at, and so ran its first step plain).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -53,11 +58,29 @@ class Replica:
         # forming, which the verifier will prefill together.
         self.unanswered: set[int] = set()
         self._fingerprint = fingerprint
+        # time.monotonic() of each of this gateway's streams on it that the latest report
+        # counts (opened before it was asked for) and that ended since it was asked for.
+        self._ended: collections.deque[float] = collections.deque()
+        self._report_asked = 0.0  # time.monotonic() the latest report was asked for
 
     @property
     def load(self) -> int:
+        """Sequences on the replica now, as far as this gateway can tell."""
         reported = self.report.num_running + self.report.num_waiting if self.report else 0
-        return max(reported, self.inflight)
+        return max(reported - len(self._ended), self.inflight)
+
+    def joining(self) -> int:
+        """The batch a stream opened just now joins, itself included (it is counted in
+        `inflight`, not yet in a report)."""
+        reported = self.report.num_running + self.report.num_waiting if self.report else 0
+        return max(reported - len(self._ended) + 1, self.inflight)
+
+    def stream_ended(self, opened: float) -> None:
+        """One of this gateway's streams on it, opened at time.monotonic() `opened`, is
+        over (it counted in `inflight`)."""
+        self.inflight -= 1
+        if opened < self._report_asked:
+            self._ended.append(time.monotonic())
 
     def drafter_methods(self) -> frozenset[str]:
         """Methods some drafter of this replica serves (available or not right now)."""
@@ -74,6 +97,7 @@ class Replica:
 
     async def refresh(self, timeout_s: float = 2.0) -> None:
         self.connect()
+        asked = time.monotonic()
         try:
             health, report = await asyncio.gather(
                 self.health.Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE),
@@ -96,8 +120,14 @@ class Replica:
                 self._mark(False, f"tokenizer mismatch: verifier has vocab {theirs.vocab_size} "
                                   f"hash {theirs.hash[:12]}, gateway vocab {vocab} hash {digest[:12]}")
                 return
-        self.report = report
+        self.took_report(report, asked)
         self._mark(True, "")
+
+    def took_report(self, report: verifier_pb2.LoadReport, asked: float) -> None:
+        """The replica's Load report, asked for at time.monotonic() `asked`."""
+        self.report, self._report_asked = report, asked
+        while self._ended and self._ended[0] < asked:  # counted out of this report
+            self._ended.popleft()
 
     def _mark(self, healthy: bool, error: str) -> None:
         if healthy != self.healthy or error != self.error:
