@@ -942,12 +942,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=_ints, default=[1, 4, 16])
-    ap.add_argument("--requests", type=int, default=8, help="requests per cell at least")
+    # 16: with 8 a cell at one request in flight lasted 7-12 s, and ratios of two
+    # configurations moved 5-7 % between runs.
+    ap.add_argument("--requests", type=int, default=16, help="requests per cell at least")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0 (default): greedy, replies compared with ours plain; above: "
                          "sampled, unseeded, on every server alike")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="medians of this many runs a cell")
     ap.add_argument("--systems", default="ours,vllm,engine",
                     help="comma-separated, of " + ", ".join(SYSTEMS) + " (default %(default)s)")
     for system, configs in [*((n, st.configs) for n, st in STACKS.items()), ("vllm", VLLM)]:
@@ -959,11 +961,11 @@ def main(argv: list[str] | None = None) -> None:
                          f"${VLLM_PYTHON_ENV}, default {VLLM_PYTHON})")
     ap.add_argument("--vllm-timeout-s", type=float, default=600.0, help="per server start")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: concurrency 1 and 4, 2 requests, 8 tokens")
+                    help="smoke run: concurrency 1 and 4, 2 requests, 8 tokens, one repeat")
     ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")
     args = ap.parse_args(argv)
     if args.quick:
-        args.concurrency, args.requests, args.max_tokens = [1, 4], 2, 8
+        args.concurrency, args.requests, args.max_tokens, args.repeats = [1, 4], 2, 8, 1
     systems = set(args.systems.split(","))
     if systems - set(SYSTEMS):
         ap.error(f"--systems: unknown system(s) {', '.join(sorted(systems - set(SYSTEMS)))}")
