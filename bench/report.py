@@ -39,6 +39,14 @@ SECTIONS = [
      "/ 0.90 / 0.93 of the engine's tok/s",
      "python -m bench.serving --systems ours,engine --ours plain --concurrency 1 "
      "--requests 16 --repeats 5 --out bench/results/serving_plain_c1.json"),
+    ("serving_dynamic_k_c1_load.md",
+     "Dynamic K against static K = 4 at one request in flight, once a stream opening no "
+     "longer counts the request that just ended as load (ours only; the AMD EPYC, "
+     "2026-11-29): eagle3 auto / K=4 0.97 by medians, 1.01 paired by repeat (0.93 the same "
+     "day before), ngram auto / K=4 0.98 and 1.03",
+     "python -m bench.serving --systems ours --ours 'eagle3 K=4,eagle3 auto,ngram K=4,"
+     "ngram auto' --concurrency 1 --requests 16 --repeats 3 "
+     "--out bench/results/serving_dynamic_k_c1_load.json"),
     ("serving_dynamic_k_budget_eagle3.md",
      "Dynamic K against static K, eagle3, with the head taking in at most 256 context rows a "
      "proposal beyond each sequence's step (ours only; the AMD EPYC, 2026-11-28, a later "
