@@ -329,8 +329,7 @@ class Generation:
                 raise RequestTimeout(self._timeout_message())
         call = replica.stub.Generate(metadata=(*metadata.items(), *replica.auth),
                                      timeout=timeout)
-        replica.inflight += 1
-        self.opened_at = time.monotonic()
+        self.opened_at = replica.stream_opened()
         replica.unanswered.add(id(self))
         self.first_on_stream = True
         self.drafter_seen = 0

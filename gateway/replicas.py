@@ -64,16 +64,26 @@ class Replica:
         self._report_asked = 0.0  # time.monotonic() the latest report was asked for
 
     @property
+    def _reported(self) -> int:
+        """The latest report's sequences, less this gateway's that have ended since."""
+        reported = self.report.num_running + self.report.num_waiting if self.report else 0
+        return reported - len(self._ended)
+
+    @property
     def load(self) -> int:
         """Sequences on the replica now, as far as this gateway can tell."""
-        reported = self.report.num_running + self.report.num_waiting if self.report else 0
-        return max(reported - len(self._ended), self.inflight)
+        return max(self._reported, self.inflight)
 
     def joining(self) -> int:
         """The batch a stream opened just now joins, itself included (it is counted in
         `inflight`, not yet in a report)."""
-        reported = self.report.num_running + self.report.num_waiting if self.report else 0
-        return max(reported - len(self._ended) + 1, self.inflight)
+        return max(self._reported + 1, self.inflight)
+
+    def stream_opened(self) -> float:
+        """One more of this gateway's streams is open on it; returns its time.monotonic(),
+        for stream_ended."""
+        self.inflight += 1
+        return time.monotonic()
 
     def stream_ended(self, opened: float) -> None:
         """One of this gateway's streams on it, opened at time.monotonic() `opened`, is

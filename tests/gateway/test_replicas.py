@@ -255,20 +255,17 @@ def test_load_counts_out_streams_ended_since_the_report():
     from specdec.pb import verifier_pb2
 
     r = Replica("127.0.0.1:1")
-    opened = time.monotonic()
-    r.inflight += 1  # stream A
+    opened = r.stream_opened()  # stream A
     r.took_report(verifier_pb2.LoadReport(num_running=1), asked=time.monotonic())
     assert (r.load, r.joining()) == (1, 2)
     r.stream_ended(opened)
     assert r.load == 0 and r.inflight == 0
-    r.inflight += 1  # stream B, opened after A ended, before the next report
-    b_opened = time.monotonic()
+    b_opened = r.stream_opened()  # stream B, opened after A ended, before the next report
     assert r.joining() == 1
     # Another gateway's two sequences arrive; the report counts them and B.
     r.took_report(verifier_pb2.LoadReport(num_running=3), asked=time.monotonic())
     assert r.load == 3
-    c_opened = time.monotonic()
-    r.inflight += 1  # stream C opens and ends before any report counts it
+    c_opened = r.stream_opened()  # stream C opens and ends before any report counts it
     r.stream_ended(c_opened)
     assert r.load == 3  # the report never counted C: nothing to take out
     r.stream_ended(b_opened)
