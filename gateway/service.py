@@ -60,9 +60,10 @@ async def serve(gateway: Gateway, http_host: str = "127.0.0.1", http_port: int =
     """Start polling the replicas, then both front ends (port 0 = any free port); with
     `tls`, REST is HTTPS and the gRPC API TLS, with the same certificate."""
     await gateway.replicas.start()
+    # httptools: uvicorn's C parser and writer (a dependency), not its pure-Python h11.
     config = uvicorn.Config(create_app(gateway), host=http_host, port=http_port,
-                            log_level="warning", lifespan="off", timeout_graceful_shutdown=5,
-                            **uvicorn_ssl(tls))
+                            http="httptools", log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=5, **uvicorn_ssl(tls))
     http = uvicorn.Server(config)
     task = asyncio.create_task(http.serve())
     while not http.started:
