@@ -60,7 +60,8 @@ async def serve(gateway: Gateway, http_host: str = "127.0.0.1", http_port: int =
     """Start polling the replicas, then both front ends (port 0 = any free port); with
     `tls`, REST is HTTPS and the gRPC API TLS, with the same certificate."""
     await gateway.replicas.start()
-    # httptools: uvicorn's C parser and writer (a dependency), not its pure-Python h11.
+    # httptools: uvicorn's C parser and writer, as `vllm serve` runs; its pure-Python h11
+    # took a tenth of the gateway's CPU per streamed token (1.05 -> 0.96 ms at C = 1).
     config = uvicorn.Config(create_app(gateway), host=http_host, port=http_port,
                             http="httptools", log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=5, **uvicorn_ssl(tls))
