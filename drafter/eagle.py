@@ -60,8 +60,8 @@ from specdec.pb import common_pb2
 from specdec.sampling import SamplingParams
 from specdec.tree import chain_with_siblings
 
-# Feature rows a sequence may hold back before advance folds them into its head
-# cache on its own: bounds the memory of sequences that run long without drafting.
+# Feature rows a sequence may hold back before advance folds those past them into its
+# head cache on its own: bounds the memory of sequences that run long without drafting.
 _MAX_PENDING_ROWS = 256
 # Context rows a proposal takes in beyond what each sequence brings every step (up to
 # _STEP_ROWS of its own), for all its sequences together. A sequence whose context does
@@ -189,10 +189,13 @@ class _EagleMethod(DraftMethod):
         seq.tokens.extend(new_token_ids)
         if hidden_states is not None and hidden_states.shape[0]:
             self._add_features(seq, hidden_states, hidden_start_position)
-        rows = self._rows_ready(seq)
-        if seq.num_pending > _MAX_PENDING_ROWS and rows and \
-                self._cache.can_append(seq.cache_id, rows):
-            self._catch_up([(seq, rows)])
+        # Only the rows past the bound; the rest wait for a proposal's catch-up budget.
+        # The verifier holds a plain-decoding sequence's rows until it drafts again, so
+        # they come with the step that asks for drafts, and folded whole here they would
+        # stall that step as an unbudgeted catch-up does.
+        take = min(self._rows_ready(seq), seq.num_pending - _MAX_PENDING_ROWS)
+        if take > 0 and self._cache.can_append(seq.cache_id, take):
+            self._catch_up([(seq, take)])
 
     @torch.inference_mode()
     def propose(self, wanted: dict[Hashable, int]) -> dict[Hashable, Draft]:

@@ -11,8 +11,8 @@ and re-starts every live sequence from its prompt and the tokens so far.
 
 A sequence at K = 0 (its speculation off, by dynamic K or the request) is not
 sent each step: its outcomes are held, merged into one Advance, and go out with
-the next step that asks it for drafts, or once HOLD_TOKENS of them are held;
-before it is freed, its tokens alone go to a drafter without hidden states (a
+the next step that asks it for drafts, or once HOLD_HOST_ROWS rows of hidden states
+are held in host memory; before it is freed, its tokens alone go to a drafter without hidden states (a
 suffix drafter learns from whole replies), and nothing to one with. A drafter
 needs a sequence's context only to draft for it, and a message a step for every
 sequence not drafting made a batch of 16 whose speculation dynamic K had turned
@@ -20,8 +20,12 @@ off 13 % slower than plain decoding on two cores (the EAGLE-3 drafter woke each
 step to take hidden states it never used, and the verifier encoded them, on the
 cores the forward runs on). Held hidden states stay where the target wrote them,
 in the KV cache's feature store (Outcome.hidden_kept), and are read when they go
-out: copied out a step at a time they still cost such a batch 3 %. A sequence
-whose held rows are gone by then (preempted, its KV freed) is re-started instead.
+out: copied out a step at a time they still cost such a batch 3 %. Those cost no
+memory to hold, and are held however many there are: sent every HOLD_HOST_ROWS, they
+had the EAGLE-3 head take in 256 rows for each of 16 sequences while their batch ran
+plain, and plain steps at batch 13-16 took 5-8 % longer than in a plain run. A
+sequence whose held rows are gone by then (preempted, its KV freed) is re-started
+instead.
 
 A drafter that is slower than the deadline is never asked for a new
 proposal while its previous one is still outstanding: the step's outcomes
@@ -65,13 +69,13 @@ LIVENESS_S = 10.0
 # DraftRequests queued for the stream and not yet taken by gRPC: one per step, so a
 # drafter that stops reading falls this far behind before it is cut off.
 MAX_QUEUED = 256
-# Outcomes of K = 0 steps a sequence holds back before they are sent all the same:
-# bounds the hidden states held per sequence ([HOLD_TOKENS, layers, hidden]: 1.7 MiB
-# for the default model in float32). Sent, they cost the drafter work whether or not
-# it drafts again: an EAGLE head folds the states of 256 positions into its cache
-# (drafter/eagle.py), about 10 MFLOP a position for the default model's head, and at
-# 64 a reply of 128 tokens on a prompt of 150 crossed that twice.
-HOLD_TOKENS = 256
+# Rows of hidden states of K = 0 steps a sequence holds in host memory (taken out of
+# the step's, not left in the feature store) before they are sent all the same: bounds
+# that memory per sequence ([HOLD_HOST_ROWS, layers, hidden]: 1.7 MiB for the default
+# model in float32). Sent, they cost the drafter work whether or not it drafts again:
+# an EAGLE head folds the states of 256 positions into its cache (drafter/eagle.py),
+# about 10 MFLOP a position for the default model's head.
+HOLD_HOST_ROWS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +128,7 @@ class _Seq:
     held_hidden: list[torch.Tensor | tuple[int, int]] = field(default_factory=list)
     held_start: int = 0
     held_rows: int = 0
+    host_rows: int = 0  # of held_rows, those held as tensors
 
     def hold(self, outcome: Outcome) -> None:
         """Merge a K = 0 step's outcome into those held."""
@@ -135,7 +140,7 @@ class _Seq:
         if self.held_hidden and outcome.hidden_start != self.held_start + self.held_rows:
             # Not the next positions (the target recomputed some): the drafter gets these
             # alone, and its context starts over from them, as when states go missing.
-            self.held_hidden, self.held_rows = [], 0
+            self.held_hidden, self.held_rows, self.host_rows = [], 0, 0
         if not self.held_hidden:
             self.held_start = outcome.hidden_start
         self.held_rows += rows
@@ -149,6 +154,7 @@ class _Seq:
         # In host memory, as an encoded Advance was: on a GPU, states held for many
         # sequences would take memory the KV cache was sized without.
         self.held_hidden.append(hidden.to("cpu"))
+        self.host_rows += rows
 
     def held(self) -> int:
         """Tokens or hidden-state rows held, the more of the two (a prefill's chunks
@@ -158,7 +164,7 @@ class _Seq:
     def release(self) -> list[int]:
         """The held tokens (the hidden states dropped); nothing held after."""
         tokens = self.held_tokens
-        self.held_tokens, self.held_hidden, self.held_rows = [], [], 0
+        self.held_tokens, self.held_hidden, self.held_rows, self.host_rows = [], [], 0, 0
         return tokens
 
 
@@ -346,7 +352,7 @@ class DrafterClient:
             self._last = []
             for seq_id, seq in self._seqs.items():
                 k = min(wanted.get(seq_id, 0), seq.max_num_speculative_tokens)
-                goes = seq.pending is not None or k or seq.held() >= HOLD_TOKENS
+                goes = seq.pending is not None or k or seq.host_rows >= HOLD_HOST_ROWS
                 entry = None
                 if seq.generation == self._generation and goes and seq.held():
                     entry = self._held_entry(seq_id, seq)

@@ -359,6 +359,28 @@ def test_long_prefill_joins_the_head_cache_before_any_proposal(tmp_path, target_
     assert method.propose({"s": 3})["s"].token_ids == drv.reference(ref, "s", 3)
 
 
+def test_a_backlog_past_the_bound_is_folded_on_arrival_only_past_it(tmp_path, target_dir,
+                                                                    target):
+    # 300 rows arrive at once (a sequence that ran plain, whose held rows come with the
+    # step that asks it for drafts): the 44 past the bound join the head cache at once,
+    # the other 256 wait for a proposal's catch-up budget, and the draft is the same.
+    from drafter.eagle import _MAX_PENDING_ROWS
+
+    tensors = head_tensors("eagle3", seed=10)
+    save_head(tmp_path / "head", "eagle3", tensors)
+    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64")
+    method.catch_up_budget_rows = 0
+    ref = Reference("eagle3", tensors, target)
+    drv = Driver(method)
+    drv.start("s", torch.randint(VOCAB, (300,), generator=drv.g).tolist())
+    drv.prefill("s", [300], 3)
+    seq = method._seqs["s"]
+    assert (seq.kv_end, seq.num_pending) == (300 - _MAX_PENDING_ROWS, _MAX_PENDING_ROWS)
+    assert method.propose({"s": 3}) == {}  # no budget: not caught up, no draft
+    method.catch_up_budget_rows = _MAX_PENDING_ROWS
+    assert method.propose({"s": 3})["s"].token_ids == drv.reference(ref, "s", 3)
+
+
 def test_a_burst_of_contexts_is_taken_in_a_bounded_number_of_rows_a_proposal(
         tmp_path, target_dir, target):
     # Three prompts of 30 positions with a budget of 40 rows a proposal: the first is

@@ -26,7 +26,12 @@ from gateway.policy.batch_k import (
     step_time,
     step_times,
 )
-from gateway.policy.dynamic_k import AVAILABILITY_PRIOR_STEPS, HALF_LIFE_STEPS, DynamicK
+from gateway.policy.dynamic_k import (
+    AVAILABILITY_PRIOR_STEPS,
+    DRAFTING_PRIOR_STEPS,
+    HALF_LIFE_STEPS,
+    DynamicK,
+)
 from gateway.policy.goodput import acceptance_length, choose_k
 from gateway.policy.itl_profile import ItlProfile
 from gateway.policy.online_profile import FittedProfile, StepCost, batch_grid
@@ -467,6 +472,39 @@ def test_a_drafter_that_must_first_take_in_the_context_drafts_only_where_it_pays
     assert all(allocate(profile, 8, members(400, 1, 1000)))
     b = BatchK()
     late = members(400, 1, 10)
+    for m in late:
+        m.join(b)
+    assert [m.next_k(8, step=1) for m in late] == [0] * 8
+
+
+def test_a_backlog_is_priced_over_the_drafting_steps_a_request_is_likely_to_have_left():
+    # A request that ran plain for most of its steps (a batch too large for drafting to
+    # pay) is likely to run plain again soon: the context its drafter would take in
+    # first is spread over its share of drafting steps, not over all its steps left.
+    cost = StepCost(a=20.0, b=0.5, w=0.0, d={"eagle3": 1.0}, e={"eagle3": 0.0},
+                    c={"eagle3": 0.05})
+    profile = fitted(cost, (0.7,))
+
+    def members(plain_steps: int) -> list[DynamicK]:
+        out = [DynamicK(lambda: profile, "eagle3", 4) for _ in range(8)]
+        for m in out:
+            for _ in range(plain_steps):
+                m.observe(0, 0, asked=False)  # leaves its rates and availability at the prior
+            m.backlog, m.fresh, m.remaining = 400, 1, 40
+        return out
+
+    fresh, idle = members(0)[0], members(40)[0]
+    assert fresh.rates() == idle.rates() and fresh.availability() == idle.availability()
+    assert fresh.drafting_share() == 1.0
+    share = DRAFTING_PRIOR_STEPS / (40 + DRAFTING_PRIOR_STEPS)
+    assert idle.drafting_share() == pytest.approx(share)
+    assert idle.catch_up() == pytest.approx(
+        1 + 399 / (share * 40 / (1 + share * idle.expected_accepted(4))))
+    assert idle.catch_up() > 3 * fresh.catch_up()
+    assert all(allocate(profile, 8, members(0)))  # expected to draft on: it pays back
+    assert allocate(profile, 8, members(40)) == [0] * 8
+    b = BatchK()
+    late = members(40)
     for m in late:
         m.join(b)
     assert [m.next_k(8, step=1) for m in late] == [0] * 8

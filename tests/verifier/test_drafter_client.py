@@ -20,7 +20,7 @@ from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.tensor_codec import decode_tensor, dtype_to_proto
 from tests.ports import free_port
-from verifier.drafter_client import HOLD_TOKENS, DrafterClient, TargetInfo
+from verifier.drafter_client import HOLD_HOST_ROWS, DrafterClient, TargetInfo
 from verifier.engine.proposer import Outcome
 
 TARGET = TargetInfo(vocab_size=100, tokenizer_hash="", hidden_size=16, num_layers=2)
@@ -184,16 +184,16 @@ def test_outcomes_of_k0_steps_are_held_until_the_sequence_drafts_or_ends(device)
         assert not client.send(7, {1: 0})
         adv = servicer.wait_for(3)[2].entries[0].advance
         assert (list(adv.new_token_ids), adv.num_drafted, adv.num_accepted) == ([14, 15], 3, 1)
-        # Held no further than HOLD_TOKENS steps.
-        for i in range(HOLD_TOKENS):
+        # Held no further than HOLD_HOST_ROWS steps.
+        for i in range(HOLD_HOST_ROWS):
             client.record(1, Outcome(0, 0, [20 + i], states(8 + i, 1, device), 8 + i))
             client.send(8 + i, {1: 0})
         adv = servicer.wait_for(4)[3].entries[0].advance
-        assert list(adv.new_token_ids) == list(range(20, 20 + HOLD_TOKENS))
-        assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(8, HOLD_TOKENS))
+        assert list(adv.new_token_ids) == list(range(20, 20 + HOLD_HOST_ROWS))
+        assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(8, HOLD_HOST_ROWS))
         # Freed with an outcome held: a drafter that drafts from hidden states gets the Free
         # alone (it refuses tokens without their states, and has no use for them now).
-        client.record(1, Outcome(0, 0, [99], states(8 + HOLD_TOKENS, 1, device), 8 + HOLD_TOKENS))
+        client.record(1, Outcome(0, 0, [99], states(8 + HOLD_HOST_ROWS, 1, device), 8 + HOLD_HOST_ROWS))
         client.forget(1)
         client.send(200, {})
         (free,) = servicer.wait_for(5)[4].entries
@@ -235,6 +235,36 @@ def test_held_rows_left_in_the_feature_store_are_read_when_they_go_out():
         assert reads == [(1, 0, 5), (2, 2, 1)]  # the store's range of sequence 1 in one read
         start = entries[2].start
         assert (list(start.prompt_token_ids), list(start.output_token_ids)) == ([4, 5], [20])
+
+
+def test_rows_left_in_the_feature_store_are_held_until_the_sequence_drafts_however_many():
+    """Held rows that stay in the store cost no memory: a sequence running plain past
+    HOLD_HOST_ROWS of them sends nothing, and they go out in one read when it drafts
+    (sent every HOLD_HOST_ROWS, an EAGLE head took them in while its batch ran plain)."""
+    servicer = Records()
+    n = 2 * HOLD_HOST_ROWS + 5
+    store = states(0, n + 3)
+    reads = []
+
+    def read(seq_id, start, num):
+        reads.append((seq_id, start, num))
+        return store[start: start + num].reshape(num, -1)
+
+    with connected(servicer) as client:
+        client.read_features = read
+        client.track(1, [1, 2, 3], SamplingParams(), 4)
+        client.send(1, {1: 0})
+        servicer.wait_for(1)
+        client.record(1, Outcome(0, 0, [], None, 0, hidden_kept=3))
+        for i in range(n):
+            client.record(1, Outcome(0, 0, [10 + i], None, 3 + i, hidden_kept=1))
+            assert not client.send(2 + i, {1: 0})
+        assert len(servicer.requests) == 1 and reads == []
+        assert client.send(2 + n, {1: 2})
+        adv = servicer.wait_for(2)[1].entries[0].advance
+        assert list(adv.new_token_ids) == [10 + i for i in range(n)]
+        assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(0, n + 3))
+        assert reads == [(1, 0, n + 3)]
 
 
 class RecordsTokens(Records):
