@@ -47,6 +47,15 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'eagle3 K=4,eagle3 auto,ngram K=4,"
      "ngram auto' --concurrency 1 --requests 16 --repeats 3 "
      "--out bench/results/serving_dynamic_k_c1_load.json"),
+    ("serving_dynamic_k_held_rows_eagle3.md",
+     "Dynamic K against static K, eagle3, with a plain-decoding sequence's feature-store rows "
+     "held until it drafts again and its head's backlog priced over its likely drafting "
+     "steps (ours only; the AMD EPYC, 2026-11-29, a later session, on a machine about 40 % "
+     "slower than the day before): at C = 16 the eagle3 drafter's CPU 0.004 cores while "
+     "its batch runs plain (0.053 before), dynamic K 1.01 of plain decoding",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 3 --out bench/results/serving_dynamic_k_held_rows_eagle3.json"),
     ("serving_dynamic_k_budget_eagle3.md",
      "Dynamic K against static K, eagle3, with the head taking in at most 256 context rows a "
      "proposal beyond each sequence's step (ours only; the AMD EPYC, 2026-11-28, a later "
