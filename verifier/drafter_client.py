@@ -11,9 +11,10 @@ and re-starts every live sequence from its prompt and the tokens so far.
 
 A sequence at K = 0 (its speculation off, by dynamic K or the request) is not
 sent each step: its outcomes are held, merged into one Advance, and go out with
-the next step that asks it for drafts, or once HOLD_HOST_ROWS rows of hidden states
-are held in host memory; before it is freed, its tokens alone go to a drafter without hidden states (a
-suffix drafter learns from whole replies), and nothing to one with. A drafter
+the next step that asks it for drafts, or once HOLD_HOST_ROWS rows of hidden
+states are held in host memory; before it is freed, its tokens alone go to a
+drafter without hidden states (a suffix drafter learns from whole replies), and
+nothing to one with. A drafter
 needs a sequence's context only to draft for it, and a message a step for every
 sequence not drafting made a batch of 16 whose speculation dynamic K had turned
 off 13 % slower than plain decoding on two cores (the EAGLE-3 drafter woke each

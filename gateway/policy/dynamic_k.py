@@ -254,8 +254,8 @@ class DynamicK:
         return 1.0 if self._calibration is None else self._calibration()
 
     def drafting_share(self) -> float:
-        """The share of its steps expected to ask for drafts: its steps' so far, held
-        toward 1 with DRAFTING_PRIOR_STEPS steps' weight."""
+        """The share of its steps expected to ask for drafts: that of its steps so far,
+        held toward 1 with DRAFTING_PRIOR_STEPS steps' weight."""
         return (self.drafting_steps + DRAFTING_PRIOR_STEPS) / (self.steps + DRAFTING_PRIOR_STEPS)
 
     def catch_up(self) -> float:
@@ -266,10 +266,10 @@ class DynamicK:
 
         Those are its steps left times its drafting share so far, not all its steps
         left: a batch of 16 eagle3 requests that ran plain for 70 steps drafted again
-        at batch 9 with the head's backlog priced over every step left (64 rows), took
-        in 1700 rows (124 ms, every sequence waiting) and went back to plain decoding
-        8 steps later. A request that keeps drafting has a share near 1, and pays its
-        backlog once over its remaining steps as before."""
+        at batch 9 with the heads' backlogs priced over every step left (64 rows for
+        all 9), waited 124 ms for its drafts and went back to plain decoding 8 steps
+        later. A request that keeps drafting has a share near 1, and pays its backlog
+        once over its remaining steps as before."""
         rest = self.backlog - self.fresh
         if rest <= 0:
             return float(max(self.backlog, 0))
