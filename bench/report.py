@@ -28,6 +28,15 @@ END = "<!-- bench:end -->"
 # (results file, heading, what produced it). Files that do not exist yet are skipped.
 SECTIONS = [
     ("serving.md", "`make run` against `vllm serve`", "python -m bench.serving"),
+    ("serving_slow_day.md",
+     "The headline rerun hours later, after the EAGLE-3 changes of that session (the AMD "
+     "EPYC, 2026-11-29, a later session, on a machine that ran ours 35-37 % and "
+     "vLLM 45-53 % slower than in the run above: vLLM plain at C = 1 21 tok/s against "
+     "45, so its ratios overstate our lead; the table above is kept as the headline): ours "
+     "best / vLLM best 1.87 / 1.50 / 1.75, ours plain / vLLM plain 1.75 / 1.63 / 1.58, "
+     "`make run` plain / engine 0.96 / 0.91 / 0.89 at C = 1 / 4 / 16, every reply identical",
+     "python -m bench.serving --vllm 'plain,ngram K=4' --out "
+     "bench/results/serving_slow_day.json (written as serving.json, then renamed)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
@@ -51,7 +60,7 @@ SECTIONS = [
      "Dynamic K against static K, eagle3, with a plain-decoding sequence's feature-store rows "
      "held until it drafts again and its head's backlog priced over its likely drafting "
      "steps (ours only; the AMD EPYC, 2026-11-29, a later session, on a machine about 40 % "
-     "slower than the day before): at C = 16 the eagle3 drafter's CPU 0.004 cores while "
+     "slower than that morning): at C = 16 the eagle3 drafter's CPU 0.004 cores while "
      "its batch runs plain (0.053 before), dynamic K 1.01 of plain decoding",
      "python -m bench.serving --systems ours --ours "
      "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
