@@ -56,6 +56,15 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'eagle3 K=4,eagle3 auto,ngram K=4,"
      "ngram auto' --concurrency 1 --requests 16 --repeats 3 "
      "--out bench/results/serving_dynamic_k_c1_load.json"),
+    ("serving_dynamic_k_plain_batch_eagle3.md",
+     "Dynamic K against static K, eagle3, 32 requests a cell, with a stream joining a batch "
+     "that runs plain opened plain (ours only; the AMD EPYC, 2026-11-29, a later session): "
+     "auto / best static paired 0.97 / 0.94 / 1.05 and auto / plain 1.49 / 0.97 / 0.95 at "
+     "C = 1 / 4 / 16. At C = 4 plain and the best static K were within 1-8 % of each other per "
+     "repeat, and dynamic K ran plain for most of one cell (0.91 of K = 2 there)",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 32 "
+     "--repeats 3 --out bench/results/serving_dynamic_k_plain_batch_eagle3.json"),
     ("serving_dynamic_k_held_rows_eagle3.md",
      "Dynamic K against static K, eagle3, with a plain-decoding sequence's feature-store rows "
      "held until it drafts again and its head's backlog priced over its likely drafting "

@@ -161,6 +161,13 @@ class Generation:
                     # admitted, a burst of 16 had 7 first drafting steps at once, the
                     # drafter taking in 7 prompts (70-110 ms) while the batch waited.
                     k = 0
+                if k and self.dynamic.batch is not None \
+                        and self.dynamic.batch.runs_plain(self.dynamic):
+                    # The batch it joins runs plain: so does it, until the batch chooses
+                    # with it. Opened with its own K, each new eagle3 stream of a batch of
+                    # 4 running plain drafted one step alone, its head taking in its
+                    # prompt (20-36 ms of draft wait), and went plain at the next.
+                    k = 0
                 if k is not None:  # None: no profile yet, the decision's K until there is
                     self.num_speculative_tokens = k
             speculation.num_speculative_tokens = self.num_speculative_tokens

@@ -362,6 +362,14 @@ class BatchK:
         if self._members.pop(id(member), None) is not None:
             self._step = None
 
+    def runs_plain(self, member: Member) -> bool:
+        """Whether the batch's latest choice ran plain every member now on it but
+        `member` (a stream that has just joined): the new stream is then best opened
+        plain too, and its K chosen with the batch from its first response on."""
+        held = self._plain_for
+        others = [i for i in self._members if i != id(member)]
+        return held is not None and bool(others) and set(others) <= set(held[2])
+
     def probe(self, profile: ItlProfile, batch_size: int, step: int) -> bool:
         """Whether this step of `batch_size` sequences runs plain to measure plain decoding
         there (the model's plain step is then read off other rows and batch sizes, and a

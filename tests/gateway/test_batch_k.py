@@ -537,3 +537,35 @@ def test_a_plain_batch_is_chosen_again_only_when_the_profile_or_the_batch_change
         a.observe(4, 4)
     assert batch.next_k(a, refitted, 3, step=23) == 0
     assert batch.next_k(a, linear_profile(a=40.0, per_row=5.0), 3, step=24) == 4
+
+
+def test_a_stream_joining_a_batch_chosen_plain_is_told_it_runs_plain():
+    # Opened with its own K, a stream joining a batch that runs plain drafts one step
+    # alone (an EAGLE head taking in its whole prompt) before the batch's choice reaches
+    # it; the batch says whether its latest choice ran every other member plain.
+    profile = linear_profile(a=40.0, per_row=5.0)
+    batch = BatchK()
+    a, b = member(profile, (0.1,)), member(profile, (0.1,))
+    a.join(batch)
+    assert not batch.runs_plain(a)  # alone, nothing chosen
+    b.join(batch)
+    assert not batch.runs_plain(b)  # nothing chosen yet
+    assert (a.next_k(2, step=1), b.next_k(2, step=1)) == (0, 0)  # rates of 0.1: plain
+    new = member(profile, (0.9,))
+    new.join(batch)
+    assert batch.runs_plain(new) and new.next_k(1) == 4  # alone it would draft
+    new.leave()
+    good = [member(profile, (0.95,)) for _ in range(2)]
+    drafting = BatchK()
+    for m in good:
+        m.join(drafting)
+    assert [m.next_k(2, step=1) for m in good] == [4, 4]
+    new.join(drafting)
+    assert not drafting.runs_plain(new)
+    # A member the plain choice did not include (it joined since and left again, or
+    # another did) is not known to run plain.
+    c = member(profile, (0.9,))
+    c.join(batch)
+    d = member(profile, (0.9,))
+    d.join(batch)
+    assert not batch.runs_plain(d)

@@ -164,14 +164,15 @@ def test_each_drafting_step_reports_the_context_its_drafter_takes_in(loop, model
         s.close()
 
 
-def first_k_stack(loop, model, smollm2_dir, at_16: tuple[float, ...]
+def first_k_stack(loop, model, smollm2_dir, at_16: tuple[float, ...], **config
                   ) -> tuple[GatewayStack, GenerationRequest]:
     """A stack whose profile has K = 0, 1, 2, 4 at 10 / 10.5 / 11 / 12 ms for one
-    sequence and `at_16` for 16 (prior 0.9 a position), and a dynamic-K request on it."""
+    sequence and `at_16` for 16 (prior 0.9 a position), and a dynamic-K request on it;
+    config: the gateway's, beyond the stack's."""
     prof = ItlProfile(batch_sizes=(1, 16), ks=(0, 1, 2, 4),
                       itl_ms=((10, 10.5, 11, 12), at_16), acceptance={"draft_model": (0.9,)})
     s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": FirstRightDrafter(model)},
-                     profile=prof)
+                     profile=prof, **config)
     req = GenerationRequest(prompt_token_ids=tuple(s.chat_ids("Hi.")),
                             sampling=common_pb2.SamplingParams(temperature=0, max_tokens=8),
                             speculative=SpeculativeRequest(method="draft_model", auto=True))
@@ -220,6 +221,39 @@ def test_a_stream_opening_beside_unanswered_ones_starts_plain(loop, model, smoll
         late.close()
         loop.run(deltas.aclose())
         assert not burst[0].replica.unanswered
+    finally:
+        s.close()
+
+
+def test_a_stream_joining_a_batch_that_runs_plain_starts_plain(loop, model, smollm2_dir):
+    """Where the replica's batch last chose plain decoding for every stream on it, a new
+    stream starts plain too, whatever it would choose alone, and drafts once the batch
+    chooses so with it: opened with its own K, it drafted one step alone, its drafter
+    taking in its whole prompt, before the batch's choice reached it."""
+    # At the prior's 0.9 a position drafting pays at any batch; a request's own
+    # evidence soon outweighs the prior.
+    s, req = first_k_stack(loop, model, smollm2_dir, at_16=(20, 24, 28, 36),
+                           dynamic_k_prior_steps=1)
+    try:
+        first = loop.run(s.gateway.open(req))
+        loop.run(first.start())
+        deltas = first.deltas()
+        loop.run(deltas.__anext__())  # its first response: the batch is known
+        for _ in range(20):  # its drafts are never accepted
+            first.dynamic.observe(4, 0)
+        # The batch's choice at a step of 16 sequences: plain.
+        assert first.dynamic.next_k(16, step=10**6) == 0
+        late = loop.run(s.gateway.open(req))
+        loop.run(late.start())
+        assert late.dynamic.next_k(2) == 4  # alone it would draft
+        assert not late.enabled and late.num_speculative_tokens == 0
+        late.close()
+        loop.run(deltas.aclose())
+        first.close()
+        again = loop.run(s.gateway.open(req))
+        loop.run(again.start())  # the plain batch is gone
+        assert again.enabled and again.num_speculative_tokens == 4
+        again.close()
     finally:
         s.close()
 
