@@ -562,8 +562,8 @@ def test_a_stream_joining_a_batch_chosen_plain_is_told_it_runs_plain():
     assert [m.next_k(2, step=1) for m in good] == [4, 4]
     new.join(drafting)
     assert not drafting.runs_plain(new)
-    # A member the plain choice did not include (it joined since and left again, or
-    # another did) is not known to run plain.
+    # Another stream that joined after the plain choice, and has had none with the batch
+    # yet, is not known to run plain.
     c = member(profile, (0.9,))
     c.join(batch)
     d = member(profile, (0.9,))

@@ -227,9 +227,9 @@ def test_a_stream_opening_beside_unanswered_ones_starts_plain(loop, model, smoll
 
 def test_a_stream_joining_a_batch_that_runs_plain_starts_plain(loop, model, smollm2_dir):
     """Where the replica's batch last chose plain decoding for every stream on it, a new
-    stream starts plain too, whatever it would choose alone, and drafts once the batch
-    chooses so with it: opened with its own K, it drafted one step alone, its drafter
-    taking in its whole prompt, before the batch's choice reached it."""
+    stream starts plain too, whatever it would choose alone (opened with its own K, it
+    drafted one step alone, its drafter taking in its whole prompt, before the batch's
+    choice reached it); with that batch gone, it opens with its own K."""
     # At the prior's 0.9 a position drafting pays at any batch; a request's own
     # evidence soon outweighs the prior.
     s, req = first_k_stack(loop, model, smollm2_dir, at_16=(20, 24, 28, 36),
