@@ -274,6 +274,16 @@ class Driver:
         return ref.draft(self.tokens[key], raw, k, begin)
 
 
+def eagle3_driven(tmp_path, target_dir, target, seed: int, **options
+                  ) -> tuple[Eagle3Method, Reference, Driver]:
+    """A float64 EAGLE-3 head of random weights (seed) saved under tmp_path, the method
+    serving it with `options`, the reference its drafts must equal, and a driver."""
+    tensors = head_tensors("eagle3", seed=seed)
+    save_head(tmp_path / "head", "eagle3", tensors)
+    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64", **options)
+    return method, Reference("eagle3", tensors, target), Driver(method)
+
+
 VARIANTS = {
     # kind, head_tensors options, config additions, target ties its embeddings
     "eagle": ("eagle", dict(fc_bias=True), {}, False),
@@ -348,11 +358,7 @@ def test_restart_without_states_drafts_from_where_states_begin(tmp_path, target_
 
 
 def test_long_prefill_joins_the_head_cache_before_any_proposal(tmp_path, target_dir, target):
-    tensors = head_tensors("eagle3", seed=8)
-    save_head(tmp_path / "head", "eagle3", tensors)
-    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64")
-    ref = Reference("eagle3", tensors, target)
-    drv = Driver(method)
+    method, ref, drv = eagle3_driven(tmp_path, target_dir, target, 8)
     drv.start("s", torch.randint(VOCAB, (300,), generator=drv.g).tolist())
     drv.prefill("s", [120, 120, 60], 3)  # more rows than a sequence holds back
     drv.decode("s", [4])
@@ -366,12 +372,8 @@ def test_a_backlog_past_the_bound_is_folded_on_arrival_only_past_it(tmp_path, ta
     # the other 256 wait for a proposal's catch-up budget, and the draft is the same.
     from drafter.eagle import _MAX_PENDING_ROWS
 
-    tensors = head_tensors("eagle3", seed=10)
-    save_head(tmp_path / "head", "eagle3", tensors)
-    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64")
+    method, ref, drv = eagle3_driven(tmp_path, target_dir, target, 10)
     method.catch_up_budget_rows = 0
-    ref = Reference("eagle3", tensors, target)
-    drv = Driver(method)
     drv.start("s", torch.randint(VOCAB, (300,), generator=drv.g).tolist())
     drv.prefill("s", [300], 3)
     seq = method._seqs["s"]
@@ -389,12 +391,8 @@ def test_a_burst_of_contexts_is_taken_in_a_bounded_number_of_rows_a_proposal(
     # a step's rows (16 or fewer) is never held back. Every draft is the head's own.
     from drafter.eagle import _STEP_ROWS
 
-    tensors = head_tensors("eagle3", seed=9)
-    save_head(tmp_path / "head", "eagle3", tensors)
-    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64")
+    method, ref, drv = eagle3_driven(tmp_path, target_dir, target, 9)
     method.catch_up_budget_rows = 40
-    ref = Reference("eagle3", tensors, target)
-    drv = Driver(method)
     for key in "abc":
         drv.start(key, torch.randint(VOCAB, (30,), generator=drv.g).tolist())
         drv.prefill(key, [30], 5)
@@ -415,12 +413,7 @@ def test_a_burst_of_contexts_is_taken_in_a_bounded_number_of_rows_a_proposal(
 
 
 def test_rollback_and_a_full_head_cache(tmp_path, target_dir, target):
-    tensors = head_tensors("eagle3", seed=6)
-    save_head(tmp_path / "head", "eagle3", tensors)
-    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64", num_kv_blocks=6,
-                          block_size=4)
-    ref = Reference("eagle3", tensors, target)
-    drv = Driver(method)
+    method, ref, drv = eagle3_driven(tmp_path, target_dir, target, 6, num_kv_blocks=6, block_size=4)
     drv.start("s", list(range(10)))
     drv.prefill("s", [10], 42)
     drv.decode("s", [43, 44])
@@ -438,11 +431,7 @@ def test_rollback_and_a_full_head_cache(tmp_path, target_dir, target):
 
 def test_lookup_drafts_where_the_context_repeats_and_the_head_elsewhere(tmp_path, target_dir,
                                                                         target):
-    tensors = head_tensors("eagle3", seed=9)
-    save_head(tmp_path / "head", "eagle3", tensors)
-    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64", lookup_min_n=2)
-    ref = Reference("eagle3", tensors, target)
-    drv = Driver(method)
+    method, ref, drv = eagle3_driven(tmp_path, target_dir, target, 9, lookup_min_n=2)
     # "copy" ends in 5, 6 (the first token), seen before and followed by 7, 8, 9;
     # "fresh" repeats no 2-gram.
     drv.start("copy", [20, 5, 6, 7, 8, 9, 21, 22, 5])
@@ -510,11 +499,7 @@ def test_min_confidence_ends_head_chains_and_leaves_lookup_alone(tmp_path, targe
 
 
 def test_tree_width_proposes_the_most_probable_tree(tmp_path, target_dir, target):
-    tensors = head_tensors("eagle3", seed=9)
-    save_head(tmp_path / "head", "eagle3", tensors)
-    method = Eagle3Method(tmp_path / "head", target_dir, dtype="float64", tree_width=3)
-    ref = Reference("eagle3", tensors, target)
-    drv = Driver(method)
+    method, ref, drv = eagle3_driven(tmp_path, target_dir, target, 9, tree_width=3)
     drv.start("greedy", [20, 21, 22, 23, 24])
     drv.prefill("greedy", [5], 25)
     method.start("sampled", [30, 31, 32], [], SamplingParams(temperature=0.7), 8)
