@@ -24,6 +24,14 @@
  * quarter of this one's steps was slower (16-22 against 10-14 ms for all
  * projections at 3-6 rows). Prefetches past the weight's end are harmless: a
  * prefetch never faults.
+ * On Intel the same hint is the wrong one: a non-temporal prefetch there fills
+ * L1 alone, and a tile's next rows (up to 24 KiB) are pushed out of it before
+ * they are read. On an Intel Xeon with AVX-512 (2 threads, 25 GB/s from memory,
+ * all projections and the lm_head, 1 / 5 / 12 rows) NTA took 56 / 54 / 69 ms,
+ * into L2 (T1) 22 / 21 / 27, at the weight's streaming floor (22 ms); a decode
+ * step of SmolLM2-135M at batch 1 (bench/decode.py) took 71 against 33 ms.
+ * small_rows.py builds it with PREFETCH_HINT set by the CPU's vendor: NTA on
+ * AMD, T1 elsewhere.
  *
  * Every y[m, n] is one vector accumulator (16 lanes, or 8 with AVX2) over k in
  * order, the tail masked, then one horizontal sum and the bias: its rounding
@@ -76,6 +84,10 @@ static inline float hsum8(__m256 v) {
 #error "small_rows_gemm needs AVX-512F, or AVX2 and FMA"
 #endif
 
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_NTA
+#endif
+
 /* Weight rows per block of a blocked call: a multiple of every tile width (4, 3,
  * 2); 48 rows of K = 1536 (288 KiB) and the next block stay in L2 while every
  * pass reads them. */
@@ -117,8 +129,8 @@ static inline float hsum8(__m256 v) {
       for (int j = 0; j < NB; j++)                                                       \
         y[m * N + n + j] = VSUM(acc[m][j]) + (b ? b[n + j] : 0.0f);                      \
   }
-/* A single pass asks for the next tile's rows, non-temporal. */
-#define TILE(MB, NB) TILE_FN(tile_##MB##_##NB, MB, NB, NB, _MM_HINT_NTA)
+/* A single pass asks for the next tile's rows (with PREFETCH_HINT). */
+#define TILE(MB, NB) TILE_FN(tile_##MB##_##NB, MB, NB, NB, PREFETCH_HINT)
 /* Blocked passes: the first over a block asks for the next block into L2 (CHUNK
  * rows on), where every pass over it finds it; the others ask for nothing. */
 #define BLOCK_TILE(MB, NB)                                                              \
