@@ -37,6 +37,15 @@ SECTIONS = [
      "`make run` plain / engine 0.96 / 0.91 / 0.89 at C = 1 / 4 / 16, every reply identical",
      "python -m bench.serving --vllm 'plain,ngram K=4' --out "
      "bench/results/serving_slow_day.json (written as serving.json, then renamed)"),
+    ("serving_intel.md",
+     "`make run` against `vllm serve` on another CPU, an Intel Xeon with AVX-512 and AMX "
+     "(2026-12-02, a later session, after the small-rows GEMM's prefetch into L2 there; "
+     "four of our configurations, two repeats): ours best / vLLM best 1.85 / 1.91 / 1.76, "
+     "ours plain / vLLM plain 1.79 / 1.76 / 1.84 at C = 1 / 4 / 16, every reply identical. "
+     "Before that change ours plain served 14.4 tok/s at C = 1 here, below vLLM's 17",
+     "python -m bench.serving --systems ours,vllm --ours 'plain,ngram K=4,default,eagle3 auto' "
+     "--vllm 'plain,ngram K=4' --repeats 2 --out /tmp/ab/intel_headline.json (copied to "
+     "bench/results/serving_intel.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
@@ -293,6 +302,16 @@ SECTIONS = [
     ("grid.md", "Serving grid: drafters x K x concurrency, beside in-process peers",
      "python -m bench.grid"),
     ("decode.md", "Decode speed against transformers", "python bench/decode.py"),
+    ("decode_intel.md",
+     "The same on an Intel Xeon with AVX-512 and AMX (2026-12-02), the small-rows GEMM "
+     "prefetching the next tile's weight rows into L2",
+     "python bench/decode.py --dtypes float32 --repeats 3 --out /tmp/ab/decode_t1.json "
+     "(copied to bench/results/decode_intel.json)"),
+    ("decode_intel_nta.md",
+     "The same machine with the non-temporal prefetch chosen on AMD (the code before "
+     "6569367): 2.2x slower, and below transformers",
+     "python bench/decode.py --dtypes float32 --repeats 2 --out /tmp/ab/decode.json "
+     "(copied to bench/results/decode_intel_nta.json)"),
     ("verifier.md", "Verify step against decode step", "python -m bench.verifier"),
     ("verifier_epyc.md",
      "Verify step against decode step on the AMD EPYC, with the paged attention kernel that "
@@ -338,7 +357,17 @@ MATRIX = "matrix.md"
 # The README's headline: `make run` against `vllm serve` (bench/serving.py), tok/s at
 # every concurrency.
 HEADLINE_SOURCE = "serving.json"
-SAMPLED_SOURCE = "serving_sampled.json"  # a line under the headline table, where it exists
+# Lines under the headline table, one a run, where its results exist: (results file,
+# what the run was, from its JSON). Each gives ours best / vLLM best and ours plain /
+# vLLM plain at every C.
+HEADLINE_LINES = [
+    ("serving_sampled.json",
+     lambda run: f"Sampled at temperature {run['config']['temperature']} (unseeded), the same "
+                 f"requests, {run['timestamp'][:10]}"),
+    ("serving_intel.json",
+     lambda run: f"On another CPU, an {run['device_name']} x{run['cpus']} (greedy, the same "
+                 f"requests, {run['config']['repeats']} repeats), {run['timestamp'][:10]}"),
+]
 HEADLINE_ROWS = [
     ("ours plain", "ours (`make run`), no speculation"),
     ("ours ngram K=4", "ours, ngram K=4"),
@@ -429,24 +458,27 @@ def render_headline(results: Path = RESULTS) -> str:
         parts += ["| **ours best / vLLM best** | "
                   + " | ".join(_ratio(_best(s, "ours ", c), _best(s, "vllm ", c)) for c in cs)
                   + " |", ""]
-        sampled = results / SAMPLED_SOURCE
-        if sampled.is_file():
-            run = json.loads(sampled.read_text())
-            t, s = run["config"]["temperature"], run["summary"]
-            cs = [str(c) for c in run["config"]["concurrency"]]
-
-            def at(name: str) -> list[float | None]:
-                return [s.get(name, {}).get(c, {}).get("tok_s") for c in cs]
-
-            best = " / ".join(_ratio(_best(s, "ours ", c), _best(s, "vllm ", c)) for c in cs)
-            plain = " / ".join(_ratio(a, b) for a, b in zip(at("ours plain"), at("vllm plain"),
-                                                             strict=True))
-            table = f"bench/results/{sampled.with_suffix('.md').name}"
-            parts += [f"Sampled at temperature {t} (unseeded), the same requests, "
-                      f"{run['timestamp'][:10]}: ours best / vLLM best {best}, ours plain / "
-                      f"vLLM plain {plain} at C = {' / '.join(cs)} ([{table}]({table})).", ""]
+        for name, what in HEADLINE_LINES:
+            if (results / name).is_file():
+                parts += [_ratios_line(results / name, what), ""]
     parts.append(END)
     return "\n".join(parts)
+
+
+def _ratios_line(path: Path, what) -> str:
+    """One run's ratios to vLLM at every C, linked to its table."""
+    run = json.loads(path.read_text())
+    s, cs = run["summary"], [str(c) for c in run["config"]["concurrency"]]
+
+    def at(name: str) -> list[float | None]:
+        return [s.get(name, {}).get(c, {}).get("tok_s") for c in cs]
+
+    best = " / ".join(_ratio(_best(s, "ours ", c), _best(s, "vllm ", c)) for c in cs)
+    plain = " / ".join(_ratio(a, b) for a, b in zip(at("ours plain"), at("vllm plain"),
+                                                     strict=True))
+    table = f"bench/results/{path.with_suffix('.md').name}"
+    return (f"{what(run)}: ours best / vLLM best {best}, ours plain / vLLM plain {plain} at "
+            f"C = {' / '.join(cs)} ([{table}]({table})).")
 
 
 def _best(summary: dict, prefix: str, c: str) -> float | None:

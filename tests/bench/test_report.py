@@ -60,3 +60,15 @@ def test_headline_rows_come_from_the_serving_comparison(tmp_path):
     assert ("Sampled at temperature 0.7 (unseeded), the same requests, 2026-01-02: ours best / "
             "vLLM best 1.80x / 1.50x, ours plain / vLLM plain 0.90x / 1.50x at C = 1 / 4"
             in report.render_headline(tmp_path))
+    assert "On another CPU" not in report.render_headline(tmp_path)
+    (tmp_path / "serving_intel.json").write_text(json.dumps({
+        "timestamp": "2026-01-03T05:00:00", "device_name": "Xeon", "cpus": 2,
+        "config": {"concurrency": [1, 4], "temperature": 0.0, "repeats": 2},
+        "summary": {"ours plain": {"1": cell(20.0), "4": cell(30.0)},
+                    "vllm plain": {"1": cell(10.0), "4": cell(40.0)}}}))
+    section = report.render_headline(tmp_path)
+    assert ("On another CPU, an Xeon x2 (greedy, the same requests, 2 repeats), 2026-01-03: "
+            "ours best / vLLM best 2.00x / 0.75x, ours plain / vLLM plain 2.00x / 0.75x at "
+            "C = 1 / 4 ([bench/results/serving_intel.md](bench/results/serving_intel.md))"
+            in section)
+    assert section.index("Sampled at") < section.index("On another CPU")
