@@ -325,9 +325,7 @@ SECTIONS = [
      "--sampler-iters 3 --out bench/results/verifier_epyc_before.json"),
     ("verifier_intel.md",
      "Verify step against decode step on an Intel Xeon with AVX-512 (2026-12-02), the "
-     "small-rows GEMM prefetching into L2. Past 16 rows the projections are compute-bound "
-     "there: all of them took 43 ms at 20 rows on either kernel (oneDNN packed 42.8, "
-     "small-rows blocked 43.3) against 29 at 12",
+     "small-rows GEMM prefetching into L2",
      "python -m bench.verifier --threads 2 --batches 1,4,16 --ks 1,2,4,8 --iters 20 "
      "--sampler-iters 3 --out /tmp/ab/verifier_intel.json (copied to "
      "bench/results/verifier_intel.json)"),
