@@ -16,6 +16,7 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -471,7 +472,7 @@ def render_headline(results: Path = RESULTS) -> str:
     return "\n".join(parts)
 
 
-def _ratios_line(path: Path, what) -> str:
+def _ratios_line(path: Path, what: Callable[[dict], str]) -> str:
     """One run's ratios to vLLM at every C, linked to its table."""
     run = json.loads(path.read_text())
     s, cs = run["summary"], [str(c) for c in run["config"]["concurrency"]]

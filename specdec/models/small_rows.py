@@ -153,6 +153,12 @@ def _kernel():
     if lib is None:
         log.warning("small-rows GEMM off, CPU projections use torch's kernels: %s", _reason)
         return None
+    return gemm(lib)
+
+
+def gemm(lib: ctypes.CDLL):
+    """The kernel's entry point in a library load() built, its arguments declared:
+    (x, w, b or None, y, M, N, K, threads, rows of one pass) as data pointers and ints."""
     fn = lib.small_rows_gemm
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int64]
     fn.restype = None

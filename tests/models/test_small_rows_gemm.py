@@ -5,7 +5,6 @@ of the rows beside it and of the path, and the dispatch of linear()."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -149,10 +148,8 @@ def test_prefetch_hint_by_cpu_vendor_and_the_same_bits_with_either(monkeypatch, 
                                    {"PREFETCH_HINT": hint})
         assert lib is not None, why
         y = torch.empty(5, 67)
-        lib.small_rows_gemm.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-                                        + [ctypes.c_int, ctypes.c_int64])
-        lib.small_rows_gemm(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 5, 67, 576,
-                            2, 16)
+        small_rows.gemm(lib)(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 5, 67, 576,
+                             2, 16)
         outs.append(y)
     assert len(list((tmp_path / "kernels").glob("small_rows_gemm-*.so"))) == 2
     assert torch.equal(outs[0], outs[1])
