@@ -628,8 +628,17 @@ class OnlineProfile:
         self._add(step, cost, self._robust_wait, self._robust_forward)
         if not step.prefill and step.num_tokens == step.batch_size:  # one row a sequence
             seen = self._plain.setdefault(step.batch_size, [])
+            measured = len(seen) >= PLAIN_STEPS and self.num_steps - seen[0] < MEMORY_STEPS
             seen.append(self.num_steps)
             del seen[:-PLAIN_STEPS]
+            if not measured and len(seen) >= PLAIN_STEPS:
+                # Newly measured: the profiles say so from this step on, not from the next
+                # refit. BatchK runs a batch of an unmeasured size plain until its profile
+                # says so: read at refits only, the last eagle3 request of a bench.serving
+                # cell at C = 4 ran 8 plain steps to measure batch 1 where 5 do now (the
+                # fit's step of lag and the update's way to the verifier take the other
+                # two), each at about half the tokens of one drafting.
+                self._profiles.clear()
         if cost is None:
             self._warmup.append(step)
             if self.num_steps >= self.min_steps:

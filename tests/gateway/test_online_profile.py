@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 
+from gateway.policy import online_profile
 from gateway.policy.dynamic_k import NEUTRAL_ACCEPTANCE, DynamicK
 from gateway.policy.goodput import choose_k
 from gateway.policy.itl_profile import ItlProfile
@@ -641,6 +642,28 @@ def test_plain_batch_sizes_are_those_with_plain_steps_in_the_fits_memory():
     for _ in range(MEMORY_STEPS - PLAIN_STEPS):
         v.run([("ngram", 2)] * 16)
     assert model.plain_batch_sizes() == frozenset()  # out of the fit's memory
+
+
+def test_a_batch_size_is_measured_in_the_profile_from_its_last_plain_step_on(monkeypatch):
+    # BatchK runs a batch of an unmeasured size plain until the profile says otherwise:
+    # a profile that waited for the next refit ran up to REFIT_STEPS plain steps more.
+    # No refit in this test, so a profile that only a refit updates stays unmeasured.
+    monkeypatch.setattr(online_profile, "REFIT_STEPS", 10**6)
+    model = OnlineProfile()
+    v = Verifier(model, a=10.0, b=1.0, d={"ngram": 0.0}, e={"ngram": 0.0})
+    for _ in range(MIN_STEPS):
+        v.run([("ngram", 2)] * 16)
+    for _ in range(PLAIN_STEPS - 1):
+        v.run([("none", 0)] * 4)
+    v.run([("ngram", 2)] * 16)  # fits the last of those
+    before = model.profile(16, 4)  # fitted now, and cached
+    assert not before.measured_plain(4)
+    v.run([("none", 0)] * 4)
+    v.run([("ngram", 2)] * 16)  # fits it: PLAIN_STEPS plain steps of 4
+    after = model.profile(16, 4)
+    assert after.measured_plain(4) and not after.measured_plain(16)
+    assert after.itl_ms == before.itl_ms  # the same fit: only the measured sizes are new
+    assert model.profile(16, 4) is after  # and cached again, not rebuilt every read
 
 
 def test_the_wait_prices_the_context_a_drafter_takes_in():
