@@ -47,6 +47,17 @@ SECTIONS = [
      "python -m bench.serving --systems ours,vllm --ours 'plain,ngram K=4,default,eagle3 auto' "
      "--vllm 'plain,ngram K=4' --repeats 2 --out /tmp/ab/intel_headline.json (copied to "
      "bench/results/serving_intel.json)"),
+    ("serving_dynamic_k_intel_eagle3.md",
+     "Dynamic K against static K, eagle3, on the Intel Xeon (2026-12-02, a later session, "
+     "after a batch size counts as measured plain from its third plain step): auto / best "
+     "static paired 1.02 / 0.93 / 0.95 and auto / plain 1.75 / 1.27 / 0.94 at C = 1 / 4 / 16. "
+     "At C = 4 K = 2 gave 7.62 tokens a step and auto 7.03 at the same forward and draft "
+     "wait (probes, new streams' first steps, uneven K); at C = 16 auto ran plain and its "
+     "forward took 47.5 ms against plain's 44.9 at the same rows",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 3 --out /tmp/s30/serving_eagle3_intel.json (copied to "
+     "bench/results/serving_dynamic_k_intel_eagle3.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
