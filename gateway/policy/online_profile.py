@@ -628,10 +628,10 @@ class OnlineProfile:
         self._add(step, cost, self._robust_wait, self._robust_forward)
         if not step.prefill and step.num_tokens == step.batch_size:  # one row a sequence
             seen = self._plain.setdefault(step.batch_size, [])
-            measured = len(seen) >= PLAIN_STEPS and self.num_steps - seen[0] < MEMORY_STEPS
+            measured = _measured(seen, self.num_steps)
             seen.append(self.num_steps)
             del seen[:-PLAIN_STEPS]
-            if not measured and len(seen) >= PLAIN_STEPS:
+            if not measured and _measured(seen, self.num_steps):
                 # Newly measured: the profiles say so from this step on, not from the next
                 # refit. BatchK runs a batch of an unmeasured size plain until its profile
                 # says so: read at refits only, the last eagle3 request of a bench.serving
@@ -760,9 +760,7 @@ class OnlineProfile:
 
     def plain_batch_sizes(self) -> frozenset[int]:
         """Batch sizes with PLAIN_STEPS plain decode steps in the forward fit's memory."""
-        now = self.num_steps
-        return frozenset(b for b, seen in self._plain.items()
-                         if len(seen) >= PLAIN_STEPS and now - seen[0] < MEMORY_STEPS)
+        return frozenset(b for b, seen in self._plain.items() if _measured(seen, self.num_steps))
 
     def availability(self, method: str) -> float:
         """The share of steps asking `method` for drafts in which it had some, over all
@@ -797,6 +795,12 @@ class OnlineProfile:
                 availability={m: self.availability(m) for m in self._answers}, cost=cost,
                 plain_batch_sizes=self.plain_batch_sizes())
         return self._profiles[key]
+
+
+def _measured(seen: list[int], now: int) -> bool:
+    """Whether a batch size's latest plain decode steps (the fit's step counts after
+    each, OnlineProfile._plain) are PLAIN_STEPS in the fit's memory at step `now`."""
+    return len(seen) >= PLAIN_STEPS and now - seen[0] < MEMORY_STEPS
 
 
 def batch_grid(max_num_seqs: int) -> tuple[int, ...]:
