@@ -301,6 +301,10 @@ class DynamicK:
         the batch's other dynamic-K requests (batch_k.py); otherwise alone, as if every
         sequence of the batch drafted alike (a stream's first K, before any step).
         """
+        if step is not None and self.batch is not None:
+            k = self.batch.chosen(self, step)
+            if k is not None:
+                return k  # chosen for the batch, profile and all, by its first member
         profile = self.profile()
         if profile is None:
             return None

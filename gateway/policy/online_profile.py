@@ -686,6 +686,7 @@ class OnlineProfile:
             for step in steps:
                 self._add(step, cost, weigh, weigh)
         self._cost, self._reference_cost = None, None  # refitted from the last round's weights
+        self._profiles.clear()
 
     def cost(self) -> StepCost | None:
         """The fitted cost, None before MIN_STEPS forward steps."""
@@ -771,12 +772,17 @@ class OnlineProfile:
     def profile(self, max_num_seqs: int, max_num_speculative_tokens: int) -> ItlProfile | None:
         """The model as an ItlProfile over batch sizes 1, 2, 4, ... max_num_seqs and
         K 0..max_num_speculative_tokens; None before MIN_STEPS steps."""
-        check_count("online profile: max_num_speculative_tokens", max_num_speculative_tokens)
         max_num_seqs = max(max_num_seqs, 1)
+        key = (max_num_seqs, max_num_speculative_tokens)
+        made = self._profiles.get(key)
+        if made is not None:
+            # Every dynamic-K response reads it, some five times a choice: a profile made
+            # is the current one (a refit or a newly measured size clears them all).
+            return made
+        check_count("online profile: max_num_speculative_tokens", max_num_speculative_tokens)
         cost = self.cost()
         if cost is None:
             return None
-        key = (max_num_seqs, max_num_speculative_tokens)
         if key not in self._profiles:
             batch_sizes = batch_grid(max_num_seqs)
             ks = tuple(range(max_num_speculative_tokens + 1))

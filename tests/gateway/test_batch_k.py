@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from gateway.policy.batch_k import (
+    DRAFT_KEEP_STEPS,
     EXACT_BUDGET,
     MIN_GAIN,
     PLAIN_KEEP_STEPS,
@@ -338,12 +339,12 @@ def test_one_choice_per_step_for_all_members():
     assert len(batch) == 2
     # Batch 8: six plain sequences beside them.
     assert a.next_k(8, step=7) == 4 and b.next_k(8, step=7) == 0
-    # b's drafts start being accepted: nothing changes within step 7, its next step
-    # chooses with the new rates.
+    # b's drafts start being accepted: nothing changes within step 7 (nor the steps
+    # that keep its choice), the next choice is with the new rates.
     for _ in range(40):
         b.observe(4, 4)
     assert b.next_k(8, step=7) == 0
-    assert b.next_k(8, step=8) == 4
+    assert b.next_k(8, step=7 + DRAFT_KEEP_STEPS) == 4
     b.leave()
     assert len(batch) == 1 and b.batch is None
     # Out of the batch a request chooses alone again.
@@ -532,11 +533,40 @@ def test_a_plain_batch_is_chosen_again_only_when_the_profile_or_the_batch_change
     refitted = linear_profile(a=40.0, per_row=5.0)  # the same model, fitted anew
     for m in (a, b):
         m.acceptance = type(m.acceptance)()
-    assert batch.next_k(a, refitted, 3, step=22) == 0
+    assert batch.next_k(a, refitted, 3, step=21 + DRAFT_KEEP_STEPS) == 0
     for _ in range(20):
         a.observe(4, 4)
-    assert batch.next_k(a, refitted, 3, step=23) == 0
-    assert batch.next_k(a, linear_profile(a=40.0, per_row=5.0), 3, step=24) == 4
+    assert batch.next_k(a, refitted, 3, step=22 + DRAFT_KEEP_STEPS) == 0
+    assert batch.next_k(a, linear_profile(a=40.0, per_row=5.0), 3,
+                        step=23 + DRAFT_KEEP_STEPS) == 4
+
+
+def test_a_drafting_batch_is_chosen_again_every_draft_keep_steps_or_when_it_changes():
+    # Its members' rates move a little a step and the Ks seldom change: the choice, a
+    # fifth of the gateway's CPU at C = 4, runs every DRAFT_KEEP_STEPS steps.
+    profile = linear_profile(a=40.0, per_row=1.0)
+    batch = BatchK()
+    a, b = member(profile, (0.9,), prior_steps=1), member(profile, (0.9,), prior_steps=1)
+    a.join(batch)
+    b.join(batch)
+    assert (a.next_k(2, step=1), b.next_k(2, step=1)) == (4, 4)
+    for _ in range(20):  # a's drafts stop landing
+        a.observe(4, 0)
+    assert allocate(profile, 2, [a, b]) == [0, 4]
+    for step in range(2, 1 + DRAFT_KEEP_STEPS):
+        assert (a.next_k(2, step=step), b.next_k(2, step=step)) == (4, 4)  # kept
+    step = 1 + DRAFT_KEEP_STEPS
+    assert (a.next_k(2, step=step), b.next_k(2, step=step)) == (0, 4)  # chosen again
+    for _ in range(20):  # and land again
+        a.observe(4, 4)
+    assert a.next_k(2, step=step + 1) == 0  # kept
+    c = member(profile, (0.9,))
+    c.join(batch)  # a new member: chosen again at once
+    assert a.next_k(3, step=step + 1) == 4
+    for _ in range(60):
+        a.observe(4, 0)
+    assert allocate(profile, 4, [a, b, c])[0] == 0
+    assert a.next_k(4, step=step + 2) == 0  # and a new batch size
 
 
 def test_a_stream_joining_a_batch_chosen_plain_is_told_it_runs_plain():
