@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -105,6 +106,20 @@ MIN_STEPS = 20
 # 2-27 % better than plain; dynamic K drafted all cell long at 0.94 of plain decoding
 # and, drafting, never ran the plain step that would have told it.
 PLAIN_STEPS = 3
+# A size whose plain steps have left the fit's memory still counts as measured, for up
+# to RECALL_STEPS steps, while two checks hold, each within RECALL_TOLERANCE: the fit
+# prices its plain step at what those steps took, and the fit of their time (the one
+# their misses were weighed against) prices the latest RECENT_STEPS steps at what they
+# took, so the machine has not changed speed since. The first alone is circular: where
+# no newer step feeds rows near the size's, the old steps are what the fit prices it by.
+# Forgotten after 512 steps instead, a batch of 4 measured in a cell of plain decoding
+# was measured again after the static-K cells that followed it (eagle3 K = 2, about
+# 180 steps drafting at every size): dynamic K's cell opened with 5 plain steps at
+# batch 4 and ended with 5 at each of batch 2 and 1, where the two cells that did not
+# probe ran 180 steps to their 193-197.
+RECALL_STEPS = 8 * 512
+RECENT_STEPS = 32
+RECALL_TOLERANCE = 0.1
 # Row counts where the forward's cost per row may change (the hinges of f).
 ROW_KNOTS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 # Ridge of each change of slope toward 0, in rows^2 as PRIOR_WEIGHT: a bend needs
@@ -577,6 +592,12 @@ class OnlineProfile:
         self._profiles: dict[tuple[int, int], ItlProfile] = {}  # grid -> profile of _cost
         # batch size -> num_steps after each of its latest PLAIN_STEPS plain decode steps
         self._plain: dict[int, list[int]] = {}
+        # batch size -> the forward ms of those steps, and (once measured) the fit they
+        # were weighed against, the mean of those ms and num_steps then
+        self._plain_ms: dict[int, list[float]] = {}
+        self._recall: dict[int, tuple[StepCost, float, int]] = {}
+        # (rows, sequences, forward ms) of the latest RECENT_STEPS decode steps
+        self._recent: deque[tuple[int, int, float]] = deque(maxlen=RECENT_STEPS)
 
     @property
     def num_steps(self) -> int:
@@ -626,11 +647,19 @@ class OnlineProfile:
     def _fit(self, step: _Step) -> None:
         cost = self._reference()  # None before MIN_STEPS: every step at full weight
         self._add(step, cost, self._robust_wait, self._robust_forward)
+        if not step.prefill:
+            self._recent.append((step.num_tokens, step.batch_size,
+                                 step.step_time_ms - step.draft_wait_ms))
         if not step.prefill and step.num_tokens == step.batch_size:  # one row a sequence
             seen = self._plain.setdefault(step.batch_size, [])
             measured = _measured(seen, self.num_steps)
             seen.append(self.num_steps)
             del seen[:-PLAIN_STEPS]
+            took = self._plain_ms.setdefault(step.batch_size, [])
+            took.append(step.step_time_ms - step.draft_wait_ms)
+            del took[:-PLAIN_STEPS]
+            if cost is not None and _measured(seen, self.num_steps):
+                self._recall[step.batch_size] = (cost, sum(took) / len(took), self.num_steps)
             if not measured and _measured(seen, self.num_steps):
                 # Newly measured: the profiles say so from this step on, not from the next
                 # refit. BatchK runs a batch of an unmeasured size plain until its profile
@@ -759,9 +788,22 @@ class OnlineProfile:
         """calibration() of every method that has had a drafting step under dynamic K."""
         return {m: self.calibration(m) for m in self._calibration}
 
-    def plain_batch_sizes(self) -> frozenset[int]:
-        """Batch sizes with PLAIN_STEPS plain decode steps in the forward fit's memory."""
-        return frozenset(b for b, seen in self._plain.items() if _measured(seen, self.num_steps))
+    def plain_batch_sizes(self, cost: StepCost | None = None) -> frozenset[int]:
+        """Batch sizes with PLAIN_STEPS plain decode steps in the forward fit's memory;
+        with `cost` (the fit now), also those recalled (RECALL_STEPS)."""
+        now = self.num_steps
+        sizes = {b for b, seen in self._plain.items() if _measured(seen, now)}
+        if cost is None or not self._recent:
+            return frozenset(sizes)
+        took_now = sum(ms for _, _, ms in self._recent)
+        for b, (then, took, at) in self._recall.items():
+            if b in sizes or now - at >= RECALL_STEPS:
+                continue
+            priced_then = sum(then.forward(rows, seqs) for rows, seqs, _ in self._recent)
+            if abs(cost.forward(b, b) - took) <= RECALL_TOLERANCE * took \
+                    and abs(priced_then - took_now) <= RECALL_TOLERANCE * took_now:
+                sizes.add(b)
+        return frozenset(sizes)
 
     def availability(self, method: str) -> float:
         """The share of steps asking `method` for drafts in which it had some, over all
@@ -799,7 +841,7 @@ class OnlineProfile:
                             for m in self.acceptance},
                 method_itl_ms={m: table(m) for m in cost.d},
                 availability={m: self.availability(m) for m in self._answers}, cost=cost,
-                plain_batch_sizes=self.plain_batch_sizes())
+                plain_batch_sizes=self.plain_batch_sizes(cost))
         return self._profiles[key]
 
 

@@ -23,6 +23,8 @@ from gateway.policy.online_profile import (
     MIN_STEPS,
     PLAIN_STEPS,
     PRIOR_ROWS_PER_A,
+    RECALL_STEPS,
+    RECALL_TOLERANCE,
     REFIT_STEPS,
     ROW_KNOTS,
     FittedProfile,
@@ -642,6 +644,43 @@ def test_plain_batch_sizes_are_those_with_plain_steps_in_the_fits_memory():
     for _ in range(MEMORY_STEPS - PLAIN_STEPS):
         v.run([("ngram", 2)] * 16)
     assert model.plain_batch_sizes() == frozenset()  # out of the fit's memory
+
+
+def test_a_size_out_of_memory_is_recalled_while_the_machine_runs_as_it_did():
+    # Static-K cells between two of dynamic K push a size's plain steps out of the fit's
+    # memory, and measuring it again costs dynamic K a few plain steps each time.
+    def run():
+        model = OnlineProfile()
+        v = Verifier(model, a=10.0, b=1.0, d={"ngram": 0.0}, e={"ngram": 0.0})
+        for i in range(MIN_STEPS):
+            v.run([("ngram", 2 + i % 2)] * 4)
+        for _ in range(PLAIN_STEPS):
+            v.run([("none", 0)] * 4)
+        for i in range(MEMORY_STEPS):
+            v.run([("ngram", 2 + i % 2)] * 4)  # batch 4, every sequence drafting
+        return model, v
+
+    model, v = run()
+    assert model.plain_batch_sizes() == frozenset()  # out of the fit's memory
+    cost = model.cost()
+    assert abs(cost.forward(4, 4) - 14.0) <= RECALL_TOLERANCE * 14.0  # priced as it took
+    assert model.plain_batch_sizes(cost) == frozenset({4})
+    assert model.profile(16, 4).measured_plain(4)
+    # The machine slows down. The fit sees it at 12-16 rows, as jumps past the knots
+    # as much as anything: its plain step of 4 moves too little to tell. The fit the
+    # old steps were weighed against prices the new ones too low, and tells.
+    v.a = 20.0
+    for i in range(MEMORY_STEPS // 4):
+        v.run([("ngram", 2 + i % 2)] * 4)
+    assert not model.profile(16, 4).measured_plain(4)
+    # A size is recalled for RECALL_STEPS only.
+    model, v = run()
+    for i in range(RECALL_STEPS - MEMORY_STEPS - PLAIN_STEPS - REFIT_STEPS):
+        v.run([("ngram", 2 + i % 2)] * 4)
+    assert model.profile(16, 4).measured_plain(4)
+    for _ in range(2 * REFIT_STEPS):
+        v.run([("ngram", 2)] * 4)
+    assert not model.profile(16, 4).measured_plain(4)
 
 
 def test_a_batch_size_is_measured_in_the_profile_from_its_last_plain_step_on(monkeypatch):
