@@ -795,11 +795,12 @@ class OnlineProfile:
         sizes = {b for b, seen in self._plain.items() if _measured(seen, now)}
         if cost is None or not self._recent:
             return frozenset(sizes)
-        took_now = sum(ms for _, _, ms in self._recent)
+        recent = np.array(self._recent, dtype=np.float64)  # [steps, (rows, sequences, ms)]
+        took_now = float(recent[:, 2].sum())
         for b, (then, took, at) in self._recall.items():
             if b in sizes or now - at >= RECALL_STEPS:
                 continue
-            priced_then = sum(then.forward(rows, seqs) for rows, seqs, _ in self._recent)
+            priced_then = float(then.forwards(recent[:, 0], recent[:, 1]).sum())
             if abs(cost.forward(b, b) - took) <= RECALL_TOLERANCE * took \
                     and abs(priced_then - took_now) <= RECALL_TOLERANCE * took_now:
                 sizes.add(b)
