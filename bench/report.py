@@ -58,6 +58,16 @@ SECTIONS = [
      "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
      "--repeats 3 --out /tmp/s30/serving_eagle3_intel.json (copied to "
      "bench/results/serving_dynamic_k_intel_eagle3.json)"),
+    ("serving_dynamic_k_recall_eagle3.md",
+     "Dynamic K against static K, eagle3, on the Intel Xeon (2026-12-02, a later session, "
+     "after a drafting batch keeps its Ks two steps and a batch size measured plain is "
+     "recalled after it leaves the fit's memory): auto / best static paired 1.01 / 0.98 / "
+     "0.95 and auto / plain 1.88 / 1.33 / 0.99 at C = 1 / 4 / 16. At C = 16 K = 2 beat "
+     "plain by 3 % this run, and auto ran plain",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 3 --out /tmp/s31/grid/serving_dynamic_k_recall_eagle3.json (copied to "
+     "bench/results/serving_dynamic_k_recall_eagle3.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
