@@ -49,10 +49,6 @@ HALF_LIFE_STEPS = 8.0
 # of asked steps that drafted is held toward the method's share in the profile (1
 # where it has none) with the weight of this many steps.
 AVAILABILITY_PRIOR_STEPS = 4.0
-# A request's share of steps that drafted, which prices the context its drafter must
-# take in before drafting again (DynamicK.catch_up), is held toward 1 (drafting every
-# step) with the weight of this many steps: a new request is expected to draft.
-DRAFTING_PRIOR_STEPS = 4.0
 
 
 class OnlineAcceptance:
@@ -200,8 +196,6 @@ class DynamicK:
         self.backlog = 0
         self.fresh = 0
         self.remaining = 0
-        self.steps = 0  # its steps so far, and those that asked for drafts
-        self.drafting_steps = 0
 
     def join(self, batch: BatchK) -> None:
         """From now on K is chosen with `batch`'s other members (its stream opened on
@@ -232,8 +226,6 @@ class DynamicK:
         self.acceptance.age()
         self.acceptance.update(num_drafted, num_accepted)
         self.answers.update(asked, num_drafted > 0)
-        self.steps += 1
-        self.drafting_steps += asked
 
     def availability(self) -> float:
         """The chance that a step asking for drafts gets some: the aged share of asked
@@ -253,29 +245,25 @@ class DynamicK:
         scales every expected accepted draft of the method by this."""
         return 1.0 if self._calibration is None else self._calibration()
 
-    def drafting_share(self) -> float:
-        """The share of its steps expected to ask for drafts: that of its steps so far,
-        held toward 1 with DRAFTING_PRIOR_STEPS steps' weight."""
-        return (self.drafting_steps + DRAFTING_PRIOR_STEPS) / (self.steps + DRAFTING_PRIOR_STEPS)
-
     def catch_up(self) -> float:
         """The context rows its drafter takes in a step it drafts for it, from now on:
         its latest step's tokens, and the rest of its backlog (an EAGLE head's whole
-        prompt and reply so far, after plain steps) spread over the drafting steps it
-        may have left, which share it.
+        prompt and reply so far, after plain steps) spread over the steps it may have
+        left, drafting from now on, as the batch's choice would have it.
 
-        Those are its steps left times its drafting share so far, not all its steps
-        left: a batch of 16 eagle3 requests that ran plain for 70 steps drafted again
-        at batch 9 with the heads' backlogs priced over every step left (64 rows for
-        all 9), waited 124 ms for its drafts and went back to plain decoding 8 steps
-        later. A request that keeps drafting has a share near 1, and pays its backlog
-        once over its remaining steps as before."""
+        Spread instead over its share of drafting steps so far (how much it had drafted
+        told how much it would), a batch held plain priced its backlog ever dearer the
+        longer it ran plain, and never drafted again: at C = 16 with eagle3 the tail of
+        a cell, batch 6 and then 3, ran plain where drafting was modelled 1.2 and 1.5
+        times as productive without the backlog, its 200 rows a member priced as 88-215
+        rows a step. The head takes a backlog in over several proposals
+        (drafter/eagle.py, CATCH_UP_BUDGET_ROWS), so a batch that drafts a few steps and
+        turns plain again stalls no step far for it."""
         rest = self.backlog - self.fresh
         if rest <= 0:
             return float(max(self.backlog, 0))
-        share = self.drafting_share()
-        per_step = 1.0 + share * self.expected_accepted(self.max_num_speculative_tokens)
-        return self.fresh + rest / max(1.0, share * self.remaining / per_step)
+        per_step = 1.0 + self.expected_accepted(self.max_num_speculative_tokens)
+        return self.fresh + rest / max(1.0, self.remaining / per_step)
 
     def expected_accepted(self, k: int) -> float:
         """The accepted drafts this request's rates expect of a step asking k: the
