@@ -68,6 +68,17 @@ SECTIONS = [
      "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
      "--repeats 3 --out /tmp/s31/grid/serving_dynamic_k_recall_eagle3.json (copied to "
      "bench/results/serving_dynamic_k_recall_eagle3.json)"),
+    ("serving_dynamic_k_spread_eagle3.md",
+     "Dynamic K against static K, eagle3, on the Intel Xeon (2026-12-02, a later session, "
+     "after a member's backlog is priced over the steps it may have left; the machine at "
+     "about 0.9 of its speed earlier that day): auto / best static paired 1.01 / 1.00 / "
+     "0.97 [0.92, 1.03] and auto / plain 1.83 / 1.31 / 0.96 by the medians at C = 1 / 4 / "
+     "16. Side by side on one stack the new pricing gave 1.026 of the old at C = 16, "
+     "0.986 of K = 2 and 1.021 of plain (five rounds; docs/design.md)",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 3 --out /tmp/s31/grid/serving_dynamic_k_spread_eagle3.json (copied to "
+     "bench/results/serving_dynamic_k_spread_eagle3.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
