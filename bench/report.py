@@ -79,6 +79,14 @@ SECTIONS = [
      "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
      "--repeats 3 --out /tmp/s31/grid/serving_dynamic_k_spread_eagle3.json (copied to "
      "bench/results/serving_dynamic_k_spread_eagle3.json)"),
+    ("serving_dynamic_k_spread_ngram.md",
+     "Dynamic K against static K, ngram, on the Intel Xeon (2026-12-02, the same session "
+     "and code as serving_dynamic_k_spread_eagle3): auto / best static paired 1.02 / 1.01 "
+     "/ 1.01 and auto / plain 1.74 / 1.39 / 1.10 by the medians at C = 1 / 4 / 16",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,ngram K=2,ngram K=4,ngram auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 3 --out /tmp/s31/grid/serving_dynamic_k_spread_ngram.json (copied to "
+     "bench/results/serving_dynamic_k_spread_ngram.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
