@@ -327,6 +327,27 @@ class _Snapshot:
         return self._catch_up
 
 
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """A step's choice for the batch, kept unchosen for the steps after it while the
+    batch stays (its size and members): PLAIN_KEEP_STEPS where it ran every member
+    plain and the profile stays too, DRAFT_KEEP_STEPS where it drafted."""
+
+    profile: ItlProfile
+    batch_size: int
+    members: tuple[int, ...]  # member ids
+    plain: bool
+    step: int
+
+    def holds(self, profile: ItlProfile, batch_size: int, members: tuple[int, ...],
+              step: int) -> bool:
+        if (self.batch_size, self.members) != (batch_size, members):
+            return False
+        if self.plain:
+            return self.profile is profile and 0 <= step - self.step < PLAIN_KEEP_STEPS
+        return 0 <= step - self.step < DRAFT_KEEP_STEPS
+
+
 class BatchK:
     """The dynamic-K requests running on one replica, and their K for its latest step.
 
@@ -345,13 +366,7 @@ class BatchK:
         self.tables: dict[tuple[str, int, int],
                           tuple[int, tuple[int, int, int, int] | None]] = {}
         self._probes: dict[int, list[int]] = {}  # batch size -> steps run plain to measure it
-        # (profile, batch size, member ids) of the latest choice, where it was all plain,
-        # and its step.
-        self._plain_for: tuple[ItlProfile, int, tuple[int, ...]] | None = None
-        self._plain_step = 0
-        # (batch size, member ids) of the latest choice, where it drafted, and its step.
-        self._drafting_for: tuple[int, tuple[int, ...]] | None = None
-        self._drafting_step = 0
+        self._kept: _Kept | None = None  # the latest choice (None: a probe's)
 
     def __len__(self) -> int:
         return len(self._members)
@@ -372,9 +387,10 @@ class BatchK:
         """Whether the batch's latest choice ran plain every member now on it but
         `member` (a stream that has just joined): the new stream is then best opened
         plain too, and its K chosen with the batch from its first response on."""
-        held = self._plain_for
+        kept = self._kept
         others = [i for i in self._members if i != id(member)]
-        return held is not None and bool(others) and set(others) <= set(held[2])
+        return kept is not None and kept.plain and bool(others) \
+            and set(others) <= set(kept.members)
 
     def probe(self, profile: ItlProfile, batch_size: int, step: int) -> bool:
         """Whether this step of `batch_size` sequences runs plain to measure plain decoding
@@ -399,24 +415,18 @@ class BatchK:
             members = list(self._members.values())
             if self.probe(profile, batch_size, step):
                 self._ks = dict.fromkeys(map(id, members), 0)
-                self._step, self._plain_for = step, None
+                self._step, self._kept = step, None
                 return 0
-            plain_for = (profile, batch_size, tuple(self._members))
-            held = self._plain_for
-            if held is not None and held[0] is profile and held[1:] == plain_for[1:] \
-                    and 0 <= step - self._plain_step < PLAIN_KEEP_STEPS:
-                # Still plain: little the choice reads has moved. Members at K = 0 learn
-                # nothing new (their evidence only ages toward the prior), and an online
-                # profile is refitted every REFIT_STEPS. A choice costs the gateway's CPU,
-                # which a small machine takes from the forward: a batch of 16 that dynamic
-                # K ran plain took 3-4 % longer a step than one of plain requests.
-                self._step = step
-                return 0
-            if self._drafting_for == plain_for[1:] \
-                    and 0 <= step - self._drafting_step < DRAFT_KEEP_STEPS:
-                # Kept a step: the Ks of 19 in 718 choices at C = 4 (eagle3) differed from
-                # the step's before, and the choice was a fifth of the gateway's CPU there
-                # (0.01 cores, py-spy), taken from the forward's two threads.
+            ids = tuple(self._members)
+            if self._kept is not None and self._kept.holds(profile, batch_size, ids, step):
+                # Kept: little the choice reads has moved. Plain members learn nothing new
+                # (their evidence only ages toward the prior), and an online profile is
+                # refitted every REFIT_STEPS; drafting ones' rates move a little a step,
+                # and the Ks of 19 in 718 choices at C = 4 (eagle3) differed from the
+                # step's before. A choice costs the gateway's CPU, which a small machine
+                # takes from the forward: a fifth of the gateway's CPU at C = 4 (0.01
+                # cores, py-spy), and a batch of 16 that dynamic K ran plain took 3-4 %
+                # longer a step than one of plain requests.
                 self._step = step
                 return self._ks.get(id(member), 0)
             views = [_Snapshot(m.method, m.max_num_speculative_tokens, tuple(m.rates()),
@@ -430,10 +440,7 @@ class BatchK:
                     ks = current
             self._ks = dict(zip(map(id, members), ks, strict=True))
             self._step = step
-            self._plain_for = plain_for if not any(ks) else None
-            self._plain_step = step
-            self._drafting_for = plain_for[1:] if any(ks) else None
-            self._drafting_step = step
+            self._kept = _Kept(profile, batch_size, ids, not any(ks), step)
         return self._ks.get(id(member), 0)
 
 

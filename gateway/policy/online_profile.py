@@ -590,11 +590,11 @@ class OnlineProfile:
         self._cost: StepCost | None = None
         self._stale = 0  # steps added since _cost was fitted
         self._profiles: dict[tuple[int, int], ItlProfile] = {}  # grid -> profile of _cost
-        # batch size -> num_steps after each of its latest PLAIN_STEPS plain decode steps
-        self._plain: dict[int, list[int]] = {}
-        # batch size -> the forward ms of those steps, and (once measured) the fit they
-        # were weighed against, the mean of those ms and num_steps then
-        self._plain_ms: dict[int, list[float]] = {}
+        # batch size -> (num_steps after it, its forward ms) of each of its latest
+        # PLAIN_STEPS plain decode steps
+        self._plain: dict[int, list[tuple[int, float]]] = {}
+        # batch size -> (once measured) the fit its plain steps were weighed against, the
+        # mean of their forward ms and num_steps then
         self._recall: dict[int, tuple[StepCost, float, int]] = {}
         # (rows, sequences, forward ms) of the latest RECENT_STEPS decode steps
         self._recent: deque[tuple[int, int, float]] = deque(maxlen=RECENT_STEPS)
@@ -653,13 +653,11 @@ class OnlineProfile:
         if not step.prefill and step.num_tokens == step.batch_size:  # one row a sequence
             seen = self._plain.setdefault(step.batch_size, [])
             measured = _measured(seen, self.num_steps)
-            seen.append(self.num_steps)
+            seen.append((self.num_steps, step.step_time_ms - step.draft_wait_ms))
             del seen[:-PLAIN_STEPS]
-            took = self._plain_ms.setdefault(step.batch_size, [])
-            took.append(step.step_time_ms - step.draft_wait_ms)
-            del took[:-PLAIN_STEPS]
             if cost is not None and _measured(seen, self.num_steps):
-                self._recall[step.batch_size] = (cost, sum(took) / len(took), self.num_steps)
+                took = sum(ms for _, ms in seen) / len(seen)
+                self._recall[step.batch_size] = (cost, took, self.num_steps)
             if not measured and _measured(seen, self.num_steps):
                 # Newly measured: the profiles say so from this step on, not from the next
                 # refit. BatchK runs a batch of an unmeasured size plain until its profile
@@ -826,30 +824,30 @@ class OnlineProfile:
         cost = self.cost()
         if cost is None:
             return None
-        if key not in self._profiles:
-            batch_sizes = batch_grid(max_num_seqs)
-            ks = tuple(range(max_num_speculative_tokens + 1))
+        batch_sizes = batch_grid(max_num_seqs)
+        ks = tuple(range(max_num_speculative_tokens + 1))
 
-            grid = np.array(ks, dtype=np.float64)[None, :]  # [1, ks]
-            sizes = np.array(batch_sizes, dtype=np.float64)[:, None]  # [batch sizes, 1]
+        grid = np.array(ks, dtype=np.float64)[None, :]  # [1, ks]
+        sizes = np.array(batch_sizes, dtype=np.float64)[:, None]  # [batch sizes, 1]
 
-            def table(method: str | None) -> tuple[tuple[float, ...], ...]:
-                return tuple(map(tuple, cost.itls(sizes, grid, method).tolist()))
+        def table(method: str | None) -> tuple[tuple[float, ...], ...]:
+            return tuple(map(tuple, cost.itls(sizes, grid, method).tolist()))
 
-            self._profiles[key] = FittedProfile(
-                batch_sizes=batch_sizes, ks=ks, itl_ms=table(None),
-                acceptance={m: self.rates(m, max_num_speculative_tokens)
-                            for m in self.acceptance},
-                method_itl_ms={m: table(m) for m in cost.d},
-                availability={m: self.availability(m) for m in self._answers}, cost=cost,
-                plain_batch_sizes=self.plain_batch_sizes(cost))
-        return self._profiles[key]
+        made = self._profiles[key] = FittedProfile(
+            batch_sizes=batch_sizes, ks=ks, itl_ms=table(None),
+            acceptance={m: self.rates(m, max_num_speculative_tokens)
+                        for m in self.acceptance},
+            method_itl_ms={m: table(m) for m in cost.d},
+            availability={m: self.availability(m) for m in self._answers}, cost=cost,
+            plain_batch_sizes=self.plain_batch_sizes(cost))
+        return made
 
 
-def _measured(seen: list[int], now: int) -> bool:
-    """Whether a batch size's latest plain decode steps (the fit's step counts after
-    each, OnlineProfile._plain) are PLAIN_STEPS in the fit's memory at step `now`."""
-    return len(seen) >= PLAIN_STEPS and now - seen[0] < MEMORY_STEPS
+def _measured(seen: list[tuple[int, float]], now: int) -> bool:
+    """Whether a batch size's latest plain decode steps (the fit's step count after
+    each and its ms, OnlineProfile._plain) are PLAIN_STEPS in the fit's memory at
+    step `now`."""
+    return len(seen) >= PLAIN_STEPS and now - seen[0][0] < MEMORY_STEPS
 
 
 def batch_grid(max_num_seqs: int) -> tuple[int, ...]:
