@@ -87,6 +87,17 @@ SECTIONS = [
      "'plain,ngram K=2,ngram K=4,ngram auto' --concurrency 1,4,16 --requests 16 "
      "--repeats 3 --out /tmp/s31/grid/serving_dynamic_k_spread_ngram.json (copied to "
      "bench/results/serving_dynamic_k_spread_ngram.json)"),
+    ("serving_dynamic_k_spread5_eagle3_epyc.md",
+     "Dynamic K against static K, eagle3, five repeats on the AMD EPYC (2026-12-02, a "
+     "later session, the code of serving_dynamic_k_spread_eagle3, a quiet machine): auto / "
+     "best static paired 1.01 / 0.93 [0.86, 0.99] / 1.00 [0.91, 1.10] and auto / plain "
+     "1.74 / 1.17 / 0.97 by the medians at C = 1 / 4 / 16. Here plain beat K = 2 at C = 16 "
+     "(313.8 against 297.9 tok/s), and at C = 4 auto made 7.29 tokens a step against K = "
+     "2's 7.58 at a forward 1.4 ms longer: the Xeon's close at C = 4 did not carry over",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 5 --out /work/runs/spread5_eagle3_epyc.json (copied to "
+     "bench/results/serving_dynamic_k_spread5_eagle3_epyc.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
