@@ -652,13 +652,14 @@ class OnlineProfile:
                                  step.step_time_ms - step.draft_wait_ms))
         if not step.prefill and step.num_tokens == step.batch_size:  # one row a sequence
             seen = self._plain.setdefault(step.batch_size, [])
-            measured = _measured(seen, self.num_steps)
+            was_measured = _measured(seen, self.num_steps)
             seen.append((self.num_steps, step.step_time_ms - step.draft_wait_ms))
             del seen[:-PLAIN_STEPS]
-            if cost is not None and _measured(seen, self.num_steps):
+            measured = _measured(seen, self.num_steps)
+            if cost is not None and measured:
                 took = sum(ms for _, ms in seen) / len(seen)
                 self._recall[step.batch_size] = (cost, took, self.num_steps)
-            if not measured and _measured(seen, self.num_steps):
+            if measured and not was_measured:
                 # Newly measured: the profiles say so from this step on, not from the next
                 # refit. BatchK runs a batch of an unmeasured size plain until its profile
                 # says so: read at refits only, the last eagle3 request of a bench.serving
