@@ -79,6 +79,14 @@ def test_dynamic_k_is_paired_with_the_best_static_k_of_its_own_repeat():
                              "acceptance_length": None}}
     text = render()
     assert "| ngram (ngram auto) | 0.88 [0.75, 1.20] (n = 3) |" in text
+    # Against one K, the run's best by its median (K = 2's 25 over K = 4's 20), in each
+    # repeat: 30 / 25, 15 / 20, 27 / 30.
+    best, r = serving.paired_with_best(s, "ours ngram auto",
+                                       ["ours ngram K=2", "ours ngram K=4"], "1")
+    assert best == "ours ngram K=2"
+    assert r == pytest.approx([30 / 25, 15 / 20, 27 / 30])
+    g = (1.2 * 0.75 * 0.9) ** (1 / 3)
+    assert f"| ngram (ngram auto) | {g:.2f} [0.75, 1.20] against K=2 |" in text
     assert "| ngram (ngram auto) | 1.08 (K=2) | 1.35 |" in text
     del s["ours plain"]  # an ours-only run still compares with static K
     assert "| ngram (ngram auto) | 1.08 (K=2) | - |" in render()
@@ -87,6 +95,8 @@ def test_dynamic_k_is_paired_with_the_best_static_k_of_its_own_repeat():
     assert serving.paired_ratios(s, "ours ngram auto", ["ours ngram K=2", "ours ngram K=4"],
                                  "1") == []
     assert serving.paired_ratios(s, "ours eagle3 auto", ["ours eagle3 K=2"], "1") == []
+    assert serving.paired_with_best(s, "ours ngram auto", ["ours ngram K=2", "ours ngram K=4"],
+                                    "1") is None
 
 
 def test_vllm_iteration_lines_give_its_step_time(tmp_path):
