@@ -98,6 +98,17 @@ SECTIONS = [
      "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
      "--repeats 5 --out /work/runs/spread5_eagle3_epyc.json (copied to "
      "bench/results/serving_dynamic_k_spread5_eagle3_epyc.json)"),
+    ("serving_dynamic_k_fixed_eagle3_epyc.md",
+     "Dynamic K against static K, eagle3, five repeats on the AMD EPYC (2026-12-02, a third "
+     "session, the code of serving_dynamic_k_spread5_eagle3_epyc; the machine at about half "
+     "its speed of the morning, plain 82 against 155 tok/s at C = 4): auto paired with the "
+     "run's best static K (one configuration, by its median) 1.02 [0.83, 1.21] / 0.90 "
+     "[0.83, 0.98] / 1.04 [0.93, 1.12], and with plain 1.74 / 1.12 / 1.04, at C = 1 / 4 / 16. "
+     "At C = 4 auto made 7.49 tokens a step against K = 2's 7.62, at 83.5 ms against 78.4",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 5 --out /work/runs/grid_eagle3.json (copied to "
+     "bench/results/serving_dynamic_k_fixed_eagle3_epyc.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
