@@ -504,6 +504,30 @@ def test_a_backlog_is_priced_alike_however_long_the_request_ran_plain():
     assert all(m.next_k(8, step=1) for m in late)  # it pays back over the 40 steps left
 
 
+@pytest.mark.parametrize("backlog", [300.0, 1000.0])
+def test_a_member_whose_catch_up_is_dear_is_left_out_not_the_batch(backlog):
+    # A batch that ran plain a while: its oldest member has the highest reach but a dear
+    # backlog (its whole context, over the few steps it has left), the new ones little.
+    # In order of reach every prefix that drafts for the new members pays the old one's
+    # catch-up too: at 300 rows (15 ms) the walk drafted all four, at 1000 none, where
+    # drafting for the new three alone is best of every split.
+    cost = StepCost(a=20.0, b=0.5, w=0.0, d={"eagle3": 4.0}, e={"eagle3": 0.0},
+                    c={"eagle3": 0.05})
+    profile = fitted(cost, (0.7,))
+    old = _Snapshot("eagle3", 4, (0.9,), 1.0, 1.0, backlog)
+    new = [_Snapshot("eagle3", 4, (0.7,), 1.0, 1.0, 3.0) for _ in range(3)]
+    views = [old, *new]
+    best = max(itertools.product(range(5), repeat=4),
+               key=lambda v: batch_goodput(profile, 4, views, v))
+    assert best[0] == 0 and all(best[1:])
+    ks = allocate(profile, 4, views)
+    assert batch_goodput(profile, 4, views, ks) == pytest.approx(
+        batch_goodput(profile, 4, views, best), rel=1e-12)
+    # Without the backlog the old member's rows are worth the most, and it drafts.
+    free = [_Snapshot("eagle3", 4, (0.9,), 1.0, 1.0, 3.0), *new]
+    assert allocate(profile, 4, free)[0] == 4
+
+
 def test_a_plain_batch_is_chosen_again_only_when_the_profile_or_the_batch_changes():
     # Members at K = 0 learn nothing of their rates: while the profile and the batch stay,
     # a plain batch stays plain without choosing again (each choice costs the gateway's
