@@ -109,6 +109,25 @@ SECTIONS = [
      "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
      "--repeats 5 --out /work/runs/grid_eagle3.json (copied to "
      "bench/results/serving_dynamic_k_fixed_eagle3_epyc.json)"),
+    ("serving_dynamic_k_walk2_eagle3_c4.md",
+     "Dynamic K with the second walk (a member with a dear catch-up left out rather than the "
+     "batch), eagle3 at C = 4, five repeats on the AMD EPYC at about half its morning speed "
+     "(2026-12-02): auto 0.99 [0.91, 1.10] of the run's best static K (K = 4, tied with "
+     "K = 2: 0.97 of it paired), 1.17 of plain; 7.93 tokens a step against 7.49 in "
+     "serving_dynamic_k_fixed_eagle3_epyc, where auto was 0.90 of K = 2",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 4 --requests 16 "
+     "--repeats 5 --out /work/runs/walk_c4.json (copied to "
+     "bench/results/serving_dynamic_k_walk2_eagle3_c4.json)"),
+    ("serving_dynamic_k_walk2_eagle3_c1_16.md",
+     "The same code at C = 1 and 16, right after it: auto 0.99 [0.82, 1.17] of K = 4 at "
+     "C = 1 and 0.90 [0.82, 0.95] of K = 2 at C = 16 (0.975 of plain), in a run where K = 2 "
+     "beat plain at C = 16 by 6 %; the code before it gave 0.88 of K = 2 in such a run "
+     "(three repeats, not registered) and 1.04 where K = 2 and plain were tied",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,16 --requests 16 "
+     "--repeats 5 --out /work/runs/walk_c1_16.json (copied to "
+     "bench/results/serving_dynamic_k_walk2_eagle3_c1_16.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
