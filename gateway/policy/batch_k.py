@@ -230,8 +230,8 @@ def _best(profile: ItlProfile, batch_size: int,
     would stay plain while a new member's drafting pays. So a second walk takes each
     member's first position at its reach less its catch-up, in tokens at the plain
     step's tokens per ms (its later positions never before it), and the better of the
-    two walks is the answer (the second costs about as much as the first: 0.4-0.6 ms
-    of the gateway's CPU at batch 16, where it is walked)."""
+    two walks is the answer (where it is walked, the second adds 0.5-0.6 ms of the
+    gateway's CPU to a choice at batch 4-16, twice the first's, in a microbenchmark)."""
     batch = float(max(batch_size, len(members), 1))
     # Each member's reach at each of its positions, every position's reach scaled by
     # what its steps realize; reach never rises along a member's positions.
