@@ -120,6 +120,14 @@ PLAIN_STEPS = 3
 RECALL_STEPS = 8 * 512
 RECENT_STEPS = 32
 RECALL_TOLERANCE = 0.1
+# A size whose plain steps are in the fit's memory but older than this many steps counts
+# as measured only while the same checks hold: in memory, the old steps are what the fit
+# prices its plain step by. bench.serving's eagle3 cells at C = 16 ran dynamic K about
+# 350 steps after the stack's first cell, where plain steps of 16 had taken 87 ms; plain
+# steps of 16 took 62 ms by then, the fit priced them at 92 and dynamic K drafted at
+# batch 16 at 0.20 tokens/ms where plain made 0.26, and never ran the plain step that
+# would have told it.
+STALE_STEPS = RECENT_STEPS
 # Row counts where the forward's cost per row may change (the hinges of f).
 ROW_KNOTS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 # Ridge of each change of slope toward 0, in rows^2 as PRIOR_WEIGHT: a bend needs
@@ -321,6 +329,12 @@ class ForgettingLeastSquares:
         self.scatter += weight * np.outer(x, x)
         self.moment += (weight * y) * x
         self.count += 1
+
+    def forget(self, x: np.ndarray, weight: float, weighted_y: float) -> None:
+        """Takes out steps added at features x: their weights now (forgetting applied)
+        summed, and each weight times its y summed."""
+        self.scatter -= weight * np.outer(x, x)
+        self.moment -= weighted_y * x
 
     def solve_non_negative(self, signed: Iterable[int],
                            basis: np.ndarray | None = None) -> np.ndarray:
@@ -596,6 +610,10 @@ class OnlineProfile:
         # batch size -> (once measured) the fit its plain steps were weighed against, the
         # mean of their forward ms and num_steps then
         self._recall: dict[int, tuple[StepCost, float, int]] = {}
+        # batch size -> its plain decode steps in the forward fit, summed: (their weights,
+        # their weights times their forward ms, num_steps then), forgetting applied up to
+        # then; taken out of the fit where they are found stale (_fit)
+        self._plain_fit: dict[int, tuple[float, float, int]] = {}
         # (rows, sequences, forward ms) of the latest RECENT_STEPS decode steps
         self._recent: deque[tuple[int, int, float]] = deque(maxlen=RECENT_STEPS)
 
@@ -646,11 +664,20 @@ class OnlineProfile:
 
     def _fit(self, step: _Step) -> None:
         cost = self._reference()  # None before MIN_STEPS: every step at full weight
+        plain = not step.prefill and step.num_tokens == step.batch_size
+        if plain and cost is not None and self._stale_plain(step.batch_size, cost):
+            # A plain step of a size whose earlier ones are of a machine that has changed
+            # speed since: in the fit, those would outweigh the few new ones for hundreds
+            # of steps (the fit prices the size's plain step by them: STALE_STEPS), so
+            # they are taken out and the new ones measure it.
+            self._forget_plain(step.batch_size)
+            self._plain.pop(step.batch_size, None)
+            self._recall.pop(step.batch_size, None)
         self._add(step, cost, self._robust_wait, self._robust_forward)
         if not step.prefill:
             self._recent.append((step.num_tokens, step.batch_size,
                                  step.step_time_ms - step.draft_wait_ms))
-        if not step.prefill and step.num_tokens == step.batch_size:  # one row a sequence
+        if plain:  # one row a sequence
             seen = self._plain.setdefault(step.batch_size, [])
             was_measured = _measured(seen, self.num_steps)
             seen.append((self.num_steps, step.step_time_ms - step.draft_wait_ms))
@@ -690,9 +717,44 @@ class OnlineProfile:
                                             step.backlog)))
         if not step.prefill:
             forward = step.step_time_ms - step.draft_wait_ms
+            weight = 1.0 if cost is None else weigh_forward(
+                forward, cost.forward(step.num_tokens, step.batch_size))
             self._forward.add(forward_features(step.num_tokens, step.batch_size), forward,
-                              1.0 if cost is None else weigh_forward(
-                                  forward, cost.forward(step.num_tokens, step.batch_size)))
+                              weight)
+            if step.num_tokens == step.batch_size:
+                w, wy, at = self._plain_fit.get(step.batch_size, (0.0, 0.0, 0))
+                decay = FORGETTING ** (self._forward.count - at)
+                self._plain_fit[step.batch_size] = (decay * w + weight,
+                                                    decay * wy + weight * forward,
+                                                    self._forward.count)
+
+    def _forget_plain(self, batch_size: int) -> None:
+        """Takes a size's plain decode steps so far out of the forward fit."""
+        w, wy, at = self._plain_fit.pop(batch_size, (0.0, 0.0, 0))
+        decay = FORGETTING ** (self._forward.count - at)
+        self._forward.forget(forward_features(batch_size, batch_size), decay * w, decay * wy)
+
+    def _stale_plain(self, batch_size: int, cost: StepCost) -> bool:
+        """Whether a size's plain steps, its latest at least STALE_STEPS old, fail the
+        recall checks (RECALL_TOLERANCE) against `cost` (the fit now)."""
+        recall = self._recall.get(batch_size)
+        return recall is not None and self.num_steps - recall[2] >= STALE_STEPS \
+            and not self._holds(batch_size, cost)
+
+    def _holds(self, batch_size: int, cost: StepCost, recent: np.ndarray | None = None) -> bool:
+        """The recall checks of a size's plain steps (RECALL_STEPS): `cost` (the fit
+        now) prices its plain step at what they took, and the fit they were weighed
+        against prices the latest RECENT_STEPS steps (`recent`, else read) at what those
+        took."""
+        then, took, _ = self._recall[batch_size]
+        if recent is None:
+            if not self._recent:
+                return True
+            recent = np.array(self._recent, dtype=np.float64)  # [steps, (rows, seqs, ms)]
+        took_now = float(recent[:, 2].sum())
+        priced_then = float(then.forwards(recent[:, 0], recent[:, 1]).sum())
+        return abs(cost.forward(batch_size, batch_size) - took) <= RECALL_TOLERANCE * took \
+            and abs(priced_then - took_now) <= RECALL_TOLERANCE * took_now
 
     def _reweigh_warmup(self) -> None:
         """Refit the first steps with weights from the model they make, a few rounds
@@ -711,6 +773,7 @@ class OnlineProfile:
             self._cost = None
             cost = self.cost()
             self._wait, self._forward = first_wait.empty(), first_forward.empty()
+            self._plain_fit = {}
             for step in steps:
                 self._add(step, cost, weigh, weigh)
         self._cost, self._reference_cost = None, None  # refitted from the last round's weights
@@ -789,21 +852,18 @@ class OnlineProfile:
 
     def plain_batch_sizes(self, cost: StepCost | None = None) -> frozenset[int]:
         """Batch sizes with PLAIN_STEPS plain decode steps in the forward fit's memory;
-        with `cost` (the fit now), also those recalled (RECALL_STEPS)."""
+        with `cost` (the fit now), only those measured within RECENT_STEPS steps or
+        passing the recall checks (RECALL_STEPS), also those out of memory that pass."""
         now = self.num_steps
         sizes = {b for b, seen in self._plain.items() if _measured(seen, now)}
         if cost is None or not self._recent:
             return frozenset(sizes)
+        # In memory is not enough where the machine has changed speed since (STALE_STEPS).
         recent = np.array(self._recent, dtype=np.float64)  # [steps, (rows, sequences, ms)]
-        took_now = float(recent[:, 2].sum())
-        for b, (then, took, at) in self._recall.items():
-            if b in sizes or now - at >= RECALL_STEPS:
-                continue
-            priced_then = float(then.forwards(recent[:, 0], recent[:, 1]).sum())
-            if abs(cost.forward(b, b) - took) <= RECALL_TOLERANCE * took \
-                    and abs(priced_then - took_now) <= RECALL_TOLERANCE * took_now:
-                sizes.add(b)
-        return frozenset(sizes)
+        return frozenset(
+            b for b in set(sizes) | set(self._recall)
+            if (b in sizes and (b not in self._recall or now - self._recall[b][2] < STALE_STEPS))
+            or (now - self._recall[b][2] < RECALL_STEPS and self._holds(b, cost, recent)))
 
     def availability(self, method: str) -> float:
         """The share of steps asking `method` for drafts in which it had some, over all

@@ -683,6 +683,43 @@ def test_a_size_out_of_memory_is_recalled_while_the_machine_runs_as_it_did():
     assert not model.profile(16, 4).measured_plain(4)
 
 
+def test_a_size_in_memory_is_measured_only_while_the_machine_runs_as_it_did():
+    # A stack's first cell ran plain at batch 16 on a slow machine; a few hundred steps
+    # later the machine is faster and dynamic K drafts at 16. In the fit's memory, the
+    # old plain steps are still what it prices plain at 16 by, too dear: the size is
+    # measured again rather than read off them.
+    def run(faster: float):
+        model = OnlineProfile()
+        v = Verifier(model, a=20.0, b=4.0, d={"ngram": 0.0}, e={"ngram": 0.0})
+        for _ in range(MIN_STEPS):
+            v.run([("ngram", 2)] * 4)
+        for _ in range(PLAIN_STEPS + 20):
+            v.run([("none", 0)] * 16)
+        v.a, v.b = 20.0 / faster, 4.0 / faster
+        for i in range(MEMORY_STEPS // 2):
+            v.run([("ngram", 1 + i % 2)] * 16)  # batch 16, every sequence drafting
+        return model, v
+
+    model, v = run(1.0)
+    assert model.plain_batch_sizes() == frozenset({16})  # in the fit's memory
+    assert model.profile(16, 4).measured_plain(16)  # and the machine as it was
+    model, v = run(1.4)
+    assert model.plain_batch_sizes() == frozenset({16})
+    before = model.profile(16, 4)
+    assert not before.measured_plain(16)
+    # Measured again by a few plain steps, which the old ones no longer outweigh.
+    for _ in range(PLAIN_STEPS):
+        v.run([("none", 0)] * 16)
+    for _ in range(REFIT_STEPS + 1):  # fits the last of them, and refits
+        v.run([("ngram", 2)] * 16)
+    after = model.profile(16, 4)
+    assert after.measured_plain(16)
+    now = v.a + v.b * 16
+    assert before.itl(16, 0) > 1.3 * now  # priced by the old steps
+    # (The first steps, batch 4 drafting at 12 rows, are of the slow machine too.)
+    assert abs(after.itl(16, 0) - now) < abs(before.itl(16, 0) - now) / 3
+
+
 def test_a_batch_size_is_measured_in_the_profile_from_its_last_plain_step_on(monkeypatch):
     # BatchK runs a batch of an unmeasured size plain until the profile says otherwise:
     # a profile that waited for the next refit ran up to REFIT_STEPS plain steps more.
