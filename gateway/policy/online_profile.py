@@ -108,9 +108,10 @@ MIN_STEPS = 20
 PLAIN_STEPS = 3
 # A size whose plain steps have left the fit's memory still counts as measured, for up
 # to RECALL_STEPS steps, while two checks hold, each within RECALL_TOLERANCE: the fit
-# prices its plain step at what those steps took, and the fit of their time (the one
-# their misses were weighed against) prices the latest RECENT_STEPS steps at what they
-# took, so the machine has not changed speed since. The first alone is circular: where
+# prices its plain step no dearer than those steps took, and the fit of their time (the
+# one their misses were weighed against) prices the latest RECENT_STEPS steps no dearer
+# than they took, so the machine is no faster than then (one-sided: OnlineProfile._holds
+# says why). The first alone is circular: where
 # no newer step feeds rows near the size's, the old steps are what the fit prices it by.
 # Forgotten after 512 steps instead, a batch of 4 measured in a cell of plain decoding
 # was measured again after the static-K cells that followed it (eagle3 K = 2, about
@@ -743,9 +744,18 @@ class OnlineProfile:
 
     def _holds(self, batch_size: int, cost: StepCost, recent: np.ndarray | None = None) -> bool:
         """The recall checks of a size's plain steps (RECALL_STEPS): `cost` (the fit
-        now) prices its plain step at what they took, and the fit they were weighed
-        against prices the latest RECENT_STEPS steps (`recent`, else read) at what those
-        took."""
+        now) prices its plain step no dearer than they took, and the fit they were
+        weighed against prices the latest RECENT_STEPS steps (`recent`, else read) no
+        dearer than those took (the machine is no faster than then), each within
+        RECALL_TOLERANCE.
+
+        One-sided: a plain step priced too cheap makes plain decoding look better than
+        it is, and a batch that then runs plain measures it; where drafting wins even
+        so, it wins. One priced too dear hides plain decoding where it is best, and
+        nothing but a probe tells. Two-sided, the checks failed on an eagle3 cell at
+        C = 4 that ran slower than the cells before it (drift of the machine, and
+        tracing): 14 plain steps to measure sizes again in two cells of 175, each at
+        0.07 tokens/ms where drafting made 0.11."""
         then, took, _ = self._recall[batch_size]
         if recent is None:
             if not self._recent:
@@ -753,8 +763,8 @@ class OnlineProfile:
             recent = np.array(self._recent, dtype=np.float64)  # [steps, (rows, seqs, ms)]
         took_now = float(recent[:, 2].sum())
         priced_then = float(then.forwards(recent[:, 0], recent[:, 1]).sum())
-        return abs(cost.forward(batch_size, batch_size) - took) <= RECALL_TOLERANCE * took \
-            and abs(priced_then - took_now) <= RECALL_TOLERANCE * took_now
+        return cost.forward(batch_size, batch_size) - took <= RECALL_TOLERANCE * took \
+            and priced_then - took_now <= RECALL_TOLERANCE * took_now
 
     def _reweigh_warmup(self) -> None:
         """Refit the first steps with weights from the model they make, a few rounds

@@ -666,13 +666,22 @@ def test_a_size_out_of_memory_is_recalled_while_the_machine_runs_as_it_did():
     assert abs(cost.forward(4, 4) - 14.0) <= RECALL_TOLERANCE * 14.0  # priced as it took
     assert model.plain_batch_sizes(cost) == frozenset({4})
     assert model.profile(16, 4).measured_plain(4)
-    # The machine slows down. The fit sees it at 12-16 rows, as jumps past the knots
-    # as much as anything: its plain step of 4 moves too little to tell. The fit the
-    # old steps were weighed against prices the new ones too low, and tells.
-    v.a = 20.0
+    # The machine speeds up. The fit sees it at 12-16 rows, as jumps past the knots
+    # as much as anything: its plain step of 4 moves too little to tell, and stays too
+    # dear. The fit the old steps were weighed against prices the new ones too high,
+    # and tells.
+    v.a = 5.0
     for i in range(MEMORY_STEPS // 4):
         v.run([("ngram", 2 + i % 2)] * 4)
     assert not model.profile(16, 4).measured_plain(4)
+    # Slower instead, the plain step of 4 is priced too cheap, which a batch that runs
+    # plain on it measures: still recalled.
+    model, v = run()
+    v.a = 20.0
+    for i in range(MEMORY_STEPS // 4):
+        v.run([("ngram", 2 + i % 2)] * 4)
+    assert model.cost().forward(4, 4) < 24.0 - 1.0  # priced below what it takes now
+    assert model.profile(16, 4).measured_plain(4)
     # A size is recalled for RECALL_STEPS only.
     model, v = run()
     for i in range(RECALL_STEPS - MEMORY_STEPS - PLAIN_STEPS - REFIT_STEPS):
@@ -703,6 +712,8 @@ def test_a_size_in_memory_is_measured_only_while_the_machine_runs_as_it_did():
     model, v = run(1.0)
     assert model.plain_batch_sizes() == frozenset({16})  # in the fit's memory
     assert model.profile(16, 4).measured_plain(16)  # and the machine as it was
+    model, v = run(1 / 1.4)  # slower: plain at 16 priced too cheap, which plain tells
+    assert model.profile(16, 4).measured_plain(16)
     model, v = run(1.4)
     assert model.plain_batch_sizes() == frozenset({16})
     before = model.profile(16, 4)
