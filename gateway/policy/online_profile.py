@@ -290,6 +290,11 @@ class _Step:
     depth: dict[str, int] = field(default_factory=dict)  # method -> most asked of one
     backlog: dict[str, int] = field(default_factory=dict)  # method -> context rows taken in
 
+    @property
+    def plain(self) -> bool:
+        """A plain decode step: one row a sequence, no prompt in it."""
+        return not self.prefill and self.num_tokens == self.batch_size
+
     def merge(self, s: StepSample) -> None:
         self.prefill |= s.prefill
         if s.method != "none" and s.num_speculative_tokens:
@@ -665,8 +670,7 @@ class OnlineProfile:
 
     def _fit(self, step: _Step) -> None:
         cost = self._reference()  # None before MIN_STEPS: every step at full weight
-        plain = not step.prefill and step.num_tokens == step.batch_size
-        if plain and cost is not None and self._stale_plain(step.batch_size, cost):
+        if step.plain and cost is not None and self._stale_plain(step.batch_size, cost):
             # A plain step of a size whose earlier ones are of a machine that has changed
             # speed since: in the fit, those would outweigh the few new ones for hundreds
             # of steps (the fit prices the size's plain step by them: STALE_STEPS), so
@@ -678,7 +682,7 @@ class OnlineProfile:
         if not step.prefill:
             self._recent.append((step.num_tokens, step.batch_size,
                                  step.step_time_ms - step.draft_wait_ms))
-        if plain:  # one row a sequence
+        if step.plain:
             seen = self._plain.setdefault(step.batch_size, [])
             was_measured = _measured(seen, self.num_steps)
             seen.append((self.num_steps, step.step_time_ms - step.draft_wait_ms))
@@ -722,7 +726,7 @@ class OnlineProfile:
                 forward, cost.forward(step.num_tokens, step.batch_size))
             self._forward.add(forward_features(step.num_tokens, step.batch_size), forward,
                               weight)
-            if step.num_tokens == step.batch_size:
+            if step.plain:
                 w, wy, at = self._plain_fit.get(step.batch_size, (0.0, 0.0, 0))
                 decay = FORGETTING ** (self._forward.count - at)
                 self._plain_fit[step.batch_size] = (decay * w + weight,
@@ -735,12 +739,13 @@ class OnlineProfile:
         decay = FORGETTING ** (self._forward.count - at)
         self._forward.forget(forward_features(batch_size, batch_size), decay * w, decay * wy)
 
-    def _stale_plain(self, batch_size: int, cost: StepCost) -> bool:
+    def _stale_plain(self, batch_size: int, cost: StepCost,
+                     recent: np.ndarray | None = None) -> bool:
         """Whether a size's plain steps, its latest at least STALE_STEPS old, fail the
-        recall checks (RECALL_TOLERANCE) against `cost` (the fit now)."""
+        recall checks (_holds) against `cost` (the fit now)."""
         recall = self._recall.get(batch_size)
         return recall is not None and self.num_steps - recall[2] >= STALE_STEPS \
-            and not self._holds(batch_size, cost)
+            and not self._holds(batch_size, cost, recent)
 
     def _holds(self, batch_size: int, cost: StepCost, recent: np.ndarray | None = None) -> bool:
         """The recall checks of a size's plain steps (RECALL_STEPS): `cost` (the fit
@@ -870,10 +875,10 @@ class OnlineProfile:
             return frozenset(sizes)
         # In memory is not enough where the machine has changed speed since (STALE_STEPS).
         recent = np.array(self._recent, dtype=np.float64)  # [steps, (rows, sequences, ms)]
-        return frozenset(
-            b for b in set(sizes) | set(self._recall)
-            if (b in sizes and (b not in self._recall or now - self._recall[b][2] < STALE_STEPS))
-            or (now - self._recall[b][2] < RECALL_STEPS and self._holds(b, cost, recent)))
+        kept = {b for b in sizes if not self._stale_plain(b, cost, recent)}
+        recalled = {b for b, (_, _, at) in self._recall.items()
+                    if b not in sizes and now - at < RECALL_STEPS and self._holds(b, cost, recent)}
+        return frozenset(kept | recalled)
 
     def availability(self, method: str) -> float:
         """The share of steps asking `method` for drafts in which it had some, over all
