@@ -128,6 +128,23 @@ SECTIONS = [
      "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,16 --requests 16 "
      "--repeats 5 --out /work/runs/walk_c1_16.json (copied to "
      "bench/results/serving_dynamic_k_walk2_eagle3_c1_16.json)"),
+    ("serving_dynamic_k_recall_onesided_eagle3_c4.md",
+     "Dynamic K with plain steps in the fit's memory counted as measured, past 32 steps, "
+     "only while one-sided recall checks hold, eagle3 at C = 4, five repeats on the AMD "
+     "EPYC (2026-12-03): auto paired 1.00 [0.90, 1.05] of K = 4 and 1.18 of plain, 7.98 "
+     "tokens a step in 84.0 ms (K = 2: 7.62 in 82.4); the code before it, run the same day, "
+     "0.98 [0.92, 1.14] of K = 2 with 7.41 tokens in 82.4 ms",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 4 --requests 16 "
+     "--repeats 5 --out /work/runs/v2_c4.json (copied to "
+     "bench/results/serving_dynamic_k_recall_onesided_eagle3_c4.json)"),
+    ("serving_dynamic_k_recall_onesided_eagle3_c16.md",
+     "The same code at C = 16, right after it: auto paired 1.04 [0.91, 1.14] of K = 2 and "
+     "1.09 of plain by medians; the code before it, the same day, 1.05 [0.98, 1.15] of K = 2",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 16 --requests 16 "
+     "--repeats 5 --out /work/runs/v2_c16.json (copied to "
+     "bench/results/serving_dynamic_k_recall_onesided_eagle3_c16.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
