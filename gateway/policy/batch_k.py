@@ -250,7 +250,12 @@ def _best(profile: ItlProfile, batch_size: int,
     catch_up = [m.catch_up() for m in members]
     # (-key, member, position), sorted: every prefix takes each member's positions from
     # the first on (ties keep order).
+    # Only as many rows as the profile prices from measured steps (max_draft_rows): the
+    # positions of highest reach first.
+    most = profile.max_draft_rows(batch)
     by_reach = sorted((-r, i, j) for i, mine in enumerate(reach) for j, r in enumerate(mine))
+    if most < len(by_reach):
+        by_reach = by_reach[:int(most)]
     best = _walk(profile, batch, [(i, -key) for key, i, _ in by_reach], available, methods,
                  catch_up)
     penalty = _catch_up_ms(profile, methods, catch_up)  # [members] ms of each one's catch-up
@@ -264,6 +269,8 @@ def _best(profile: ItlProfile, batch_size: int,
             key = min(key, r - (per_ms * penalty[i] if j == 0 else 0.0))
             net.append((-key, i, j))
     net.sort()
+    if most < len(net):
+        net = net[:int(most)]
     if [i for _, i, _ in net] == [i for _, i, _ in by_reach]:
         return best
     # Walked at the positions' own reach: the key only orders them.

@@ -300,5 +300,7 @@ class DynamicK:
             return self.batch.next_k(self, profile, int(batch_size), step)
         if not profile.measured_plain(round(batch_size)):
             return 0  # plain first, to be measured there (BatchK.probe)
+        # No deeper than the profile prices from measured steps (max_draft_rows).
+        most = profile.max_draft_rows(batch_size) / max(batch_size, 1.0)
         return choose_k(profile, batch_size, self.rates(profile),
-                        self.max_num_speculative_tokens, self.method)
+                        int(min(self.max_num_speculative_tokens, most)), self.method)

@@ -104,6 +104,13 @@ class ItlProfile:
         (FittedProfile) says per batch size."""
         return True
 
+    def max_draft_rows(self, batch_size: float) -> float:
+        """The most draft rows a step of `batch_size` sequences may feed by this profile:
+        where its ITL is measured, not extrapolated. A profiled table measured its whole
+        grid (and clamps past it); the online model's (FittedProfile) knows rows only up
+        to a little past the most its recent steps fed."""
+        return math.inf
+
     def itl(self, batch_size: float, k: float, method: str | None = None) -> float:
         """Bilinear interpolation of the method's table (else itl_ms), clamped to its edges.
 

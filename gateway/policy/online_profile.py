@@ -129,6 +129,17 @@ RECALL_TOLERANCE = 0.1
 # batch 16 at 0.20 tokens/ms where plain made 0.26, and never ran the plain step that
 # would have told it.
 STALE_STEPS = RECENT_STEPS
+# The fit prices a step's forward only up to TRUSTED_ROWS_GROWTH times the most rows
+# a decode step in its memory fed, or TRUSTED_ROWS_MARGIN rows more where that is
+# more; dynamic K feeds no more (FittedProfile.max_draft_rows), and the bound grows as
+# steps near it are measured. Past its data the fit's slope is that of its last
+# segments, held by the ridge, and CPU forwards turn dearer a row past a few dozen:
+# bench.serving's eagle3 auto cell at C = 16, after cells at C = 1 and 4 (steps of
+# at most 20 rows in memory), priced 84 rows (batch 14 at K = 5) at 159 ms, above
+# plain decoding by 2 %; the four steps took 250, 206, 195 and (with the head's
+# catch-up) 423 ms, at half plain's tokens per ms.
+TRUSTED_ROWS_GROWTH = 1.5
+TRUSTED_ROWS_MARGIN = 8
 # Row counts where the forward's cost per row may change (the hinges of f).
 ROW_KNOTS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 # Ridge of each change of slope toward 0, in rows^2 as PRIOR_WEIGHT: a bend needs
@@ -526,10 +537,16 @@ class FittedProfile(ItlProfile):
     # Batch sizes with PLAIN_STEPS plain decode steps in the fit's memory.
     plain_batch_sizes: frozenset[int] = field(default=frozenset(), kw_only=True,
                                               compare=False, hash=False, repr=False)
+    # The most rows a step may feed and be priced by the fit (trusted_rows()).
+    trusted_rows: float = field(default=math.inf, kw_only=True, compare=False, hash=False,
+                                repr=False)
 
     def measured_plain(self, batch_size: int) -> bool:
         near = batch_size // 8  # a step of 40 sequences tells one of 37 closely enough
         return any(abs(b - batch_size) <= near for b in self.plain_batch_sizes)
+
+    def max_draft_rows(self, batch_size: float) -> float:
+        return max(self.trusted_rows - batch_size, 0.0)
 
     def _checked_table(self, name: str, table: object) -> tuple[tuple[float, ...], ...]:
         # Written by OnlineProfile.profile from the fit, every entry >= MIN_ITL_MS: the
@@ -622,6 +639,8 @@ class OnlineProfile:
         self._plain_fit: dict[int, tuple[float, float, int]] = {}
         # (rows, sequences, forward ms) of the latest RECENT_STEPS decode steps
         self._recent: deque[tuple[int, int, float]] = deque(maxlen=RECENT_STEPS)
+        # rows -> num_steps after the latest decode step that fed them
+        self._rows_seen: dict[int, int] = {}
 
     @property
     def num_steps(self) -> int:
@@ -682,6 +701,9 @@ class OnlineProfile:
         if not step.prefill:
             self._recent.append((step.num_tokens, step.batch_size,
                                  step.step_time_ms - step.draft_wait_ms))
+            if step.num_tokens > self._most_rows():
+                self._profiles.clear()  # the profiles' bound grows from this step on
+            self._rows_seen[step.num_tokens] = self.num_steps
         if step.plain:
             seen = self._plain.setdefault(step.batch_size, [])
             was_measured = _measured(seen, self.num_steps)
@@ -880,6 +902,20 @@ class OnlineProfile:
                     if b not in sizes and now - at < RECALL_STEPS and self._holds(b, cost, recent)}
         return frozenset(kept | recalled)
 
+    def _most_rows(self) -> int:
+        """The most rows a decode step in the fit's memory fed (0: none yet)."""
+        now = self.num_steps
+        stale = [r for r, at in self._rows_seen.items() if now - at >= MEMORY_STEPS]
+        for r in stale:
+            del self._rows_seen[r]
+        return max(self._rows_seen, default=0)
+
+    def trusted_rows(self) -> float:
+        """The most rows a step may feed and be priced by the fit: TRUSTED_ROWS_GROWTH
+        times the most its memory's decode steps fed, or TRUSTED_ROWS_MARGIN more."""
+        most = self._most_rows()
+        return float(max(TRUSTED_ROWS_GROWTH * most, most + TRUSTED_ROWS_MARGIN))
+
     def availability(self, method: str) -> float:
         """The share of steps asking `method` for drafts in which it had some, over all
         its requests so far, around 1 while they are few."""
@@ -915,7 +951,7 @@ class OnlineProfile:
                         for m in self.acceptance},
             method_itl_ms={m: table(m) for m in cost.d},
             availability={m: self.availability(m) for m in self._answers}, cost=cost,
-            plain_batch_sizes=self.plain_batch_sizes(cost))
+            plain_batch_sizes=self.plain_batch_sizes(cost), trusted_rows=self.trusted_rows())
         return made
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from gateway.policy import online_profile
+from gateway.policy.batch_k import allocate
 from gateway.policy.dynamic_k import NEUTRAL_ACCEPTANCE, DynamicK
 from gateway.policy.goodput import choose_k
 from gateway.policy.itl_profile import ItlProfile
@@ -788,3 +789,65 @@ def test_the_wait_prices_the_context_a_drafter_takes_in():
         StepSample(replica="v0", step=1, batch_size=1, num_tokens=1, step_time_ms=1.0,
                    draft_wait_ms=0.0, method="eagle3", num_speculative_tokens=1,
                    num_drafted=0, num_accepted=0, prefill=False, backlog=-1)
+
+
+def test_dynamic_k_feeds_no_more_rows_than_the_fit_has_seen_a_little_past():
+    """Steps of batch 4 at K = 0..4 (4 to 20 rows) on a forward that costs 1 ms a row up
+    to 20 rows and 2.5 ms a row past them: the fit goes on at about 1 ms a row past its
+    data, so at batch 14 and acceptance 0.8 drafting 3 deep (56 rows) looks far more
+    productive than plain decoding, and is worse than it. The profile prices rows only
+    to 1.5 times the most it has seen (30), so dynamic K drafts 16 positions, which pay;
+    a step at 30 rows moves the bound to 45, and once every step past 12 rows has left
+    the fit's memory, it is back at 20."""
+
+    def truth(rows):
+        return 30.0 + 1.0 * min(rows, 20) + 2.5 * max(0, rows - 20)
+
+    model, rng, step = OnlineProfile(), random.Random(7), 0
+
+    def run(batch, ks):
+        nonlocal step
+        step += 1
+        rows = batch + sum(ks)
+        for k in ks:
+            model.observe(sample(step, batch, rows, truth(rows), 0.0, "ngram", k, k, k))
+
+    for _ in range(300):
+        run(4, [rng.randint(0, 4) for _ in range(4)])
+    assert model.trusted_rows() == 30.0
+    prof = model.profile(max_num_seqs=16, max_num_speculative_tokens=4)
+    assert prof.max_draft_rows(14) == 16.0 and prof.max_draft_rows(40) == 0.0
+    assert prof.cost.forward(70, 14) < 0.7 * truth(70)  # the slope past the data is wrong
+
+    rates = (0.8,) * 4
+    unbounded = FittedProfile(batch_sizes=prof.batch_sizes, ks=prof.ks, itl_ms=prof.itl_ms,
+                              acceptance={"ngram": rates}, cost=prof.cost,
+                              plain_batch_sizes=prof.plain_batch_sizes | {14})
+    bounded = FittedProfile(batch_sizes=prof.batch_sizes, ks=prof.ks, itl_ms=prof.itl_ms,
+                            acceptance={"ngram": rates}, cost=prof.cost,
+                            plain_batch_sizes=prof.plain_batch_sizes | {14},
+                            trusted_rows=prof.trusted_rows)
+
+    def true_goodput(ks):
+        tokens = sum(1 + sum(0.8 ** (j + 1) for j in range(k)) for k in ks)
+        return tokens / truth(len(ks) + sum(ks))
+
+    plain = true_goodput([0] * 14)
+    members = [DynamicK(lambda p=p: p, "ngram", 4) for p in (unbounded,) * 14]
+    free = allocate(unbounded, 14, members)
+    assert sum(free) > 40 and true_goodput(free) < plain  # the old choice
+    members = [DynamicK(lambda: bounded, "ngram", 4) for _ in range(14)]
+    ks = allocate(bounded, 14, members)
+    assert sum(ks) == 16 and true_goodput(ks) > plain
+    assert true_goodput(ks) > 1.15 * true_goodput(free)
+    # A stream's first K, chosen alone, stays within the bound too: 30 rows at batch 14
+    # is K = 1 for each.
+    assert members[0].next_k(14) == 1
+
+    run(14, [1] * 12 + [2] * 2)  # 30 rows
+    run(4, [0] * 4)  # a step is fitted once the next one begins
+    assert model.trusted_rows() == 45.0
+    assert model.profile(max_num_seqs=16, max_num_speculative_tokens=4).trusted_rows == 45.0
+    for _ in range(MEMORY_STEPS):
+        run(4, [rng.randint(0, 2) for _ in range(4)])  # at most 12 rows
+    assert model.trusted_rows() == 20.0
