@@ -173,6 +173,9 @@ def choose_table(profile: ItlProfile, batch_size: int, members: int, method: str
     times = (step_times(profile, batch, {method: members * rows})
              + _spread_forward(profile, batch, members, spread))
     goodput = (batch + members * (tokens - 1.0)) / times
+    # Only tables whose draft rows the profile prices from measured steps, on average
+    # (ItlProfile.max_draft_rows).
+    goodput = np.where(members * rows <= profile.max_draft_rows(batch), goodput, -np.inf)
     plain = batch / step_time(profile, batch, {})
     best = int(np.argmax(goodput))
     return tables[best] if goodput[best] > plain else None

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from gateway.policy.itl_profile import ItlProfile
-from gateway.policy.online_profile import OnlineProfile, StepSample
+from gateway.policy.online_profile import FittedProfile, OnlineProfile, StepCost, StepSample
 from gateway.policy.outcome_table import (
+    _mean_rows,
     choose_table,
     table_of_level,
     table_yield,
@@ -148,3 +149,30 @@ def test_a_table_pays_for_the_steps_it_drafts_past_a_jump_in_step_time():
     _, spread = tables_spread([table_of_level(4, 8)], rates, available)
     assert spread[0] @ np.arange(9) < 7 and spread[0, 8] > 0.3
     assert max(choose(jumped(30.0))) <= 6
+
+
+def test_a_table_drafts_no_more_rows_than_the_fit_prices_from_its_steps():
+    """The online model's profile prices rows only a little past those its steps fed
+    (FittedProfile.max_draft_rows): a table whose mean draft rows pass that bound is not
+    chosen, the deepest level within it is, and none where no level is."""
+    cost = StepCost(a=20.0, b=0.05, w=0.0, d={"ngram": 0.0}, e={"ngram": 0.0})
+    sizes, ks = (1, 2, 4, 8, 16), tuple(range(9))
+    rates = [(0.9,), (0.7,), (0.4,), (0.5,)]
+    available = [1.0, 0.9, 0.8, 0.6]
+
+    def choose(trusted):
+        prof = FittedProfile(batch_sizes=sizes, ks=ks,
+                             itl_ms=tuple(tuple(cost.itl(b, k) for k in ks) for b in sizes),
+                             cost=cost, trusted_rows=trusted)
+        return choose_table(prof, 4, 4, "ngram", 8, lambda s: rates[s],
+                            lambda s: available[s])
+
+    free = choose(float("inf"))
+    assert free is not None and free[1] >= 4  # rows nearly free: deep
+    tokens, spread = tables_spread([free], rates, available)
+    assert 4 * float(_mean_rows(spread)[0]) > 12
+    bounded = choose(16.0)  # 12 draft rows at batch 4
+    assert bounded is not None and bounded[1] < free[1]
+    _, spread = tables_spread([bounded], rates, available)
+    assert 4 * float(_mean_rows(spread)[0]) <= 12
+    assert choose(4.0) is None  # no draft row within the bound
