@@ -145,6 +145,26 @@ SECTIONS = [
      "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 16 --requests 16 "
      "--repeats 5 --out /work/runs/v2_c16.json (copied to "
      "bench/results/serving_dynamic_k_recall_onesided_eagle3_c16.json)"),
+    ("serving_dynamic_k_s37_before_eagle3.md",
+     "Dynamic K against static K, eagle3, five repeats on the AMD EPYC (2026-12-03, a "
+     "later session, the code of serving_dynamic_k_recall_onesided_eagle3_c4): auto paired "
+     "with K = 2 0.97 [0.88, 1.05] / 0.99 [0.87, 1.11] / 0.94 [0.89, 1.00] and by medians "
+     "1.61 / 1.25 / 1.02 of plain at C = 1 / 4 / 16. At C = 16 K = 2 made 0.172 tokens a ms, "
+     "auto 0.160 and plain 0.157",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 5 --out /work/runs/s37/grid_eagle3.json (copied to "
+     "bench/results/serving_dynamic_k_s37_before_eagle3.json)"),
+    ("serving_dynamic_k_trusted_rows_eagle3.md",
+     "The same right after it, with dynamic K feeding no more rows than 1.5 times the most "
+     "the online fit's memory has seen (docs/design.md, Rows the fit has seen): auto paired "
+     "0.95 [0.89, 1.08] of K = 4 / 0.97 [0.86, 1.06] of K = 2 / 1.00 [0.86, 1.07] of K = 2, "
+     "and 1.61 / 1.18 / 1.02 of plain by medians, at C = 1 / 4 / 16, the machine some 5 % "
+     "slower (plain 25.6 / 77.1 / 146.1 tok/s against 27.6 / 81.7 / 155.6)",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 5 --out /work/runs/s37/grid_trusted.json (copied to "
+     "bench/results/serving_dynamic_k_trusted_rows_eagle3.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
