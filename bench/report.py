@@ -165,6 +165,17 @@ SECTIONS = [
      "'plain,eagle3 K=2,eagle3 K=4,eagle3 auto' --concurrency 1,4,16 --requests 16 "
      "--repeats 5 --out /work/runs/s37/grid_trusted.json (copied to "
      "bench/results/serving_dynamic_k_trusted_rows_eagle3.json)"),
+    ("serving_dynamic_k_trusted_rows_ngram.md",
+     "Dynamic K against static K, ngram (`make run`'s default drafter), three repeats on "
+     "the AMD EPYC right after it, the same code: auto 1.22 of K = 4 / 1.01 of K = 2 / "
+     "1.14 of K = 2 and 1.79 / 1.29 / 1.12 of plain by medians, paired with the run's "
+     "best static K 1.68 [1.04, 3.72] / 1.00 [0.92, 1.07] / 1.13 [1.03, 1.27], at "
+     "C = 1 / 4 / 16 (the outcome tables drafting deep after a run of accepted drafts "
+     "and little after a miss)",
+     "python -m bench.serving --systems ours --ours "
+     "'plain,ngram K=2,ngram K=4,ngram auto' --concurrency 1,4,16 --requests 16 "
+     "--repeats 3 --out /work/runs/s37/grid_ngram.json (copied to "
+     "bench/results/serving_dynamic_k_trusted_rows_ngram.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",
