@@ -38,6 +38,16 @@ SECTIONS = [
      "`make run` plain / engine 0.96 / 0.91 / 0.89 at C = 1 / 4 / 16, every reply identical",
      "python -m bench.serving --vllm 'plain,ngram K=4' --out "
      "bench/results/serving_slow_day.json (written as serving.json, then renamed)"),
+    ("serving_s37.md",
+     "`make run` against `vllm serve` again after the trusted-rows bound (the AMD EPYC, "
+     "2026-12-03, a later session, two repeats, three of our configurations, on a machine "
+     "running ours and vLLM at about half their speed of the headline run): ours best / "
+     "vLLM best 1.59 / 1.26 / 1.53, ours plain / vLLM plain 1.68 / 1.42 / 1.60 at "
+     "C = 1 / 4 / 16, every reply identical; eagle3 auto 0.94 of plain at C = 16 here "
+     "(1.02 in the five-repeat grid of serving_dynamic_k_trusted_rows_eagle3)",
+     "python -m bench.serving --systems ours,vllm --ours 'plain,default,eagle3 auto' "
+     "--vllm 'plain,ngram K=4' --repeats 2 --out /work/runs/s37/headline.json (copied to "
+     "bench/results/serving_s37.json)"),
     ("serving_intel.md",
      "`make run` against `vllm serve` on another CPU, an Intel Xeon with AVX-512 and AMX "
      "(2026-12-02, a later session, after the small-rows GEMM's prefetch into L2 there; "
