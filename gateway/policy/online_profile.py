@@ -639,8 +639,10 @@ class OnlineProfile:
         self._plain_fit: dict[int, tuple[float, float, int]] = {}
         # (rows, sequences, forward ms) of the latest RECENT_STEPS decode steps
         self._recent: deque[tuple[int, int, float]] = deque(maxlen=RECENT_STEPS)
-        # rows -> num_steps after the latest decode step that fed them
+        # rows -> num_steps after the latest decode step that fed them; and the most of
+        # them, as of the latest _most_rows() or since (never below the true most)
         self._rows_seen: dict[int, int] = {}
+        self._rows_max = 0
 
     @property
     def num_steps(self) -> int:
@@ -701,8 +703,11 @@ class OnlineProfile:
         if not step.prefill:
             self._recent.append((step.num_tokens, step.batch_size,
                                  step.step_time_ms - step.draft_wait_ms))
-            if step.num_tokens > self._most_rows():
-                self._profiles.clear()  # the profiles' bound grows from this step on
+            if step.num_tokens > self._rows_max:
+                # The profiles' bound grows from this step on. Compared with the running
+                # most rather than _most_rows(), which scans every row count a step.
+                self._profiles.clear()
+                self._rows_max = step.num_tokens
             self._rows_seen[step.num_tokens] = self.num_steps
         if step.plain:
             seen = self._plain.setdefault(step.batch_size, [])
@@ -908,7 +913,8 @@ class OnlineProfile:
         stale = [r for r, at in self._rows_seen.items() if now - at >= MEMORY_STEPS]
         for r in stale:
             del self._rows_seen[r]
-        return max(self._rows_seen, default=0)
+        self._rows_max = max(self._rows_seen, default=0)
+        return self._rows_max
 
     def trusted_rows(self) -> float:
         """The most rows a step may feed and be priced by the fit: TRUSTED_ROWS_GROWTH

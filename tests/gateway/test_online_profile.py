@@ -833,7 +833,7 @@ def test_dynamic_k_feeds_no_more_rows_than_the_fit_has_seen_a_little_past():
         return tokens / truth(len(ks) + sum(ks))
 
     plain = true_goodput([0] * 14)
-    members = [DynamicK(lambda p=p: p, "ngram", 4) for p in (unbounded,) * 14]
+    members = [DynamicK(lambda: unbounded, "ngram", 4) for _ in range(14)]
     free = allocate(unbounded, 14, members)
     assert sum(free) > 40 and true_goodput(free) < plain  # the old choice
     members = [DynamicK(lambda: bounded, "ngram", 4) for _ in range(14)]

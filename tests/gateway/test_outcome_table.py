@@ -169,7 +169,7 @@ def test_a_table_drafts_no_more_rows_than_the_fit_prices_from_its_steps():
 
     free = choose(float("inf"))
     assert free is not None and free[1] >= 4  # rows nearly free: deep
-    tokens, spread = tables_spread([free], rates, available)
+    _, spread = tables_spread([free], rates, available)
     assert 4 * float(_mean_rows(spread)[0]) > 12
     bounded = choose(16.0)  # 12 draft rows at batch 4
     assert bounded is not None and bounded[1] < free[1]
