@@ -134,12 +134,14 @@ def make_step(model: LlamaForCausalLM, cache: PagedKVCache, batch: int,
     ids = torch.randint(0, model.config.vocab_size, (sum(qs),), generator=gen).to(dev)
     rows = torch.arange(sum(qs), device=dev)
     appends = list(enumerate(qs))
+    host_ids = ids.cpu()
 
     def step() -> torch.Tensor:
-        meta = cache.plan(appends)
+        # Planned on the host for a graph, as the engine plans (the runner stages it).
+        meta = cache.plan(appends, device=None if graphs is None else "cpu")
         if graphs is None:
             out = model(ids, meta, cache, logits_indices=rows)
-        elif (out := graphs.run(ids, meta)) is None:
+        elif (out := graphs.run(host_ids, meta)) is None:
             raise RuntimeError(f"batch {batch} x {num_query} tokens has no CUDA graph shape")
         for s in range(batch):
             cache.truncate(s, context)

@@ -238,11 +238,15 @@ class DraftModelMethod(DraftMethod):
             if not active:
                 break
             # Feed each still-drafting sequence its last draft: logits of the next position.
-            meta = self.cache.plan([(job.seq.slot, 1) for job in active])
-            ids = torch.tensor([job.token_ids[-1] for job in active], device=self.device)
+            # Planned on the host where a graph will stage it (cuda_graphs.py).
+            meta = self.cache.plan([(job.seq.slot, 1) for job in active],
+                                   device=None if self.graphs is None else "cpu")
+            ids = torch.tensor([job.token_ids[-1] for job in active])
             # One token per sequence: a graph's shape (its logits are read before the next run).
             out = self.graphs.run(ids, meta) if self.graphs is not None else None
-            logits = (out or self.model(ids, meta, self.cache)).logits
+            if out is None:
+                out = self.model(ids.to(self.device), meta.to(self.device), self.cache)
+            logits = out.logits
             for job in active:
                 job.seq.drafted.append(job.token_ids[-1])
         return {job.key: Draft(job.token_ids, torch.stack(job.probs) if job.probs else None)

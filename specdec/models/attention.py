@@ -28,6 +28,9 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.sliding_window = sliding_window
+        # Decode and verify steps through the Triton paged kernel (fused/paged_attention.py;
+        # the model's FusedOps.attention sets it).
+        self.triton_paged = False
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> object:
@@ -57,6 +60,20 @@ class _SdpaState:
     mask: torch.Tensor | None  # [B, 1, Qmax, L] bool, True = attend; None = attend to all
     batch: int
     max_query: int
+
+
+@dataclass(slots=True)
+class _TritonPagedState:
+    """A step whose sequences all feed at most TRITON_MAX_QUERY rows, none a token tree:
+    the Triton kernel reads the metadata's tensors as they are."""
+
+    meta: AttentionMetadata
+    max_query: int  # host bound on any sequence's rows (the kernel's tile height)
+
+
+# Rows per sequence up to which the Triton paged kernel takes a step (verify blocks of
+# K + 1 <= 16); a step with a longer one (a prefill chunk) runs on torch's path whole.
+TRITON_MAX_QUERY = 16
 
 
 @dataclass(slots=True)
@@ -90,7 +107,9 @@ class SdpaBackend(AttentionBackend):
     row's bits never depend on how many rows its sequence brings to the step.
     """
 
-    def prepare(self, meta: AttentionMetadata) -> _SdpaState | _SplitState:
+    def prepare(self, meta: AttentionMetadata) -> _SdpaState | _SplitState | _TritonPagedState:
+        if self._triton_takes(meta):
+            return _TritonPagedState(meta, max(meta.query_lens))
         if (meta.positions.device.type == "cpu" and self.sliding_window is None
                 and self.head_dim % paged_attention.LANES == 0 and paged_attention.available()):
             trees = meta.tree_masks or [None] * meta.batch_size
@@ -165,10 +184,16 @@ class SdpaBackend(AttentionBackend):
                     mask[b, 0, :q, end - q: end] = tree.to(mask.device)
         return _SdpaState(kv_slots, pad_index, mask, batch, max_q)
 
-    def prepare_static(self, meta: AttentionMetadata) -> _SdpaState:
+    def _triton_takes(self, meta: AttentionMetadata) -> bool:
+        return (self.triton_paged and meta.tree_masks is None
+                and max(meta.query_lens) <= TRITON_MAX_QUERY)
+
+    def prepare_static(self, meta: AttentionMetadata) -> _SdpaState | _TritonPagedState:
         bs, batch, q = meta.block_size, meta.batch_size, meta.query_lens[0]
         assert meta.num_tokens == batch * q, "prepare_static wants one query length for all"
         assert meta.tree_masks is None, "token trees run eagerly"
+        if self._triton_takes(meta):
+            return _TritonPagedState(meta, q)
         dev = meta.positions.device
         # [B, nb * bs]: every column, also past the sequence's own blocks (masked).
         kv_slots = (meta.block_tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(batch, -1)
@@ -184,7 +209,16 @@ class SdpaBackend(AttentionBackend):
             mask = mask & (k_pos > q_pos - self.sliding_window)
         return mask[:, None]
 
-    def forward(self, q, k_cache, v_cache, state: _SdpaState | _SplitState) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache,
+                state: _SdpaState | _SplitState | _TritonPagedState) -> torch.Tensor:
+        if isinstance(state, _TritonPagedState):
+            from specdec.models.fused import paged_attention as triton_paged
+
+            meta = state.meta
+            return triton_paged.paged_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
+                meta.positions, meta.block_size, state.max_query,
+                sliding_window=self.sliding_window)
         if not isinstance(state, _SplitState):
             return self._sdpa(q, k_cache, v_cache, state)
         if q.dtype != torch.float32 or k_cache.dtype != torch.float32:

@@ -13,10 +13,13 @@ eagerly.
 
 Padding: extra sequences feed token 0 at position 0 and write their K/V to a
 scratch block that no sequence owns; block-table columns past a sequence's
-own blocks point at it too (masked by causality). Inputs are copied into
-fixed buffers before each replay, and the graph copies its outputs into
-fixed buffers, so all graphs share their inputs, outputs and one memory
-pool. Graphs are captured lazily, the first time a shape is seen.
+own blocks point at it too (masked by causality). Each graph reads all its
+inputs (ids, positions, slots, lengths, block table) from one int64 buffer of
+its own, which a step fills with one asynchronous copy from a pinned host
+buffer where the step was laid out, padding included: planned on the host, a
+step costs no synchronous host-to-device copy and no padding kernels. Graphs
+copy their outputs into fixed buffers, so all graphs share their outputs and
+one memory pool. Graphs are captured lazily, the first time a shape is seen.
 
 With capture=False (CPU, tests) the runner pads and copies exactly the same
 way and calls the forward eagerly instead of replaying it: everything but the
@@ -76,9 +79,23 @@ class GraphKey:
 
 @dataclass(slots=True)
 class _Graph:
-    meta: AttentionMetadata  # views of the runner's input buffers at this shape
-    rows: torch.Tensor  # [batch * q] arange: logits at every row
+    meta: AttentionMetadata  # views of `inputs` at this shape
+    # [4 t + batch + batch * width] int64 on the model's device (t = batch * q), laid
+    # out by _input_views: the graph's every input, filled by one copy a step.
+    inputs: torch.Tensor
+    rows: torch.Tensor  # [t] arange: logits at every row
     replay: Callable[[], None]
+
+
+def _input_views(inputs: torch.Tensor, key: GraphKey) -> tuple[torch.Tensor, ...]:
+    """A graph's input buffer [4 t + batch + batch * width] as its parts: ids, positions,
+    slots, fed rows (each [t]), seq_lens [batch] and block_tables [batch, width]. Fed
+    rows are where each token fed sits in the graph's [batch * q] layout (its first T
+    entries); the graph does not read them, the outputs' gather after it does."""
+    t, b = key.num_tokens, key.batch
+    ids, positions, slots, rows, seq_lens, tables = inputs.split(
+        [t, t, t, t, b, b * key.width])
+    return ids, positions, slots, rows, seq_lens, tables.view(b, key.width)
 
 
 class CudaGraphRunner:
@@ -96,18 +113,22 @@ class CudaGraphRunner:
         cache.add(SCRATCH_SEQ)
         self.scratch_block = int(cache.plan([(SCRATCH_SEQ, cache.block_size)]).block_tables[0, 0])
 
-        dev, i64 = model.device, torch.int64
+        dev = model.device
         cfg = model.config
         max_tokens = max_batch * max_query_len
-        self.ids = torch.zeros(max_tokens, dtype=i64, device=dev)
-        self.positions = torch.zeros(max_tokens, dtype=i64, device=dev)
-        self.slots = torch.zeros(max_tokens, dtype=i64, device=dev)
-        self.block_tables = torch.zeros(max_batch, self.widths[-1], dtype=i64, device=dev)
-        self.seq_lens = torch.zeros(max_batch, dtype=i64, device=dev)
         self.logits = torch.zeros(max_tokens, cfg.vocab_size, dtype=model.dtype, device=dev)
         self.hidden: dict[tuple[int, ...], torch.Tensor] = {}  # layers -> [L, max_tokens, hidden]
         self.graphs: dict[GraphKey, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # Host buffers the inputs are staged in, two so that a step may fill one while
+        # the other's copy is in flight (pinned on CUDA: the copy runs asynchronously),
+        # each with the event its last copy recorded.
+        size = 4 * max_tokens + max_batch * (1 + self.widths[-1])
+        pinned = dev.type == "cuda"
+        self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
+                         for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
         self.num_runs = 0  # steps served by the runner
 
     def key(self, meta: AttentionMetadata, hidden_layers: tuple[int, ...] = ()) -> GraphKey | None:
@@ -129,35 +150,28 @@ class CudaGraphRunner:
             hidden_indices: torch.Tensor | None = None) -> ForwardOutput | None:
         """The forward of a step with no prefill, from a graph; None when the
         step's shape has none (run the model eagerly then). input_ids: [T] laid
-        out as in `meta`, already planned in the cache. Logits come at every
-        row; hidden states of hidden_layers at hidden_indices (default all).
-        The outputs are views of the runner's buffers: read them before the
-        next run."""
+        out as in `meta`, already planned in the cache; both best on the host
+        (`PagedKVCache.plan(..., device="cpu")`): they are staged there and reach the
+        device in one asynchronous copy (device tensors are read back first, a sync).
+        Logits come at every row; hidden states of hidden_layers at hidden_indices
+        (default all; a device tensor). The outputs are views of the runner's buffers:
+        read them before the next run."""
         key = self.key(meta, hidden_layers)
         if key is None:
             return None
         graph = self.graphs.get(key) or self._capture(key)
-        t, q = meta.num_tokens, key.query_len
-        w = meta.block_tables.shape[1]
-        # rows: [T] where each fed token sits in the graph's [batch * q] layout; None
-        # when every sequence feeds q tokens (the layouts agree).
-        rows = None
-        if t != meta.batch_size * q:
-            rows = torch.tensor([s * q + j for s, n in enumerate(meta.query_lens) for j in range(n)],
-                                dtype=torch.int64, device=self.ids.device)
-            self._pad_rows(0, meta.batch_size * q)  # padding first, the real rows over it
-            self.ids.index_copy_(0, rows, input_ids)
-            self.positions.index_copy_(0, rows, meta.positions)
-            self.slots.index_copy_(0, rows, meta.slot_mapping)
-        else:
-            self.ids[:t].copy_(input_ids)
-            self.positions[:t].copy_(meta.positions)
-            self.slots[:t].copy_(meta.slot_mapping)
-        self.block_tables[: meta.batch_size, :w].copy_(meta.block_tables)
-        self.seq_lens[: meta.batch_size].copy_(meta.seq_lens)
-        self._pad(key, meta.batch_size, w)
+        t = meta.num_tokens
+        host = self._stage(key, input_ids.cpu(), meta.to("cpu"))
+        graph.inputs.copy_(host, non_blocking=True)
+        if graph.inputs.device.type == "cuda":
+            event = self._copied[self._turn] = torch.cuda.Event()
+            event.record()
+        self._turn ^= 1
         graph.replay()
         self.num_runs += 1
+        # rows: [T] where each fed token sits in the graph's layout; None when every
+        # sequence feeds q tokens (the layouts agree).
+        rows = None if t == key.num_tokens else _input_views(graph.inputs, key)[3][:t]
         hidden = None
         if hidden_layers:
             out = self.hidden[key.hidden_layers]  # [L, max_tokens, hidden]
@@ -168,52 +182,73 @@ class CudaGraphRunner:
         logits = self.logits[:t] if rows is None else self.logits.index_select(0, rows)
         return ForwardOutput(logits, hidden)
 
-    def _pad(self, key: GraphKey, batch: int, width: int) -> None:
-        """Sequences batch..key.batch become padding: token 0 at position 0,
-        writing to and reading from the scratch block only. Block-table columns
-        width..key.width of real sequences point at the scratch block (masked).
-        A real sequence's own padding rows (it feeds fewer than q tokens) are set
-        the same way before its tokens are copied in: position 0 attends to its
-        first key only, and their K/V go to the scratch block, which no real
-        sequence's table holds at a column its positions reach."""
-        self._pad_rows(batch * key.query_len, key.num_tokens)
-        self.block_tables[:batch, width: key.width].fill_(self.scratch_block)
-        self.block_tables[batch: key.batch, : key.width].fill_(self.scratch_block)
-        self.seq_lens[batch: key.batch].fill_(1)
+    def _stage(self, key: GraphKey, input_ids: torch.Tensor,
+               meta: AttentionMetadata | None) -> torch.Tensor:
+        """The graph's inputs for a step (all padding for meta None) in the next host
+        buffer, once its previous copy has left: [4 t + batch + batch * width] int64.
 
-    def _pad_rows(self, first: int, last: int) -> None:
-        """Rows first..last-1 feed token 0 at position 0 into the scratch block."""
-        self.ids[first:last].zero_()
-        self.positions[first:last].zero_()
-        self.slots[first:last].fill_(self.scratch_block * self.cache.block_size)
+        Padding: sequences past the batch, and a sequence's rows past its own tokens
+        (it feeds fewer than q), feed token 0 at position 0 and write their K/V to the
+        scratch block; block-table columns past a sequence's own blocks point at the
+        scratch block too (masked by causality). Position 0 attends to its first key
+        only, and no real sequence's table holds the scratch block at a column its
+        positions reach."""
+        turn = self._turn
+        if (event := self._copied[turn]) is not None:
+            event.synchronize()
+        size = 4 * key.num_tokens + key.batch * (1 + key.width)
+        host = self._staging[turn][:size]
+        ids, positions, slots, rows, seq_lens, tables = _input_views(host, key)
+        host.zero_()
+        slots.fill_(self.scratch_block * self.cache.block_size)
+        seq_lens.fill_(1)
+        tables.fill_(self.scratch_block)
+        if meta is None:
+            return host
+        t, q = meta.num_tokens, key.query_len
+        if t == key.num_tokens:
+            fed = slice(0, t)
+        else:
+            fed = torch.tensor([s * q + j for s, n in enumerate(meta.query_lens)
+                                for j in range(n)], dtype=torch.int64)
+            rows[:t] = fed
+        ids[fed] = input_ids
+        positions[fed] = meta.positions
+        slots[fed] = meta.slot_mapping
+        b, w = meta.batch_size, meta.block_tables.shape[1]
+        seq_lens[:b] = meta.seq_lens
+        tables[:b, :w] = meta.block_tables
+        return host
 
     def _capture(self, key: GraphKey) -> _Graph:
         dev, q, t = self.model.device, key.query_len, key.num_tokens
+        inputs = torch.zeros(4 * t + key.batch * (1 + key.width), dtype=torch.int64, device=dev)
+        ids, positions, slots, _, seq_lens, tables = _input_views(inputs, key)
         meta = AttentionMetadata(
-            positions=self.positions[:t], slot_mapping=self.slots[:t],
+            positions=positions, slot_mapping=slots,
             query_start=torch.arange(0, t + 1, q, device=dev),
-            seq_lens=self.seq_lens[: key.batch], block_tables=self.block_tables[: key.batch, : key.width],
+            seq_lens=seq_lens, block_tables=tables,
             query_lens=[q] * key.batch, max_seq_len=key.width * self.cache.block_size,
             block_size=self.cache.block_size)
         rows = torch.arange(t, device=dev)
         layers = key.hidden_layers
         if layers and layers not in self.hidden:
-            self.hidden[layers] = torch.zeros(len(layers), self.ids.shape[0],
+            self.hidden[layers] = torch.zeros(len(layers), self.logits.shape[0],
                                               self.model.config.hidden_size,
                                               dtype=self.model.dtype, device=dev)
 
         def forward() -> None:
-            out = self.model(self.ids[:t], meta, self.cache, logits_indices=rows,
+            out = self.model(ids, meta, self.cache, logits_indices=rows,
                              hidden_layers=layers, static_shapes=True)
             self.logits[:t].copy_(out.logits)
             if layers:
                 self.hidden[layers][:, :t].copy_(out.hidden_states)
 
-        graph = _Graph(meta, rows, forward)
+        graph = _Graph(meta, inputs, rows, forward)
         if self.capture:
             # Padding only while warming up: those runs execute, and must write
             # nothing but the scratch block.
-            self._pad(key, 0, 0)
+            inputs.copy_(self._stage(key, ids, None))
             graph.replay = self._record(forward)
         self.graphs[key] = graph
         return graph

@@ -18,7 +18,7 @@ appends, rollbacks and tree moves only ever write the sequence's own blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -77,6 +77,20 @@ class AttentionMetadata:
     def last_token_indices(self) -> torch.Tensor:
         """[B] index of each sequence's last new token (where next-token logits live)."""
         return self.query_start[1:] - 1
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        """The same step with its tensors on `device` (a metadata planned on the host
+        for a CUDA graph's staging, moved for an eager step instead)."""
+        if self.positions.device == torch.device(device):
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return replace(self, positions=move(self.positions), slot_mapping=move(self.slot_mapping),
+                       query_start=move(self.query_start), seq_lens=move(self.seq_lens),
+                       block_tables=move(self.block_tables),
+                       rope_positions=move(self.rope_positions))
 
 
 class PagedKVCache:
@@ -304,10 +318,13 @@ class PagedKVCache:
 
     # -- one forward pass ----------------------------------------------------
 
-    def plan(self, appends: list[tuple[int, int]]) -> AttentionMetadata:
+    def plan(self, appends: list[tuple[int, int]],
+             device: torch.device | str | None = None) -> AttentionMetadata:
         """Reserve room for `appends` = [(seq_id, num_new_tokens), ...] and
         describe the pass. Lengths grow now; the forward writes the slots.
-        All-or-nothing: raises KVCacheFull without changing anything."""
+        All-or-nothing: raises KVCacheFull without changing anything.
+        device: where the metadata's tensors go (default: the cache's); "cpu" for a
+        step a CUDA graph will take, which stages them in one copy (cuda_graphs.py)."""
         need = sum(self.blocks_needed(s, n) for s, n in appends)
         if need > self.pool.num_free:
             raise KVCacheFull(f"need {need} KV blocks, {self.pool.num_free} free")
@@ -332,7 +349,7 @@ class PagedKVCache:
         block_tables = torch.zeros(len(tables), max_blocks, dtype=torch.int64)
         for i, t in enumerate(tables):
             block_tables[i, : t.numel()] = t
-        dev = self.device
+        dev = self.device if device is None else device
         return AttentionMetadata(
             positions=torch.cat(positions).to(dev),
             slot_mapping=torch.cat(slots).to(dev),

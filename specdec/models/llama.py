@@ -14,7 +14,7 @@ has prepared the weights.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,37 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+@dataclass(frozen=True, slots=True)
+class FusedOps:
+    """Which of a step's small operations run as fused Triton kernels
+    (specdec/models/fused/): on a GPU the step is bound by kernel count, not by the
+    weights it reads. All on by default on CUDA, all off on CPU, where the C kernels
+    (small_rows, paged_attention) serve instead and Triton runs only interpreted."""
+
+    add_rms_norm: bool = False  # every residual add with the norm after it
+    rotary_kv: bool = False  # rotary of q and k with the paged KV write
+    silu_mul: bool = False  # the MLP's SiLU(gate) * up
+    attention: bool = False  # decode and verify attention over the block table in place
+
+    @classmethod
+    def parse(cls, spec: str) -> FusedOps:
+        """"all", "none", or a comma-separated list of the field names."""
+        names = [f.name for f in fields(cls)]
+        if spec in ("all", "none"):
+            return cls(**dict.fromkeys(names, spec == "all"))
+        wanted = [n for n in spec.split(",") if n]
+        if unknown := sorted(set(wanted) - set(names)):
+            raise ValueError(f"fused ops {unknown} unknown; have {names}, 'all' or 'none'")
+        return cls(**{n: n in wanted for n in names})
+
+    @classmethod
+    def default_for(cls, device: torch.device | str) -> FusedOps:
+        return cls.parse("all" if torch.device(device).type == "cuda" else "none")
+
+
+NO_FUSION = FusedOps()
+
+
 @dataclass(slots=True)
 class StepContext:
     """What every layer needs for one forward pass."""
@@ -55,8 +86,13 @@ class StepContext:
     meta: AttentionMetadata
     cache: PagedKVCache
     attn_state: object
-    cos: torch.Tensor  # [T, 1, head_dim]
-    sin: torch.Tensor  # [T, 1, head_dim], first half negated (see rope.apply_rotary)
+    cos: torch.Tensor | None  # [T, 1, head_dim]; None where rotary_kv computes its own
+    sin: torch.Tensor | None  # [T, 1, head_dim], first half negated (see rope.apply_rotary)
+    fused: FusedOps = NO_FUSION
+    # With fused.rotary_kv: the positions tokens are rotated by [T] and the model's
+    # inverse frequencies [head_dim / 2] float32.
+    rope_positions: torch.Tensor | None = None
+    inv_freq: torch.Tensor | None = None
 
 
 class Attention(nn.Module):
@@ -81,6 +117,17 @@ class Attention(nn.Module):
         t, h, hkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = linear(x, self.qkv_proj)
         qkv = qkv.view(t, h + 2 * hkv, self.head_dim)  # [T, H + 2 Hkv, D]
+        if ctx.fused.rotary_kv:
+            from specdec.models.fused.rotary_kv import rotary_kv_write
+
+            if self.q_norm is not None:
+                qkv = torch.cat([self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + hkv]),
+                                 qkv[:, h + hkv:]], dim=1)
+            q = rotary_kv_write(qkv, h, ctx.rope_positions, ctx.meta.slot_mapping, ctx.inv_freq,
+                                ctx.cache.k[self.layer], ctx.cache.v[self.layer])
+            out = self.backend.forward(q, ctx.cache.k[self.layer], ctx.cache.v[self.layer],
+                                       ctx.attn_state)
+            return linear(out.reshape(t, self.q_size), self.o_proj)
         v = qkv[:, h + hkv:]
         if self.q_norm is not None:
             q = apply_rotary(self.q_norm(qkv[:, :h]), ctx.cos, ctx.sin)
@@ -101,8 +148,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def apply_mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).split(self.intermediate, dim=-1)
+    def apply_mlp(self, x: torch.Tensor, fused: FusedOps = NO_FUSION) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_proj)  # [T, 2I]
+        if fused.silu_mul:
+            from specdec.models.fused.silu_mul import silu_mul
+
+            return linear(silu_mul(gate_up), self.down_proj)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj)
 
 
@@ -117,7 +169,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         x = x + self.self_attn.attend(rms_norm(x, ln1.weight, ln1.eps), ctx)
-        return x + self.mlp.apply_mlp(rms_norm(x, ln2.weight, ln2.eps))
+        return x + self.mlp.apply_mlp(rms_norm(x, ln2.weight, ln2.eps), ctx.fused)
 
 
 @dataclass(slots=True)
@@ -147,6 +199,12 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg)
+        self.fused = NO_FUSION
+
+    def set_fused(self, fused: FusedOps | str) -> None:
+        """Which operations run as fused Triton kernels from the next forward on."""
+        self.fused = FusedOps.parse(fused) if isinstance(fused, str) else fused
+        self.attn_backend.triton_paged = self.fused.attention
 
     @property
     def dtype(self) -> torch.dtype:
@@ -182,10 +240,13 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is None:
             logits_indices = meta.last_token_indices()
         rope = meta.positions if meta.rope_positions is None else meta.rope_positions
-        cos, sin = self.rotary.cos_sin(rope, self.dtype)
+        fused = self.fused
+        cos = sin = None
+        if not fused.rotary_kv:
+            cos, sin = self.rotary.cos_sin(rope, self.dtype)
         backend = self.attn_backend
         state = backend.prepare_static(meta) if static_shapes else backend.prepare(meta)
-        ctx = StepContext(meta, cache, state, cos, sin)
+        ctx = StepContext(meta, cache, state, cos, sin, fused, rope, self.rotary.inv_freq)
         wanted = set(hidden_layers)
         for i in wanted:
             if not 0 <= i <= self.config.num_layers:
@@ -199,14 +260,42 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         capture(0, x)
         last = self.config.num_layers
-        for i, layer in enumerate(self.layers, start=1):
-            x = layer(x, ctx)
-            if i < last:
-                capture(i, x)
-        if last in wanted:
-            capture(last, self.norm(x))
-        logits = None
-        if logits_indices.numel():
-            logits = linear(self.norm(x.index_select(0, logits_indices)), self.lm_head)
+        if fused.add_rms_norm:
+            normed = self._fused_layers(x, ctx, capture)  # [T, hidden], final norm applied
+            if last in wanted:
+                capture(last, normed)
+            if logits_indices.numel():
+                normed = normed.index_select(0, logits_indices)
+        else:
+            for i, layer in enumerate(self.layers, start=1):
+                x = layer(x, ctx)
+                if i < last:
+                    capture(i, x)
+            if last in wanted:
+                capture(last, self.norm(x))
+            if logits_indices.numel():
+                normed = self.norm(x.index_select(0, logits_indices))
+        logits = linear(normed, self.lm_head) if logits_indices.numel() else None
         hidden = torch.stack([captured[i] for i in hidden_layers]) if hidden_layers else None
         return ForwardOutput(logits, hidden)
+
+    def _fused_layers(self, x: torch.Tensor, ctx: StepContext, capture) -> torch.Tensor:
+        """The decoder layers with every residual add fused into the norm after it: the
+        post-attention norm of the same layer, the next layer's input norm, and after
+        the last layer the final norm, whose output [T, hidden] this returns."""
+        from specdec.models.fused.rms_norm import add_rms_norm
+        from specdec.models.fused.rms_norm import rms_norm as fused_rms_norm
+
+        first = self.layers[0].input_layernorm
+        normed = fused_rms_norm(x, first.weight, first.eps)
+        last = len(self.layers)
+        for i, layer in enumerate(self.layers, start=1):
+            post = layer.post_attention_layernorm
+            h = layer.self_attn.attend(normed, ctx)
+            x, normed = add_rms_norm(x, h, post.weight, post.eps)
+            h = layer.mlp.apply_mlp(normed, ctx.fused)
+            after = self.layers[i].input_layernorm if i < last else self.norm
+            x, normed = add_rms_norm(x, h, after.weight, after.eps)  # x: layer i's output
+            if i < last:
+                capture(i, x)
+        return normed

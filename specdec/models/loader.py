@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from specdec.models.config import ModelConfig
 from specdec.models.linear import pack_linear_weights
-from specdec.models.llama import LlamaForCausalLM
+from specdec.models.llama import FusedOps, LlamaForCausalLM
 from specdec.models.rope import inv_frequencies
 
 DTYPES = {
@@ -68,11 +68,13 @@ def _shard_bounds(model: LlamaForCausalLM, fused: str, shard: int) -> tuple[int,
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", attention: str = "sdpa",
-               pack_linear: bool = True) -> LlamaForCausalLM:
+               pack_linear: bool = True, fused: FusedOps | str | None = None) -> LlamaForCausalLM:
     """pack_linear: on CPU in float32, run the projections on oneDNN-packed
     weights and few rows on the small-rows kernel (see linear.pack_linear_weights;
     the packed copy costs a second copy of the projection weights, except under
-    SPECDEC_BATCH_INVARIANT=1, where every row runs on the small-rows kernel)."""
+    SPECDEC_BATCH_INVARIANT=1, where every row runs on the small-rows kernel).
+    fused: the operations run as fused Triton kernels (llama.FusedOps; default: all
+    on CUDA, none elsewhere)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(dtype)
@@ -113,6 +115,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
         raise ValueError(f"{model_dir}: missing tensors for {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
     pack_linear_weights(model, pack_linear and dtype == torch.float32)
+    model.set_fused(FusedOps.default_for(device) if fused is None else fused)
     return model.eval()
 
 

@@ -43,16 +43,21 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", inv_frequencies(cfg), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64 -> cos, signed_sin: [T, 1, head_dim] in `dtype`.
+        return cos_sin(positions, self.inv_freq, dtype)
 
-        signed_sin is sin with its first half negated, so that rotate-half
-        becomes a roll (see apply_rotary)."""
-        freqs = positions[:, None].float() * self.inv_freq.float()  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin()
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        return emb.cos().to(dtype)[:, None], signed_sin.to(dtype)[:, None]
+
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T] int64, inv_freq: [D/2] -> cos, signed_sin: [T, 1, D] in `dtype`.
+
+    signed_sin is sin with its first half negated, so that rotate-half
+    becomes a roll (see apply_rotary)."""
+    freqs = positions[:, None].float() * inv_freq.float()  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return emb.cos().to(dtype)[:, None], signed_sin.to(dtype)[:, None]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

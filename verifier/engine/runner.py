@@ -77,8 +77,13 @@ class ModelRunner:
             proposer: Proposer | None) -> RunnerOutput:
         """Plan the batch in the cache (its KV grows by every fed token) and run it."""
         feeds = [_feed(item, drafts.token_ids.get(item.seq.seq_id, [])) for item in batch]
+        # No prefill and no tree: every row is sampled, which is what a graph computes.
+        # Such a step is planned on the host, where the graph's inputs are staged.
+        graphed = (self.graphs is not None and not drafts.trees
+                   and not any(item.is_prefill for item in batch))
         meta = self.cache.plan(
-            [(item.seq.seq_id, len(f)) for item, f in zip(batch, feeds, strict=True)])
+            [(item.seq.seq_id, len(f)) for item, f in zip(batch, feeds, strict=True)],
+            device="cpu" if graphed else None)
         starts = meta.query_start[:-1].tolist()  # [B] first row of each sequence's feed
         if drafts.trees:
             # The root of a tree block is the last token, at position num_computed.
@@ -88,20 +93,17 @@ class ModelRunner:
         sampled, sampled_drafts, logit_rows = _logit_rows(batch, feeds, starts)
         hidden_layers, hidden_rows, hidden_indices = _hidden_rows(batch, feeds, starts, proposer)
 
-        ids = torch.tensor([t for f in feeds for t in f], device=self.model.device)  # [T]
-        dev = ids.device
-        hidden_index = torch.tensor(hidden_indices, dtype=torch.int64, device=dev)  # [M]
-        out = None
-        if (self.graphs is not None and not drafts.trees
-                and not any(item.is_prefill for item in batch)):
-            # No prefill: every row is sampled, which is what a graph computes.
-            out = self.graphs.run(ids, meta, hidden_layers, hidden_index)
+        dev = self.model.device
+        ids = torch.tensor([t for f in feeds for t in f])  # [T]
+        hidden_index = torch.tensor(hidden_indices, dtype=torch.int64).to(dev)  # [M]
+        out = self.graphs.run(ids, meta, hidden_layers, hidden_index) if graphed else None
         if out is None:
-            out = self.model(ids, meta, self.cache,
+            meta = meta.to(dev)
+            out = self.model(ids.to(dev), meta, self.cache,
                              logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
                              hidden_layers=hidden_layers, hidden_indices=hidden_index)
         if self.cache.features is not None:
-            _keep_features(self.cache, batch, feeds, meta.slot_mapping, out.hidden_states,
+            _keep_features(self.cache, batch, feeds, meta.slot_mapping.to(dev), out.hidden_states,
                            hidden_layers, hidden_rows, hidden_index, proposer)
         return RunnerOutput(out.logits, sampled, sampled_drafts,
                             Hidden(out.hidden_states, hidden_layers, hidden_rows), len(ids))
