@@ -39,7 +39,7 @@ from gateway.types import (
 )
 from specdec.pb import verifier_pb2
 from specdec.processors import LogitsProcessors
-from specdec.speculation import METHODS, method_name
+from specdec.speculation import METHODS, drafter_method
 from specdec.structured import Grammars
 from specdec.tokenizer import Tokenizer
 
@@ -270,7 +270,8 @@ class Gateway:
             default_auto_k=self.config.default_auto_k,
         )
         spec = req.speculative
-        deployed = {method_name(d.method) for d in report.drafters}
+        served = {d.name: drafter_method(d.name, d.method) for d in report.drafters}
+        deployed = {m for m in served.values() if m is not None}
         if spec.method not in (None, "none") and spec.method not in deployed:
             # A drafter configured but down still degrades to K = 0 (decide() reports why);
             # one this deployment does not run at all is a mistake in the request.
@@ -278,12 +279,14 @@ class Gateway:
                                  f"drafter (it runs: {', '.join(sorted(deployed)) or 'none'})",
                                  param="speculative")
         if spec.drafter is not None:
-            configured = {d.name: method_name(d.method) for d in report.drafters}
-            if spec.drafter not in configured:
+            if spec.drafter not in served:
                 raise InvalidRequest(f"speculative.drafter: unknown drafter {spec.drafter!r} "
-                                     f"(configured: {', '.join(configured) or 'none'})",
+                                     f"(configured: {', '.join(served) or 'none'})",
                                      param="speculative")
-            method = configured[spec.drafter]
+            method = served[spec.drafter]
+            if method is None:
+                raise Unavailable(f"speculative.drafter: {spec.drafter!r} has not been reached "
+                                  f"yet, so its method is unknown; retry shortly")
             if spec.method not in (None, method):
                 raise InvalidRequest(f"speculative.drafter: {spec.drafter!r} drafts with "
                                      f"{method}, not {spec.method}", param="speculative")

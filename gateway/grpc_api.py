@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import uuid
 
 import grpc
@@ -14,6 +13,7 @@ from gateway.choices import MAX_CHOICES, choice_requests, merged
 from gateway.core import Delta, Gateway, GatewayError, GenerationRequest, InvalidRequest
 from gateway.policy.request import SpeculativeRequest
 from gateway.tools import ToolCall, ToolCallParser, ToolError, ToolRequest
+from specdec.json_depth import parse_json
 from specdec.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specdec.speculation import method_name
 
@@ -218,9 +218,9 @@ def _tool_request(request: gateway_pb2.ChatRequest) -> ToolRequest | None:
                 fn["description"] = f.description
             if f.parameters_json:
                 try:
-                    fn["parameters"] = json.loads(f.parameters_json)
-                except json.JSONDecodeError as e:
-                    raise InvalidRequest(f"tools[{i}].parameters_json: not JSON ({e})") from None
+                    fn["parameters"] = parse_json(f.parameters_json, f"tools[{i}].parameters_json")
+                except ValueError as e:
+                    raise InvalidRequest(str(e)) from None
             functions.append({"type": "function", "function": fn})
         extra["tools"] = functions
     kind = request.tool_choice.WhichOneof("choice")

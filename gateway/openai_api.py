@@ -36,6 +36,7 @@ from gateway.policy.request import SpeculativeRequest
 from gateway.structured import StructuredOutputError, from_openai
 from gateway.tools import ToolCall, ToolCallParser, ToolError, ToolRequest
 from gateway.types import SpecDecodeSummary
+from specdec.json_depth import parse_json
 from specdec.pb import common_pb2
 from specdec.processors import LogitsProcessors
 
@@ -56,9 +57,13 @@ _NOT_IMPLEMENTED: dict[str, object] = {
     "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
     "chat_template_kwargs": None, "documents": None, "prediction": None,
     "min_completion_tokens": None,
+    # vLLM's: a salt scoping the prefix cache; tokens in logprobs as "token_id:<id>"; a
+    # queue priority (vLLM too refuses one other than 0 without priority scheduling);
+    # chat's echo of the last message.
+    "cache_salt": None, "return_tokens_as_token_ids": False, "priority": 0, "echo": False,
 }
-# Values that mean "off" besides the one above (an empty list or object, best_of 1, ...).
-_OFF_TOO = ([], {}, {"type": "text"}, "none", 1)
+# Values that mean "off" besides the one above (an empty list or object, ...).
+_OFF_TOO = ([], {}, {"type": "text"}, "none")
 # How often a non-streamed request checks that its client is still there.
 _DISCONNECT_POLL_S = 0.25
 
@@ -272,6 +277,10 @@ class OpenAIFrontend:
                 raise InvalidRequest(f"{name}: not supported by this server yet (it would "
                                      f"change the output, so it is refused rather than "
                                      f"ignored)", param=name)
+        if (body.stream_options or {}).get("continuous_usage_stats"):
+            raise InvalidRequest("stream_options.continuous_usage_stats: not supported by this "
+                                 "server yet (usage comes in the last chunk with "
+                                 "include_usage)", param="stream_options")
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         try:
             spec = SpeculativeRequest.from_json(body.speculative)
@@ -778,9 +787,9 @@ def _delta_pieces(events: list[str | ToolCall], first_index: int) -> list[dict]:
 
 def _decode_body(raw: bytes, cls: type[_Body]) -> _Body:
     try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"the body is not valid JSON: {e}") from None
+        obj = parse_json(raw, "the body")
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
     if not isinstance(obj, dict):
         raise InvalidRequest("the body must be a JSON object")
     try:

@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
 from specdec.server import GRPC_OPTIONS, token_metadata
-from specdec.speculation import DRAFTER_METHODS, method_name
+from specdec.speculation import drafter_method
 from specdec.tls import TlsConfig, open_aio_channel
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,8 @@ class Replica:
         """Methods some drafter of this replica serves (available or not right now)."""
         if self.report is None:
             return frozenset()
-        return frozenset(method_name(d.method) for d in self.report.drafters
-                         if method_name(d.method) in DRAFTER_METHODS)
+        return frozenset(m for d in self.report.drafters
+                         if (m := drafter_method(d.name, d.method)) is not None)
 
     def connect(self) -> None:
         if self.channel is None:

@@ -40,6 +40,12 @@ def _from_response_format(rf: Any) -> common_pb2.StructuredOutput | None:
         if not isinstance(js, dict) or "schema" not in js:
             raise StructuredOutputError(f"{where}.json_schema: an object with a schema",
                                         f"{where}.json_schema")
+        if js.get("strict", True) is not True:
+            # Schemas compile strict (no properties past the schema's): a non-strict one
+            # would be served as if it were strict.
+            raise StructuredOutputError(f"{where}.json_schema.strict: only strict schemas are "
+                                        f"supported (omit it or send true)",
+                                        f"{where}.json_schema.strict")
         return common_pb2.StructuredOutput(
             json_schema=schema_text(js["schema"], f"{where}.json_schema.schema"))
     raise StructuredOutputError(f"{where}.type: one of text, json_object, json_schema "

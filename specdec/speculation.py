@@ -68,6 +68,16 @@ def method_name(value: int) -> str | None:
     return _METHOD_NAMES.get(value)
 
 
+def drafter_method(name: str, method: int) -> str | None:
+    """The method a configured drafter (LoadReport.drafters) serves: its reported one, or
+    before it was first reached (no method yet) the method it is named after
+    (`--drafter ngram=...`); None when neither says."""
+    reported = method_name(method)
+    if reported is None:
+        return name if name in DRAFTER_METHODS else None
+    return reported if reported in DRAFTER_METHODS else None
+
+
 def reason_to_proto(name: str | None) -> int:
     """DisabledReason of a reason name; None (speculation on) is DISABLED_REASON_NONE."""
     if name is None:

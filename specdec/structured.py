@@ -25,6 +25,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from specdec.json_depth import parse_json
 from specdec.pb import common_pb2
 
 if TYPE_CHECKING:  # torch loads with the first mask, not with the SDK that imports this
@@ -128,10 +129,7 @@ def grammar_source(spec: common_pb2.StructuredOutput,
         return GrammarSource("json_object", "", where)
     if which == "json_schema":
         _check_size(where, spec.json_schema)
-        try:
-            schema = json.loads(spec.json_schema)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON: {e}") from None
+        schema = parse_json(spec.json_schema, where)
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"{where}: a JSON Schema is an object or a boolean")
         return GrammarSource("json_schema", spec.json_schema, where)

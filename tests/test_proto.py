@@ -151,3 +151,12 @@ def test_grpc_stubs_exist(grpc_module, service):
     assert hasattr(grpc_module, f"{service}Stub")
     assert hasattr(grpc_module, f"{service}Servicer")
     assert hasattr(grpc_module, f"add_{service}Servicer_to_server")
+
+
+def test_drafter_method_before_and_after_the_drafter_is_reached():
+    from specdec.speculation import drafter_method
+
+    assert drafter_method("eagle3", common_pb2.SPEC_METHOD_UNSPECIFIED) == "eagle3"
+    assert drafter_method("mine", common_pb2.SPEC_METHOD_UNSPECIFIED) is None
+    assert drafter_method("mine", common_pb2.SPEC_METHOD_NGRAM) == "ngram"
+    assert drafter_method("ngram", common_pb2.SPEC_METHOD_NONE) is None

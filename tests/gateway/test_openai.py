@@ -195,6 +195,11 @@ NOT_IMPLEMENTED = [
     ("structured_outputs", {"regex": "a+", "whitespace_pattern": " *"}),
     ("skip_special_tokens", False),
     ("include_stop_str_in_output", True),
+    ("cache_salt", "tenant-a"),
+    ("return_tokens_as_token_ids", True),
+    ("priority", 1),
+    ("echo", True),
+    ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
 ]
 
 BAD = [
@@ -236,7 +241,15 @@ BAD = [
     (_chat(logit_bias={"999999999": 1}), "logit_bias"),
     (_chat(min_tokens=40, max_tokens=10), "min_tokens"),
     (_chat(allowed_token_ids=[-1]), "allowed_token_ids"),
+    # Nested past what Python's parser recurses through, and past MAX_JSON_DEPTH in a
+    # schema given as JSON text (the body itself is shallow).
+    (_chat(x=1).replace('"x": 1', '"x": ' + "[" * 100_000 + "]" * 100_000), "nests deeper"),
+    (_chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": '{"type": "array", "items": ' * 80 + "{}" + "}" * 80}}),
+     "response_format.json_schema"),
     (_chat(response_format={"type": "json_object"}, ignore_eos=True), "ignore_eos"),
+    (_chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": False}}), "strict"),
 ]
 
 
