@@ -130,10 +130,14 @@ class Stack:
     engine: str
     configs: dict[str, dict | None]
     added_drafters: tuple[str, ...] = ()
+    environ: tuple[tuple[str, str], ...] = ()  # compose variables set for this stack
 
 
-# System name -> its stack; a row is "SYSTEM CONFIGURATION".
+# System name -> its stack; a row is "SYSTEM CONFIGURATION". ours-vctl: ours with dynamic
+# K chosen in the verifier (--speculation-control verifier) rather than the gateway.
 STACKS = {"ours": Stack("specdec", OURS),
+          "ours-vctl": Stack("specdec", OURS,
+                             environ=(("SPECDEC_SPECULATION_CONTROL", "verifier"),)),
           "ours-vllm": Stack("vllm", OURS_VLLM, added_drafters=("suffix",))}
 SYSTEMS = (*STACKS, "vllm", "engine")
 
@@ -439,7 +443,8 @@ def run_stack(args, system: str, model_dir: Path, prompts: list[Prompt], log_dir
     concurrency's cells."""
     stack_def = STACKS[system]
     env = {"SPECDEC_MODEL_ROOT": str(model_dir.parent), "SPECDEC_MODEL": model_dir.name,
-           "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ, "SPECDEC_ENGINE": stack_def.engine}
+           "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ, "SPECDEC_ENGINE": stack_def.engine,
+           **dict(stack_def.environ)}
     services, ports = on_free_ports(with_drafters(local_services(environ=env),
                                                   stack_def.added_drafters))
     configs = {n: spec for n, spec in stack_def.configs.items()
@@ -1029,6 +1034,9 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.repeats):
             for c in args.concurrency:
                 engine.measure(c)
+    if "ours-vctl" in systems:
+        got, startup["ours-vctl"], _ = run_stack(args, "ours-vctl", model_dir, prompts, log_dir)
+        cells.update({f"ours-vctl {n}": v for n, v in got.items()})
     if "ours-vllm" in systems:
         python = Path(os.environ.get(VLLM_PYTHON_ENV) or VLLM_PYTHON)
         if (why := specdec_unavailable_beside_vllm(python)) is not None:

@@ -317,7 +317,9 @@ class Gateway:
         if decision.disabled_reason is not None:
             self.metrics.disabled.labels(decision.disabled_reason).inc()
         dynamic = None
-        if decision.auto_k and decision.num_speculative_tokens > 0:
+        # A verifier that chooses K each step itself gets the bound alone (generation.py).
+        delegated = replica.report is not None and replica.report.speculation_controller
+        if decision.auto_k and decision.num_speculative_tokens > 0 and not delegated:
             method, online = decision.method, self.online_profile
             dynamic = DynamicK(self.profile_source(replica), method,
                                decision.num_speculative_tokens,

@@ -143,7 +143,12 @@ class Generation:
         speculation = common_pb2.SpeculationPolicy(method=method_to_proto(d.method),
                                                    drafter=self.req.speculative.drafter or "")
         reason = common_pb2.DISABLED_REASON_NONE
+        # The verifier chooses each step's K within the request's bound itself.
+        delegated = (d.auto_k and self.dynamic is None and replica.report is not None
+                     and replica.report.speculation_controller)
         if d.method != "none":
+            if delegated:
+                self.num_speculative_tokens = d.num_speculative_tokens
             if self.dynamic is not None:
                 # The batch it joins: a burst's requests are all admitted before their
                 # streams open one by one, and the first to open, choosing K for an idle
@@ -176,7 +181,7 @@ class Generation:
             elif self.num_speculative_tokens == 0:  # dynamic K chose plain decoding first
                 reason = common_pb2.DISABLED_REASON_DYNAMIC_K
                 speculation.num_speculative_tokens = d.num_speculative_tokens
-            speculation.auto_k = self.dynamic is not None
+            speculation.auto_k = self.dynamic is not None or delegated
         if d.method != "none" and d.method not in replica.drafter_methods():
             # Known method without a drafter on this replica: run plainly, say why.
             speculation.method = common_pb2.SPEC_METHOD_NONE

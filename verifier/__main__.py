@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=True,
                    help="reuse the KV cache of full blocks shared with earlier requests "
                         "(automatic prefix caching)")
+    p.add_argument("--speculation-control", choices=["gateway", "verifier"], default="gateway",
+                   help="who chooses dynamic-K requests' K each step: the gateway (from the "
+                        "step stats it sees, sent back as policy updates) or this verifier's "
+                        "engine, from the step's own batch (verifier/engine/speculation.py)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grace-s", type=float, default=10.0, help="shutdown grace period")
@@ -84,6 +88,7 @@ ENGINE_FLAGS: dict[str, tuple[str, tuple]] = {
     "--attention": ("specdec", ()),
     "--block-size": ("specdec", ()),
     "--step-timeout-s": ("specdec", ()),
+    "--speculation-control": ("specdec", ("gateway",)),
     "--threads": ("specdec", (0,)),
     "--tensor-parallel-size": ("vllm", (1,)),
     "--gpu-memory-utilization": ("vllm", ()),
@@ -140,7 +145,8 @@ async def _serve(args: argparse.Namespace, server_tls: tls.TlsConfig | None,
         block_size=args.block_size, num_kv_blocks=math.ceil(kv_tokens / args.block_size),
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_speculative_tokens=args.max_num_speculative_tokens, seed=args.seed,
-        cuda_graphs=args.cuda_graphs, enable_prefix_caching=args.enable_prefix_caching)
+        cuda_graphs=args.cuda_graphs, enable_prefix_caching=args.enable_prefix_caching,
+        speculation_controller=args.speculation_control == "verifier")
     target = TargetInfo(cfg.vocab_size, digest, cfg.hidden_size, cfg.num_layers)
     # One shared token for the internal APIs (unset: none): this verifier requires it
     # and presents it to its drafters.

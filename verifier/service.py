@@ -256,7 +256,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             request_id=start.request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
             max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(s.stop_token_ids),
             ignore_eos=s.ignore_eos, num_speculative_tokens=policy.effective_k,
-            drafter=policy.drafter, num_logprobs=s.logprobs, grammar=self._grammar(s),
+            drafter=policy.drafter, auto_k=policy.auto_k, num_logprobs=s.logprobs, grammar=self._grammar(s),
             processors=self._processors(s))
         try:
             self.engine.validate(request)
@@ -268,7 +268,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                       update: verifier_pb2.GenerateRequest.PolicyUpdate) -> None:
         policy.apply(update, self.engine.config.max_num_speculative_tokens)
         self.worker.set_num_speculative_tokens(request_id, policy.effective_k,
-                                               policy.effective_k_by_outcome)
+                                               policy.effective_k_by_outcome, policy.auto_k)
 
     def _response(self, out: StepOutput, policy: Policy, stats: _Stats) -> verifier_pb2.GenerateResponse:
         stats.completion_tokens += len(out.new_token_ids)
@@ -281,6 +281,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             step_reason = reason_to_proto(out.miss_reason)
         elif not out.num_speculative_tokens and not policy.enabled:
             step_reason = policy.disabled_reason
+        elif (not out.num_speculative_tokens and policy.auto_k and policy.effective_k
+              and self.engine.controller is not None):  # the controller chose plain
+            step_reason = common_pb2.DISABLED_REASON_DYNAMIC_K
         request_reason = common_pb2.DISABLED_REASON_NONE
         if not policy.enabled or policy.drafter is None:
             request_reason = policy.disabled_reason
@@ -411,7 +414,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 forward_ms=load.times.forward_ms, sample_ms=load.times.sample_ms,
                 postprocess_ms=load.times.postprocess_ms, deliver_ms=load.deliver_ms,
                 drafter_ms=load.times.drafter_ms),
-            k_by_outcome_supported=True)
+            k_by_outcome_supported=True,
+            speculation_controller=self.engine.controller is not None)
         for c in self.pool.clients.values():
             report.drafters.add(
                 name=c.name,

@@ -80,7 +80,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_kv_blocks", "kv_block_size", "num_free_kv_tokens", "num_total_kv_tokens", "step_time_ema_ms", "max_num_seqs", "max_model_len", "drafters", "max_num_speculative_tokens", "model_name", "tokenizer", "prefix_caching_enabled", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "engine_times", "k_by_outcome_supported")
+    __slots__ = ("num_running", "num_waiting", "num_free_kv_blocks", "kv_block_size", "num_free_kv_tokens", "num_total_kv_tokens", "step_time_ema_ms", "max_num_seqs", "max_model_len", "drafters", "max_num_speculative_tokens", "model_name", "tokenizer", "prefix_caching_enabled", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "engine_times", "k_by_outcome_supported", "speculation_controller")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class LoadReport(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_TIMES_FIELD_NUMBER: _ClassVar[int]
     K_BY_OUTCOME_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_CONTROLLER_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_kv_blocks: int
@@ -119,7 +120,8 @@ class LoadReport(_message.Message):
     prefix_cache_hit_rate: float
     engine_times: EngineTimes
     k_by_outcome_supported: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_free_kv_tokens: _Optional[int] = ..., num_total_kv_tokens: _Optional[int] = ..., step_time_ema_ms: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[ConfiguredDrafter, _Mapping]]] = ..., max_num_speculative_tokens: _Optional[int] = ..., model_name: _Optional[str] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerFingerprint, _Mapping]] = ..., prefix_caching_enabled: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., engine_times: _Optional[_Union[EngineTimes, _Mapping]] = ..., k_by_outcome_supported: _Optional[bool] = ...) -> None: ...
+    speculation_controller: bool
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_free_kv_tokens: _Optional[int] = ..., num_total_kv_tokens: _Optional[int] = ..., step_time_ema_ms: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[ConfiguredDrafter, _Mapping]]] = ..., max_num_speculative_tokens: _Optional[int] = ..., model_name: _Optional[str] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerFingerprint, _Mapping]] = ..., prefix_caching_enabled: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., engine_times: _Optional[_Union[EngineTimes, _Mapping]] = ..., k_by_outcome_supported: _Optional[bool] = ..., speculation_controller: _Optional[bool] = ...) -> None: ...
 
 class EngineTimes(_message.Message):
     __slots__ = ("steps", "tokens", "schedule_ms", "draft_wait_ms", "forward_ms", "sample_ms", "postprocess_ms", "deliver_ms", "sequences", "rows", "drafter_ms")

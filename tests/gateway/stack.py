@@ -61,7 +61,7 @@ class Replica:
     def __init__(self, loop: LoopThread, model: LlamaForCausalLM, eos: frozenset[int],
                  drafter_ports: dict[str, int], max_num_seqs: int = 16,
                  grammars: Grammars | None = None, port: int = 0, token: str | None = None,
-                 tls: TlsConfig | None = None):
+                 tls: TlsConfig | None = None, speculation_controller: bool = False):
         cfg = model.config
         target = TargetInfo(cfg.vocab_size, "", cfg.hidden_size, cfg.num_layers)
         clients = [DrafterClient(name, f"127.0.0.1:{port}", target, backoff_s=(0.05, 0.2),
@@ -70,7 +70,9 @@ class Replica:
         self.pool = DrafterPool(clients, K_MAX, 2000.0)
         engine = Engine(model, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=MAX_LEN,
                                             block_size=16, num_kv_blocks=600,
-                                            max_num_speculative_tokens=K_MAX), self.pool, eos)
+                                            max_num_speculative_tokens=K_MAX,
+                                            speculation_controller=speculation_controller),
+                        self.pool, eos)
         self.servicer = VerifierServicer(engine, self.pool, target, model_name=MODEL_NAME,
                                          default_num_speculative_tokens=4, grammars=grammars)
         self.service = loop.run(serve_verifier(self.servicer, f"127.0.0.1:{port}", token=token,
@@ -94,7 +96,8 @@ class GatewayStack:
                  replicas: int = 1, drafters: dict[str, DraftMethod] | None = None,
                  profile: ItlProfile | None = None, grpc_port: int = 0,
                  token: str | None = None, tls: TlsConfig | None = None,
-                 internal_tls: TlsConfig | None = None, **config):
+                 internal_tls: TlsConfig | None = None, speculation_controller: bool = False,
+                 **config):
         """tls: the gateway's REST and gRPC API; internal_tls: every internal service's
         (it serves with it and presents it, as SPECDEC_INTERNAL_TLS_* make them do)."""
         self.loop = loop
@@ -108,7 +111,8 @@ class GatewayStack:
         self.grammars = Grammars(self.tokenizer.hf, model.config.vocab_size,
                                  self.tokenizer.eos_token_ids)
         self.replicas = [Replica(loop, model, self.tokenizer.eos_token_ids, ports,
-                                 grammars=self.grammars, token=token, tls=internal_tls)
+                                 grammars=self.grammars, token=token, tls=internal_tls,
+                                 speculation_controller=speculation_controller)
                          for _ in range(replicas)]
         pool = ReplicaPool([r.address for r in self.replicas], poll_interval_s=0.1, token=token,
                            tls=internal_tls)

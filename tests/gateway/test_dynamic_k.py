@@ -41,9 +41,10 @@ class FirstRightDrafter(OracleDraftModel):
         return first + [(first[0] + 1 + i) % self.model.config.vocab_size for i in range(k - 1)]
 
 
-def auto_chat(s: GatewayStack, method: str, max_tokens: int):
-    """One greedy chat at dynamic K ("auto") with `method`; its text is the target's."""
-    client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
+def auto_chat(s: GatewayStack, method: str, max_tokens: int, base_url: str | None = None):
+    """One greedy chat at dynamic K ("auto") with `method` (through another gateway of the
+    stack's verifiers at base_url); its text is the target's."""
+    client = openai.OpenAI(base_url=base_url or s.base_url, api_key="x", max_retries=0)
     content = "Count to twenty."
     resp = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": content}], temperature=0,
@@ -517,9 +518,9 @@ def test_k_by_outcome_reaches_the_verifier_and_sets_k_there(loop, model, smollm2
     sent: list[tuple[int, tuple | None]] = []
     set_k = worker.set_num_speculative_tokens
 
-    def record(request_id, k, k_by_outcome=None):
+    def record(request_id, k, k_by_outcome=None, auto_k=False):
         sent.append((k, k_by_outcome))
-        set_k(request_id, k, k_by_outcome)
+        set_k(request_id, k, k_by_outcome, auto_k)
 
     worker.set_num_speculative_tokens = record
     try:
@@ -569,4 +570,36 @@ def test_a_batchs_table_is_chosen_again_only_every_few_steps(loop, model, smollm
         assert all(b - a >= TABLE_REFRESH_STEPS - 1 for a, b in itertools.pairwise(chosen_at)), \
             chosen_at
     finally:
+        s.close()
+
+
+def test_a_verifier_that_chooses_k_itself_gets_the_bound_and_no_updates(loop, model,
+                                                                        smollm2_dir):
+    """--speculation-control verifier: the gateway opens a dynamic-K stream with the
+    request's bound and auto_k, and sends no PolicyUpdate of K, through one gateway or
+    two (the verifier sees the step's batch whatever sent it); the verifier's engine
+    chooses K within the bound each step, and the text is the target's."""
+    from gateway.core import Gateway, GatewayConfig
+    from gateway.replicas import ReplicaPool
+    from gateway.service import serve as serve_gateway
+
+    drafter = FirstRightDrafter(model)
+    s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": drafter},
+                     speculation_controller=True)
+    servicer = s.replicas[0].servicer
+    received = []
+    servicer._apply_update = lambda request_id, policy, update: received.append(update)
+    second = Gateway(GatewayConfig(model_name=MODEL_NAME), s.tokenizer,
+                     ReplicaPool([s.replicas[0].address], poll_interval_s=0.1))
+    service = loop.run(serve_gateway(second, "127.0.0.1", 0, "127.0.0.1:0", None))
+    try:
+        assert s.replicas[0].load().speculation_controller
+        for base_url in (s.base_url, f"http://127.0.0.1:{service.http_port}/v1", s.base_url):
+            resp = auto_chat(s, "draft_model", 30, base_url)
+            assert resp.model_extra["spec_decode"]["num_drafts"] > 0
+        assert received == []
+        assert drafter.wanted and max(drafter.wanted) <= K_MAX
+        assert servicer.engine.controller is not None
+    finally:
+        loop.run(service.stop(1.0))
         s.close()

@@ -45,6 +45,7 @@ from verifier.engine.sequence import (
     Status,
     check_k_by_outcome,
 )
+from verifier.engine.speculation import SpeculationController
 from verifier.sampling.rejection import greedy_chains
 from verifier.sampling.sampler import rejection_sample
 from verifier.sampling.tree_acceptance import Chains, chain_blocks
@@ -63,6 +64,8 @@ class EngineConfig:
     seed: int = 0  # the shared generator of unseeded requests
     cuda_graphs: bool = True  # replay pure decode/verify steps from CUDA graphs (GPU only)
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks (prefix_cache.py)
+    # Choose dynamic-K requests' K each step here (verifier/speculation/controller.py).
+    speculation_controller: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
@@ -172,6 +175,7 @@ class Engine:
         # Plain steps' hidden rows reach the proposer as places in the feature store.
         self._lazy_features = proposer is not None and proposer.bind_feature_reader(
             self._read_features)
+        self.controller = SpeculationController() if config.speculation_controller else None
 
     # -- requests ----------------------------------------------------------
 
@@ -226,14 +230,17 @@ class Engine:
         return StepOutput(request_id, [], 0, 0, FinishReason.CANCELLED)
 
     def set_num_speculative_tokens(self, request_id: str, k: int,
-                                   k_by_outcome: tuple[int, int, int, int] | None = None) -> None:
-        """The request's K from its next step on, and its K by outcome (None: none)."""
+                                   k_by_outcome: tuple[int, int, int, int] | None = None,
+                                   auto_k: bool = False) -> None:
+        """The request's K from its next step on, and its K by outcome (None: none);
+        auto_k: K is a bound, chosen within each step by the controller."""
         if not 0 <= k <= self.config.max_num_speculative_tokens:
             raise ValueError(f"num_speculative_tokens must be in [0, "
                              f"{self.config.max_num_speculative_tokens}], got {k}")
         check_k_by_outcome(k_by_outcome, self.config.max_num_speculative_tokens)
         request = self._by_request[request_id].request
         request.num_speculative_tokens, request.k_by_outcome = k, k_by_outcome
+        request.auto_k = auto_k
 
     @property
     def num_running(self) -> int:
@@ -257,6 +264,9 @@ class Engine:
             return []
         self.num_steps += 1
         generators = self._generator_states(batch)
+        dynamic = self._dynamic(batch)
+        if dynamic:
+            self.controller.choose(batch, dynamic)
         try:
             t1 = time.perf_counter()
             drafts = collect_drafts(self.proposer, batch, self.model.config)
@@ -277,6 +287,12 @@ class Engine:
         if out.sampled:
             outputs = self._postprocess(out, chains, token_ids, num_accepted)
         t5 = time.perf_counter()
+        if self.controller is not None and out.sampled:
+            outcomes = {item.seq.seq_id: (len(fed), accepted) for item, fed, accepted
+                        in zip(out.sampled, out.drafts, num_accepted, strict=True)
+                        if item.num_speculative_tokens}
+            self.controller.observe(batch, dynamic, outcomes, (t5 - t0 - (t2 - t1)) * 1e3,
+                                    (t2 - t1) * 1e3, out.num_tokens)
         self._account(t0, t1, t2, t3, t4, t5, len(batch), out.num_tokens, outputs)
         dt = (t5 - t0) * 1e3
         self.step_time_ema_ms = dt if not self.step_time_ema_ms else 0.9 * self.step_time_ema_ms + 0.1 * dt
@@ -285,6 +301,14 @@ class Engine:
             o.step, o.batch_size, o.step_time_ms, o.draft_wait_ms = self.num_steps, len(batch), dt, draft_wait_ms
             o.num_tokens = out.num_tokens
         return outputs
+
+    def _dynamic(self, batch: list[Scheduled]) -> dict[int, str]:
+        """seq_id -> drafter of the batch's dynamic-K sequences, where the controller
+        chooses K (none without one)."""
+        if self.controller is None:
+            return {}
+        return {item.seq.seq_id: item.seq.request.drafter for item in batch
+                if item.seq.request.auto_k and item.seq.request.drafter is not None}
 
     def _generator_states(self, batch: list[Scheduled]) -> list[tuple[torch.Generator, torch.Tensor]]:
         """The random generators the batch may draw from, with their states now: none
@@ -514,6 +538,8 @@ class Engine:
         self._by_request.pop(seq.request.request_id, None)
         if self.proposer is not None:
             self.proposer.free(seq.seq_id)
+        if self.controller is not None:
+            self.controller.forget(seq.seq_id)
 
 
 def _draft_q(draft_ids: torch.Tensor, vocab: int,

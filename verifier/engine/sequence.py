@@ -30,6 +30,9 @@ class Request:
     # once it has had such a step; None: num_speculative_tokens always.
     k_by_outcome: tuple[int, int, int, int] | None = None
     drafter: str | None = None  # the proposer's name for this request's drafter; None = none
+    # Dynamic K: num_speculative_tokens is a bound, and the engine's speculation
+    # controller (where it has one) chooses K within it every step.
+    auto_k: bool = False
     num_logprobs: int = 0  # > 0: return each token's logprob and this many top alternatives
     # The output's grammar (specdec.structured.GrammarState), at the tokens emitted so far.
     grammar: object | None = None

@@ -1,0 +1,296 @@
+"""Dynamic K where the step runs, beside the scheduler: each step, every dynamic-K
+request's K from that step's real batch and the engine's own measurements.
+
+The engine calls `choose(batch)` between scheduling and asking the drafters, and
+`observe(...)` once the step committed. Nothing travels: no gateway models the
+verifier from the responses it sees and sends K back a step late, and any number of
+gateways see one controller.
+
+A step's worth is its expected tokens over its time. For a batch of B decoding
+sequences whose requests draft n positions in all:
+
+    goodput(n) = (B + sum of reach over the n positions) / (T(R0 + n) + D)
+
+reach_ij = a_i1 ... a_ij x q_i is the chance that request i's draft at position j is
+accepted (a: its per-position acceptance rates, q: how often its drafter had drafts
+when asked), R0 the rows the step feeds without drafts, T(rows) the measured time of a
+step that feeds that many rows, D what waiting for the drafters adds to a step that
+drafts. Reach falls along a request's positions, so the best n positions are the n of
+highest reach: walking them in that order finds the best n, and each request's K is
+its number of positions taken. n = 0 is plain decoding, chosen where no n pays.
+
+A request's rates are its own aged counts around its method's (the method's rates
+weigh as PRIOR_STEPS of the request's steps). T is measured per row count on steps
+without prefill, interpolated between measured counts, extended past the largest
+with the slope of a line through them, and trusted only a little past it (a few rows
+more than measured: past its data the line was wrong by 2.7x in the gateway's fit).
+A row count of the plain step never measured, or not for a while, is measured by
+running that step plain (a probe). A step with a prefill chunk runs its dynamic-K
+requests plain: its rows are far past what a decode step's are priced from, and an
+EAGLE drafter catching up on a new prompt makes its first drafting step slow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from verifier.engine.scheduler import Scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    # A request's counts halve over this many of its drafting steps: acceptance comes in
+    # runs (a block of the prompt copied, then new text).
+    half_life_steps: float = 8.0
+    # The method's rates weigh as this many of a request's steps around its own.
+    prior_steps: float = 8.0
+    # The method's counts (over all its requests) halve over this many drafting steps.
+    method_half_life_steps: float = 256.0
+    # A step's time at a row count: the newest sample weighs this much.
+    cost_weight: float = 0.25
+    # Rows priced past the most measured: this factor of it, or this many more.
+    trusted_factor: float = 1.5
+    trusted_extra: int = 8
+    # A plain step's row count measured longer ago than this many steps is probed again.
+    probe_after_steps: int = 256
+    # A drafter whose requests have not drafted for this many steps is priced without
+    # its wait for one step: a wait measured once, on a cold first step (a drafter
+    # taking in its prompts), would otherwise keep it off for good.
+    redraft_after_steps: int = 32
+    # The acceptance of a method nothing has been measured for.
+    default_rate: float = 0.5
+
+
+@dataclass(slots=True)
+class _Counts:
+    """Aged counts of drafted positions tried and accepted, and of drafter answers."""
+
+    tried: list[float]
+    accepted: list[float]
+    asked: float = 0.0
+    answered: float = 0.0
+
+    @classmethod
+    def empty(cls, k: int) -> _Counts:
+        return cls([0.0] * k, [0.0] * k)
+
+    def add(self, num_drafted: int, num_accepted: int, decay: float) -> None:
+        """One step that asked for drafts: positions 1..num_drafted tried, the first
+        num_accepted of them accepted."""
+        self.asked = self.asked * decay + 1
+        self.answered = self.answered * decay + (num_drafted > 0)
+        for j in range(len(self.tried)):
+            self.tried[j] *= decay
+            self.accepted[j] *= decay
+        for j in range(min(num_drafted, len(self.tried))):
+            self.tried[j] += 1
+            self.accepted[j] += j < num_accepted
+
+    def rates(self, prior: list[float], weight: float) -> list[float]:
+        """Per-position acceptance: the counts around `prior`, which weighs `weight`."""
+        return [(a + weight * p) / (t + weight)
+                for a, t, p in zip(self.accepted, self.tried, prior, strict=True)]
+
+    def answer_rate(self, prior: float, weight: float) -> float:
+        return (self.answered + weight * prior) / (self.asked + weight)
+
+
+@dataclass(slots=True)
+class StepCost:
+    """Time of a step without prefill by the rows it feeds, and the drafters' wait."""
+
+    weight: float
+    ms: dict[int, float] = field(default_factory=dict)  # rows -> smoothed step ms
+    last_step: dict[int, int] = field(default_factory=dict)  # rows -> step last measured
+    wait_ms: dict[str, float] = field(default_factory=dict)  # drafter -> wait of its steps
+    plain_wait_ms: float = 0.0  # the same wait on steps that drafted nothing
+    drafted_step: dict[str, int] = field(default_factory=dict)  # drafter -> last step it drafted
+
+    def observe(self, step: int, rows: int, ms: float) -> None:
+        old = self.ms.get(rows)
+        self.ms[rows] = ms if old is None else old + self.weight * (ms - old)
+        self.last_step[rows] = step
+
+    def observe_wait(self, step: int, methods: set[str], ms: float) -> None:
+        if not methods:
+            self.plain_wait_ms += self.weight * (ms - self.plain_wait_ms)
+        for m in methods:
+            old = self.wait_ms.get(m)
+            self.wait_ms[m] = ms if old is None else old + self.weight * (ms - old)
+            self.drafted_step[m] = step
+
+    def draft_ms(self, methods: set[str]) -> float:
+        """What waiting for these methods' drafters adds to a step (they work at once)."""
+        return max((max(0.0, self.wait_ms.get(m, 0.0) - self.plain_wait_ms) for m in methods),
+                   default=0.0)
+
+    def trusted_rows(self, config: ControllerConfig) -> int:
+        most = max(self.ms, default=0)
+        return max(int(most * config.trusted_factor), most + config.trusted_extra)
+
+    def price(self, rows: int) -> float:
+        """Modelled ms of a step of `rows` rows (at least one row count measured): the
+        measured times interpolated, never below what fewer rows were measured at (more
+        rows never cost less; a noisy sample would make drafts look free)."""
+        known = sorted(self.ms)
+        below = [r for r in known if r <= rows]
+        above = [r for r in known if r > rows]
+        if not below:
+            return self.ms[above[0]]  # fewer rows than any measured: no cheaper than that
+        floor = max(self.ms[r] for r in below)
+        lo = below[-1]
+        if lo == rows:
+            return floor
+        if above:
+            hi = above[0]
+            line = self.ms[lo] + (self.ms[hi] - self.ms[lo]) * (rows - lo) / (hi - lo)
+        else:
+            line = self.ms[lo] + self._slope(known) * (rows - lo)
+        return max(floor, line)
+
+    def _slope(self, known: list[int]) -> float:
+        """ms per row of the least-squares line through the measured row counts (>= 0)."""
+        if len(known) < 2:
+            return 0.0
+        mean_r = sum(known) / len(known)
+        mean_t = sum(self.ms[r] for r in known) / len(known)
+        var = sum((r - mean_r) ** 2 for r in known)
+        cov = sum((r - mean_r) * (self.ms[r] - mean_t) for r in known)
+        return max(0.0, cov / var)
+
+
+@dataclass(slots=True)
+class _Position:
+    reach: float
+    index: int  # of the request in the step's list of dynamic-K requests
+    method: str
+
+
+class SpeculationController:
+    def __init__(self, config: ControllerConfig | None = None):
+        self.config = config or ControllerConfig()
+        self.cost = StepCost(self.config.cost_weight)
+        self._counts: dict[int, _Counts] = {}  # seq_id -> its counts
+        self._method_counts: dict[str, _Counts] = {}
+        self._step = 0
+        self.num_probes = 0
+
+    # -- choosing --------------------------------------------------------------
+
+    def choose(self, batch: list[Scheduled], drafter_of: dict[int, str]) -> dict[int, int]:
+        """Set the K of every dynamic-K decoding sequence of the step (drafter_of: seq_id
+        -> its drafter, for those; rates and waits are kept per drafter), within the K
+        the scheduler gave it (its request's bound, room left). Returns seq_id -> K."""
+        self._step += 1
+        dynamic = [item for item in batch if not item.is_prefill
+                   and item.seq.seq_id in drafter_of and item.num_speculative_tokens > 0]
+        if not dynamic:
+            return {}
+        chosen = self._choose(batch, dynamic, drafter_of)
+        for item in dynamic:
+            item.num_tokens = 1 + chosen[item.seq.seq_id]
+        return chosen
+
+    def _choose(self, batch: list[Scheduled], dynamic: list[Scheduled],
+                drafter_of: dict[int, str]) -> dict[int, int]:
+        plain = {item.seq.seq_id: 0 for item in dynamic}
+        if any(item.is_prefill for item in batch):
+            return plain
+        decoding = [item for item in batch if not item.is_prefill]
+        fixed = [item for item in decoding if item not in dynamic]
+        base_rows = len(decoding) + sum(item.num_speculative_tokens for item in fixed)
+        last = self.cost.last_step.get(base_rows)
+        if last is None or self._step - last > self.config.probe_after_steps:
+            self.num_probes += 1
+            return plain  # measure the plain step at this row count
+        positions = sorted(
+            (_Position(reach, i, drafter_of[item.seq.seq_id])
+             for i, item in enumerate(dynamic)
+             for reach in self._reach(item, drafter_of[item.seq.seq_id])),
+            key=lambda p: -p.reach)
+        tokens = float(len(decoding))  # each decoding sequence's own token
+        trusted = self.cost.trusted_rows(self.config)
+        # Drafters not drafted for a while are tried again at no wait (see the config).
+        fresh = {d for d in set(drafter_of.values())
+                 if self._step - self.cost.drafted_step.get(d, self._step)
+                 <= self.config.redraft_after_steps}
+        best_n, best = 0, tokens / self.cost.price(base_rows)
+        methods: set[str] = set()
+        for n, p in enumerate(positions, start=1):
+            if base_rows + n > trusted:
+                break
+            tokens += p.reach
+            methods.add(p.method)
+            worth = tokens / (self.cost.price(base_rows + n)
+                              + self.cost.draft_ms(methods & fresh))
+            if worth > best:
+                best_n, best = n, worth
+        ks = [0] * len(dynamic)
+        for p in positions[:best_n]:
+            ks[p.index] += 1
+        return {item.seq.seq_id: k for item, k in zip(dynamic, ks, strict=True)}
+
+    def _reach(self, item: Scheduled, method: str) -> list[float]:
+        """[K] the chance that each of the sequence's next K drafts is accepted."""
+        k, cfg = item.num_speculative_tokens, self.config
+        method_counts = self._method_counts.get(method)
+        if method_counts is None:
+            prior, answer_prior = [cfg.default_rate] * k, 1.0
+        else:  # the method's rates over all its requests, around the default
+            prior = method_counts.rates([cfg.default_rate] * len(method_counts.tried), 1.0)
+            answer_prior = method_counts.answer_rate(1.0, 1.0)
+        counts = self._counts.get(item.seq.seq_id)
+        if counts is None:
+            rates, answered = _widen(prior, k), answer_prior
+        else:
+            counts = _fit(counts, k)
+            rates = counts.rates(_widen(prior, len(counts.tried)), cfg.prior_steps)
+            answered = counts.answer_rate(answer_prior, cfg.prior_steps)
+        reach, out = answered, []
+        for a in rates[:k]:
+            reach *= a
+            out.append(reach)
+        return out
+
+    # -- learning --------------------------------------------------------------
+
+    def observe(self, batch: list[Scheduled], drafter_of: dict[int, str],
+                outcomes: dict[int, tuple[int, int]], step_ms: float, draft_wait_ms: float,
+                rows: int) -> None:
+        """A committed step: outcomes[seq_id] = (drafted, accepted) of each sequence that
+        asked for drafts; step_ms its time without the drafters' wait; rows it fed."""
+        if not any(item.is_prefill for item in batch):
+            self.cost.observe(self._step, rows, step_ms)
+        drafting = {drafter_of[s] for s, (drafted, _) in outcomes.items()
+                    if drafted and s in drafter_of}
+        self.cost.observe_wait(self._step, drafting, draft_wait_ms)
+        cfg = self.config
+        decay = 0.5 ** (1 / cfg.half_life_steps)
+        method_decay = 0.5 ** (1 / cfg.method_half_life_steps)
+        for item in batch:
+            seq_id = item.seq.seq_id
+            if seq_id not in outcomes or seq_id not in drafter_of:
+                continue
+            drafted, accepted = outcomes[seq_id]
+            k = item.num_speculative_tokens
+            counts = _fit(self._counts.setdefault(seq_id, _Counts.empty(k)), k)
+            counts.add(drafted, accepted, decay)
+            method = _fit(self._method_counts.setdefault(drafter_of[seq_id],
+                                                              _Counts.empty(k)), k)
+            method.add(drafted, accepted, method_decay)
+
+    def forget(self, seq_id: int) -> None:
+        self._counts.pop(seq_id, None)
+
+
+def _widen(rates: list[float], k: int) -> list[float]:
+    """rates extended to k positions with the last of them (or cut to k)."""
+    return rates[:k] + [rates[-1] if rates else 0.5] * (k - len(rates))
+
+
+def _fit(counts: _Counts, k: int) -> _Counts:
+    """counts with room for k positions."""
+    grow = [0.0] * (k - len(counts.tried))
+    counts.tried.extend(grow)
+    counts.accepted.extend(grow)
+    return counts
