@@ -8,6 +8,10 @@
 # prepared default model); its shapes are timed with random weights, so a GPU
 # machine needs no copy of the weights. Writes into OUT_DIR:
 #   env.txt                 GPU, driver, torch and triton versions
+#   gpu_check/gpu_check.{json,md}  bench.gpu_check first, within GPU_CHECK_BUDGET_S seconds
+#                           (default 450): step times per fused configuration against the
+#                           bandwidth floor, kernels, accuracy, speculative decoding,
+#                           draft step, a torch.compile baseline, the sampler
 #   gpu_tests.txt           pytest of every `gpu` test and the Triton kernel on CUDA
 #   verifier_cuda.{json,md} bench.verifier on the default model's shapes, bfloat16
 #   verifier_cuda_1b.{json,md}  the same on a random 1.1B-parameter model
@@ -26,6 +30,9 @@ status=0
 "triton", triton.__version__)'
 } >"$out/env.txt" 2>&1 || status=1
 cat "$out/env.txt"
+
+# The most measurements per minute of GPU first: a lent GPU may not last past it.
+$py -m bench.gpu_check --out "$out/gpu_check" --budget-s "${GPU_CHECK_BUDGET_S:-450}" || status=1
 
 {
     # The files that hold them: collecting the gateway's tests would need the

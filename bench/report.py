@@ -186,6 +186,16 @@ SECTIONS = [
      "'plain,ngram K=2,ngram K=4,ngram auto' --concurrency 1,4,16 --requests 16 "
      "--repeats 3 --out /work/runs/s37/grid_ngram.json (copied to "
      "bench/results/serving_dynamic_k_trusted_rows_ngram.json)"),
+    ("serving_speculation_control.md",
+     "Dynamic K chosen in the verifier (`--speculation-control verifier`, the `ours-vctl` "
+     "stack) against the gateway's, `make run`'s default (ngram) against plain on each "
+     "stack, two repeats on the AMD EPYC (2026-12-06), the stacks one after the other "
+     "(the second ran some 8 % slower, plain 35.2 / 116.4 / 193.9 tok/s against 38.4 / "
+     "119.9 / 219.4): default / plain 1.58 / 1.16 / 1.10 with the gateway's controller, "
+     "1.59 / 1.17 / 1.12 with the verifier's, at C = 1 / 4 / 16; every reply identical",
+     "python -m bench.serving --systems ours,ours-vctl --ours plain,default --ours-vctl "
+     "plain,default --concurrency 1,4,16 --requests 16 --repeats 2 --out "
+     "/tmp/serving_vctl.json (copied to bench/results/serving_speculation_control.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",

@@ -176,6 +176,12 @@ class SamplingMetadata:
         return cls.from_params([params] * batch_size, [None] * batch_size, shared, device)
 
 
+# On CUDA, the filters by the sort-free Triton kernel (specdec/sampling_filters_triton.py)
+# rather than torch's sort. Off until bench/gpu_check.py has run it on a GPU: it is tested
+# under Triton's interpreter only, which has no bfloat16.
+SORT_FREE_FILTERS = False
+
+
 def apply_sampling(
     logits: torch.Tensor,  # [N, V]
     metadata: SamplingMetadata,
@@ -193,6 +199,17 @@ def apply_sampling(
 
     # Greedy temperatures are 0; divide those rows by 1 instead of by zero.
     temperature = torch.where(metadata.is_greedy, 1.0, metadata.temperature)
+    if logits.is_cuda and SORT_FREE_FILTERS:
+        # The same filters without sorting rows (specdec/sampling_filters_triton.py has the
+        # semantics); imported on first CUDA use: CPU runs never import triton.
+        from specdec.sampling_filters_triton import apply_filters_triton
+
+        return apply_filters_triton(
+            logits, per_row(temperature),
+            per_row(metadata.min_p) if metadata.min_p is not None else None,
+            per_row(metadata.top_k) if metadata.top_k is not None else None,
+            per_row(metadata.top_p) if metadata.top_p is not None else None,
+        )
     logits = logits.float() / per_row(temperature)[:, None]  # a new tensor: masked in place below
     if metadata.min_p is not None:
         logits = _apply_min_p(logits, per_row(metadata.min_p))

@@ -52,8 +52,9 @@ class RMSNorm(nn.Module):
 class FusedOps:
     """Which of a step's small operations run as fused Triton kernels
     (specdec/models/fused/): on a GPU the step is bound by kernel count, not by the
-    weights it reads. All on by default on CUDA, all off on CPU, where the C kernels
-    (small_rows, paged_attention) serve instead and Triton runs only interpreted."""
+    weights it reads. Off by default (`default_for`) until bench/gpu_check.py has run them
+    on a GPU: they are tested against torch under Triton's interpreter on CPU, where the
+    C kernels (small_rows, paged_attention) serve instead."""
 
     add_rms_norm: bool = False  # every residual add with the norm after it
     rotary_kv: bool = False  # rotary of q and k with the paged KV write
@@ -73,7 +74,10 @@ class FusedOps:
 
     @classmethod
     def default_for(cls, device: torch.device | str) -> FusedOps:
-        return cls.parse("all" if torch.device(device).type == "cuda" else "none")
+        """What load_model turns on for `device`: nothing yet anywhere (see above); on
+        CUDA "all" once the device check shows them exact and faster."""
+        del device
+        return cls()
 
 
 NO_FUSION = FusedOps()

@@ -73,8 +73,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
     weights and few rows on the small-rows kernel (see linear.pack_linear_weights;
     the packed copy costs a second copy of the projection weights, except under
     SPECDEC_BATCH_INVARIANT=1, where every row runs on the small-rows kernel).
-    fused: the operations run as fused Triton kernels (llama.FusedOps; default: all
-    on CUDA, none elsewhere)."""
+    fused: the operations run as fused Triton kernels (llama.FusedOps; default:
+    FusedOps.default_for(device))."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     dtype = parse_dtype(dtype)

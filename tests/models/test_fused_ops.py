@@ -1,32 +1,21 @@
 """The fused Triton kernels of a GPU step (specdec/models/fused/) against the torch ops
 they replace, alone and inside the model: logits, hidden states, the KV they write and
-greedy tokens, on CPU under Triton's interpreter.
-
-Triton decorates its own library when first imported, so interpret mode must be on
-before any `import triton` in the process, and in a full run something (torch._dynamo,
-via transformers) imports it long before this module: without CUDA the kernel tests run
-in a child pytest that starts with TRITON_INTERPRET=1, as the rejection sampler's do.
-The interpreter has no bfloat16 arithmetic (numpy lacks the type), so these run in
-float32 and float16; bench/gpu_check.py checks bfloat16 on a GPU.
+greedy tokens. Without CUDA they run in a child pytest under Triton's interpreter
+(tests/interpreted.py), which has no bfloat16 arithmetic (numpy lacks the type): so
+float32 and float16 here; bench/gpu_check.py checks bfloat16 on a GPU.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from specdec.models import LlamaForCausalLM, ModelConfig
 from specdec.models.llama import FusedOps
+from tests.interpreted import needs_triton, run_interpreted
 
-TRITON_RUNS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton = pytest.mark.skipif(
-    not TRITON_RUNS_HERE, reason="no CUDA: runs in a child with TRITON_INTERPRET=1 (_interpreted)")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SINGLE = ["add_rms_norm", "rotary_kv", "silu_mul", "attention"]
 # Float32 against float32: the kernels sum in another order than torch's ops.
@@ -40,22 +29,10 @@ def test_fused_ops_parse():
     with pytest.raises(ValueError, match="rope"):
         FusedOps.parse("rope")
     assert FusedOps.default_for("cpu") == FusedOps()
-    assert FusedOps.default_for("cuda") == FusedOps.parse("all")
 
 
 def test_kernels_interpreted():
-    if TRITON_RUNS_HERE:
-        pytest.skip("the kernels run in this process: see the tests below")
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "not kernels_interpreted and not parse and not splits"],
-        cwd=Path(__file__).parents[2], env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True, text=True, timeout=900,
-    )
-    summary = child.stdout.splitlines()[-1] if child.stdout else ""
-    # Every kernel test ran, none skipped.
-    assert child.returncode == 0 and "15 passed" in summary and "skipped" not in summary, \
-        child.stdout + child.stderr
+    run_interpreted(__file__, "not kernels_interpreted and not parse and not splits", 15)
 
 
 # -- kernels alone -------------------------------------------------------------

@@ -2,33 +2,20 @@
 torch reference: decode, verify blocks, split-KV with empty splits, the CUDA-graph
 runner's padded layout, a sliding window, and a head_dim that is not a power of two.
 
-Without CUDA the kernel runs under Triton's interpreter in a child pytest (see
-test_kernel_interpreted)."""
+Without CUDA the kernel runs under Triton's interpreter in a child pytest
+(tests/interpreted.py)."""
 
 from __future__ import annotations
-
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from specdec.models.fused.paged_attention import paged_attention, paged_attention_reference
+from tests.interpreted import needs_triton, run_interpreted
 
-# Triton decorates its own library when first imported, so interpret mode must be on
-# before any `import triton` in the process, and in a full test run something has
-# imported it long before this module (tests/verifier/test_rejection.py says more).
-# Without CUDA the kernel's tests therefore run in a child that starts with
-# TRITON_INTERPRET=1.
-TRITON_RUNS_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK = 16
-needs_triton = pytest.mark.skipif(
-    not TRITON_RUNS_HERE, reason="no CUDA: runs in a child with TRITON_INTERPRET=1 (test_kernel_interpreted)")
 
 
 def make_step(lens: list[int], rows: list[int], heads: int, kv_heads: int, dim: int,
@@ -178,15 +165,5 @@ INTERPRETED_TESTS = 9  # the tests above that need triton, parametrized cases co
 
 
 def test_kernel_interpreted():
-    if TRITON_RUNS_HERE:
-        pytest.skip("the kernel runs in this process: see the tests above")
-    child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=Path(__file__).parents[2],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True, text=True, timeout=300,
-    )
-    passed = re.search(r"(\d+) passed", child.stdout)
-    # The child also runs test_reference_equals_sdpa_on_gathered_keys and skips this one.
-    assert child.returncode == 0 and passed and int(passed[1]) == INTERPRETED_TESTS + 1, (
-        child.stdout + child.stderr)
+    # The child also runs test_reference_equals_sdpa_on_gathered_keys.
+    run_interpreted(__file__, "not kernel_interpreted", INTERPRETED_TESTS + 1)
