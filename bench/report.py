@@ -196,6 +196,18 @@ SECTIONS = [
      "python -m bench.serving --systems ours,ours-vctl --ours plain,default --ours-vctl "
      "plain,default --concurrency 1,4,16 --requests 16 --repeats 2 --out "
      "/tmp/serving_vctl.json (copied to bench/results/serving_speculation_control.json)"),
+    ("serving_speculation_control_eagle3.md",
+     "The same for eagle3 auto, right after it, NOT conclusive: two short test runs of "
+     "mine overlapped the first stack's cells, so its plain cells are low (38.4 / 108.9 / "
+     "217.5 tok/s against 41.8 / 126.8 / 213.2 for the second stack). eagle3 auto made "
+     "64.9 / 132.5 / 220.0 tok/s with the gateway's controller, 63.6 / 126.0 / 210.0 with "
+     "the verifier's, at C = 1 / 4 / 16 (ratios to each stack's plain 1.69 / 1.22 / 1.01 "
+     "and 1.52 / 0.99 / 0.98, inflated for the first by its low plain); every reply "
+     "identical",
+     "python -m bench.serving --systems ours,ours-vctl --ours 'plain,eagle3 auto' "
+     "--ours-vctl 'plain,eagle3 auto' --concurrency 1,4,16 --requests 16 --repeats 2 --out "
+     "/tmp/serving_vctl_eagle3.json (copied to "
+     "bench/results/serving_speculation_control_eagle3.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",

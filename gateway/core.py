@@ -208,16 +208,11 @@ class Gateway:
             LogitsProcessors.from_proto(req.sampling, vocab, field="sampling")
         except ValueError as e:
             raise InvalidRequest(str(e), param=str(e).split(":")[0]) from None
-        if req.sampling.HasField("structured_output"):
-            field = req.structured_field or "sampling.structured_output"
+        if req.sampling.HasField("structured_output"):  # compiled in open(), off the loop
             if req.sampling.ignore_eos:
                 raise InvalidRequest("ignore_eos: a structured output ends where its grammar "
                                      "does; it cannot ignore the end of sequence",
                                      param="ignore_eos")
-            try:
-                self.grammars.compile(req.sampling.structured_output, field)
-            except ValueError as e:
-                raise InvalidRequest(str(e), param=field) from None
         limits = self.config.limits
         if limits.max_prompt_tokens and len(prompt) > limits.max_prompt_tokens:
             raise InvalidRequest(f"{pf}: the prompt has {len(prompt)} tokens, over this "
@@ -309,6 +304,12 @@ class Gateway:
             except NoReplicaError as e:
                 raise Unavailable(str(e)) from None
             max_tokens = self._validate(req, replica.report)
+            if req.sampling.HasField("structured_output"):
+                field = req.structured_field or "sampling.structured_output"
+                try:
+                    await self.grammars.compile_off_loop(req.sampling.structured_output, field)
+                except ValueError as e:
+                    raise InvalidRequest(str(e), param=field) from None
             decision = self._decide(req, replica)
             self._admit(replica, max_tokens)
         except GatewayError as e:

@@ -19,9 +19,11 @@ holds emitted tokens.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,13 @@ if TYPE_CHECKING:  # torch loads with the first mask, not with the SDK that impo
 # compiled on the serving path, and its size bounds the work.
 MAX_CHOICES = 1024
 MAX_GRAMMAR_BYTES = 256 * 1024
+# Bytes of compiled grammars kept for reuse (xgrammar's cache, least recently used out):
+# unbounded, every distinct schema a client sends would grow the process for good.
+GRAMMAR_CACHE_BYTES = 64 * 1024 * 1024
+# Compiles run off the services' event loops (a 400-property schema took 0.5 s, and a
+# stream beside it stalled as long), one at a time (the compiler is not shared between
+# threads), each given at most this long.
+COMPILE_TIMEOUT_S = 10.0
 
 
 # vLLM's names for the kinds of grammar (its `structured_outputs` keys).
@@ -162,6 +171,7 @@ class Grammars:
         self.stop_token_ids = sorted(set(stop_token_ids))
         self._compiler = None  # built on first use: it reads the whole vocabulary
         self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
     def _compiler_now(self):
         import xgrammar as xgr  # noqa: PLC0415 (a native library, loaded on first use)
@@ -170,7 +180,8 @@ class Grammars:
             info = xgr.TokenizerInfo.from_huggingface(
                 self._hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
             self._xgr = xgr
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                                                 cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         return self._compiler
 
     def compile(self, spec: common_pb2.StructuredOutput, field: str = "structured_output"):
@@ -192,6 +203,23 @@ class Grammars:
         except RuntimeError as e:
             # xgrammar's parse errors: keep the message, drop its source location.
             raise ValueError(f"{source.where}: {error_text(e)}") from None
+
+    async def compile_off_loop(self, spec: common_pb2.StructuredOutput,
+                               field: str = "structured_output"):
+        """`compile` on the compiling thread, for an event loop; ValueError naming `field`
+        for a bad grammar, or one that takes over COMPILE_TIMEOUT_S (it finishes on its
+        thread, and its result stays in the cache)."""
+        grammar_source(spec, field)  # size and form first: nothing queues for a bad one
+        run = asyncio.get_running_loop().run_in_executor(self._thread, self.compile, spec,
+                                                         field)
+        try:
+            return await asyncio.wait_for(run, COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise ValueError(f"{field}: took over {COMPILE_TIMEOUT_S:.0f} s to compile") from None
+
+    def cache_bytes(self) -> int:
+        """Bytes of compiled grammars held for reuse (at most GRAMMAR_CACHE_BYTES)."""
+        return self._compiler.get_cache_size_bytes() if self._compiler is not None else 0
 
     def matcher(self, compiled) -> GrammarState:
         """A fresh matcher at the grammar's start."""

@@ -192,8 +192,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                              f"{s.max_tokens}")
         return p if p.active else None
 
-    def _grammar(self, s: common_pb2.SamplingParams):
-        """The request's grammar matcher, None without structured_output."""
+    async def _grammar(self, s: common_pb2.SamplingParams):
+        """The request's grammar matcher, None without structured_output; compiled off
+        the event loop."""
         if not s.HasField("structured_output"):
             return None
         field = "start.sampling.structured_output"
@@ -202,7 +203,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if s.ignore_eos:
             raise ValueError("start.sampling.ignore_eos: a structured output ends where its "
                              "grammar does; it cannot ignore the end of sequence")
-        compiled = self.grammars.compile(s.structured_output, field)
+        compiled = await self.grammars.compile_off_loop(s.structured_output, field)
         return self.grammars.matcher(compiled)
 
     def to_request(self, start: verifier_pb2.GenerateRequest.Start) -> tuple[Request, Policy]:
@@ -256,7 +257,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             request_id=start.request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
             max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(s.stop_token_ids),
             ignore_eos=s.ignore_eos, num_speculative_tokens=policy.effective_k,
-            drafter=policy.drafter, auto_k=policy.auto_k, num_logprobs=s.logprobs, grammar=self._grammar(s),
+            drafter=policy.drafter, auto_k=policy.auto_k, num_logprobs=s.logprobs,
             processors=self._processors(s))
         try:
             self.engine.validate(request)
@@ -324,6 +325,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             return
         try:
             request, policy = self.to_request(first.start)
+            request.grammar = await self._grammar(first.start.sampling)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id
