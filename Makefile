@@ -97,7 +97,7 @@ peers-venv:
 # `specdec-verifier --engine vllm` (verifier/vllm/): this project in vLLM's venv, editable and
 # without its dependencies (vLLM brings torch, grpcio, protobuf, transformers and
 # opentelemetry in versions our code runs with), plus the one it lacks. Without vLLM (its
-# install failed) the stamp stays away and the --engine vllm tests say so when they skip.
+# install failed) the stamp stays away and the --engine vllm tests fail, saying so.
 VLLM_STAMP := .venv-peers/.specdec-stamp
 vllm-venv: peers-venv
 	@if [ -f .venv-peers/.installed-stamp ]; then \

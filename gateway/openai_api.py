@@ -595,14 +595,11 @@ class OpenAIFrontend:
             self.gw.check_model(body.model)
             if (body.prompt is None) == (body.messages is None):
                 raise InvalidRequest("prompt: send either prompt or messages", param="prompt")
-            if body.messages is not None:
-                if not body.add_generation_prompt:
-                    raise InvalidRequest("add_generation_prompt: only true is supported",
-                                         param="add_generation_prompt")
-                ids = self._chat_prompt(body.messages, _tool_request({"tools": body.tools}))
-            else:
-                ids = self.gw.tokenizer.encode(body.prompt,
-                                               add_special_tokens=body.add_special_tokens)
+            if body.messages is not None and not body.add_generation_prompt:
+                raise InvalidRequest("add_generation_prompt: only true is supported",
+                                     param="add_generation_prompt")
+            # Templating and tokenizing a long text take milliseconds: off the event loop.
+            ids = await asyncio.to_thread(self._tokenize_ids, body)
         except _TooLarge as e:
             return e.response()
         except GatewayError as e:
@@ -610,6 +607,11 @@ class OpenAIFrontend:
         report = self.gw.replicas.reference()
         return JSONResponse({"count": len(ids), "tokens": list(ids), "token_strs": None,
                              "max_model_len": report.max_model_len if report else None})
+
+    def _tokenize_ids(self, body: TokenizeBody) -> list[int]:
+        if body.messages is not None:
+            return self._chat_prompt(body.messages, _tool_request({"tools": body.tools}))
+        return self.gw.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
     async def detokenize(self, request: Request) -> Response:
         try:

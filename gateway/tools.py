@@ -35,6 +35,9 @@ from specdec.structured import error_text
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# Tools one request may declare: each is rendered into the prompt and compiled into the
+# grammar of its arguments.
+MAX_TOOLS = 128
 _CHOICES = ("none", "auto", "required")
 
 # Qwen2.5's tool prompt (its chat template's text), for templates without a tools section.
@@ -150,11 +153,16 @@ def from_openai(extra: Mapping[str, Any]) -> ToolRequest | None:
     if tools is not None and not isinstance(tools, list):
         raise ToolError("tools: a list of {\"type\": \"function\", \"function\": {...}}",
                         "tools")
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise ToolError(f"tools: {len(tools)} tools, over this server's limit of {MAX_TOOLS}",
+                        "tools")
     functions = tuple(_function(t, i) for i, t in enumerate(tools or ()))
     names = [f.name for f in functions]
+    seen: set[str] = set()
     for i, name in enumerate(names):
-        if name in names[:i]:
+        if name in seen:
             raise ToolError(f"tools[{i}].function.name: {name!r} is declared twice", "tools")
+        seen.add(name)
     named = None
     if choice is None:
         mode = "auto"  # OpenAI's default with tools (and no effect without)

@@ -250,6 +250,8 @@ BAD = [
     (_chat(response_format={"type": "json_object"}, ignore_eos=True), "ignore_eos"),
     (_chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object"}, "strict": False}}), "strict"),
+    (_chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]),
+     "over this server's limit of 128"),
 ]
 
 
