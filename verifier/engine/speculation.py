@@ -32,6 +32,7 @@ EAGLE drafter catching up on a new prompt makes its first drafting step slow.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from verifier.engine.scheduler import Scheduled
@@ -105,18 +106,23 @@ class StepCost:
     wait_ms: dict[str, float] = field(default_factory=dict)  # drafter -> wait of its steps
     plain_wait_ms: float = 0.0  # the same wait on steps that drafted nothing
     drafted_step: dict[str, int] = field(default_factory=dict)  # drafter -> last step it drafted
+    # The measured row counts in order, for `price` (a step prices many row counts).
+    _known: list[int] = field(default_factory=list)
+
+    def _smooth(self, old: float | None, ms: float) -> float:
+        return ms if old is None else old + self.weight * (ms - old)
 
     def observe(self, step: int, rows: int, ms: float) -> None:
-        old = self.ms.get(rows)
-        self.ms[rows] = ms if old is None else old + self.weight * (ms - old)
+        if rows not in self.ms:
+            bisect.insort(self._known, rows)
+        self.ms[rows] = self._smooth(self.ms.get(rows), ms)
         self.last_step[rows] = step
 
     def observe_wait(self, step: int, methods: set[str], ms: float) -> None:
         if not methods:
-            self.plain_wait_ms += self.weight * (ms - self.plain_wait_ms)
+            self.plain_wait_ms = self._smooth(self.plain_wait_ms, ms)
         for m in methods:
-            old = self.wait_ms.get(m)
-            self.wait_ms[m] = ms if old is None else old + self.weight * (ms - old)
+            self.wait_ms[m] = self._smooth(self.wait_ms.get(m), ms)
             self.drafted_step[m] = step
 
     def draft_ms(self, methods: set[str]) -> float:
@@ -132,17 +138,16 @@ class StepCost:
         """Modelled ms of a step of `rows` rows (at least one row count measured): the
         measured times interpolated, never below what fewer rows were measured at (more
         rows never cost less; a noisy sample would make drafts look free)."""
-        known = sorted(self.ms)
-        below = [r for r in known if r <= rows]
-        above = [r for r in known if r > rows]
-        if not below:
-            return self.ms[above[0]]  # fewer rows than any measured: no cheaper than that
-        floor = max(self.ms[r] for r in below)
-        lo = below[-1]
+        known = self._known
+        cut = bisect.bisect_right(known, rows)  # known[:cut] <= rows < known[cut:]
+        if not cut:
+            return self.ms[known[0]]  # fewer rows than any measured: no cheaper than that
+        floor = max(self.ms[r] for r in known[:cut])
+        lo = known[cut - 1]
         if lo == rows:
             return floor
-        if above:
-            hi = above[0]
+        if cut < len(known):
+            hi = known[cut]
             line = self.ms[lo] + (self.ms[hi] - self.ms[lo]) * (rows - lo) / (hi - lo)
         else:
             line = self.ms[lo] + self._slope(known) * (rows - lo)
