@@ -1000,6 +1000,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-timeout-s", type=float, default=600.0, help="per server start")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: concurrency 1 and 4, 2 requests, 8 tokens, one repeat")
+    ap.add_argument("--alternate", action="store_true",
+                    help="ours and ours-vctl: a fresh stack of each per repeat, in turns "
+                         "(ABBA...), so that drift of a shared machine hits both alike")
     ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")
     args = ap.parse_args(argv)
     if args.quick:
@@ -1026,6 +1029,17 @@ def main(argv: list[str] | None = None) -> None:
     threads = torch.get_num_threads()
     engine = InProcessEngine(args, model_dir, prompts) if "engine" in systems else None
     preload: dict[str, str] = {}
+    turns = [s for s in ("ours", "ours-vctl") if s in systems] if args.alternate else []
+    if len(turns) > 1:
+        one = argparse.Namespace(**{**vars(args), "repeats": 1})
+        for rep in range(args.repeats):
+            for system in turns if rep % 2 == 0 else turns[::-1]:
+                got, took, _ = run_stack(one, system, model_dir, prompts, log_dir)
+                startup.setdefault(system, took)
+                for n, by_c in got.items():
+                    for c, runs in by_c.items():
+                        cells.setdefault(f"{system} {n}", {}).setdefault(c, []).extend(runs)
+        systems -= set(turns)
     if "ours" in systems:
         got, startup["ours"], _ = run_stack(args, "ours", model_dir, prompts, log_dir,
                                             engine.measure if engine is not None else None)

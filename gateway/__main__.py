@@ -42,9 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dynamic-k", action=argparse.BooleanOptionalAction, default=True,
                    help="requests that do not choose K get dynamic K (\"auto\"), from --profile "
                    "or, without one, from a step-time model fitted online (default on)")
-    p.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
-                   help="admit new requests without speculation while the chosen verifier "
-                   "runs more than N requests")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="log lines as text or as JSON objects (one per request on "
                    "gateway.requests: id, status, method, K, tokens, TTFT, end-to-end time)")
@@ -104,7 +101,6 @@ async def _serve(args: argparse.Namespace, public_tls: tls.TlsConfig | None,
         default_method=args.speculative_method,
         default_num_speculative_tokens=args.num_speculative_tokens,
         default_auto_k=args.dynamic_k,
-        disable_queue_size=args.speculative_disable_queue_size,
         limits=Limits(
             max_prompt_tokens=args.max_prompt_tokens,
             max_tokens=args.max_tokens_limit,

@@ -75,7 +75,6 @@ class GatewayConfig:
     # dynamic K (and their K until a profile exists), else their static K.
     default_num_speculative_tokens: int = 4
     default_auto_k: bool = True
-    disable_queue_size: int | None = None
     limits: Limits = field(default_factory=Limits)
     api_key: str | None = None
     # Drafting steps the method's rates count for in a request's own acceptance estimate.
@@ -101,8 +100,6 @@ class GatewayConfig:
             raise ValueError(f"default_method: unknown method {self.default_method!r}")
         if self.default_num_speculative_tokens < 0:
             raise ValueError("default_num_speculative_tokens: must be >= 0")
-        if self.disable_queue_size is not None and self.disable_queue_size < 0:
-            raise ValueError("disable_queue_size: must be >= 0")
         if not isinstance(self.default_auto_k, bool):
             raise ValueError(f"default_auto_k: must be a bool, got {self.default_auto_k!r}")
         for name in ("max_queue_time_s", "max_num_requests", "request_timeout_s",
@@ -259,7 +256,6 @@ class Gateway:
                 self.config.default_num_speculative_tokens, report.max_num_speculative_tokens
             ),
             max_num_speculative_tokens=report.max_num_speculative_tokens,
-            disable_queue_size=self.config.disable_queue_size,
             # A seeded request's text does not depend on K (the verifier keys its
             # noise by position), so it follows the load like any other.
             default_auto_k=self.config.default_auto_k,
@@ -287,7 +283,7 @@ class Gateway:
                                      f"{method}, not {spec.method}", param="speculative")
             spec = replace(spec, method=method)
         try:
-            return decide(spec, dep, num_running=replica.load)
+            return decide(spec, dep)
         except ValueError as e:
             raise InvalidRequest(str(e), param="speculative") from None
 
@@ -315,8 +311,6 @@ class Gateway:
         except GatewayError as e:
             self.metrics.request_errors.labels(type(e).__name__).inc()
             raise
-        if decision.disabled_reason is not None:
-            self.metrics.disabled.labels(decision.disabled_reason).inc()
         dynamic = None
         # A verifier that chooses K each step itself gets the bound alone (generation.py).
         delegated = replica.report is not None and replica.report.speculation_controller

@@ -459,6 +459,8 @@ class Generation:
         self.progress.generated.extend(ids)
         self.spec = resp.spec_decode
         step = resp.step_stats
+        if step.disabled_reason and self.decision.method != "none":
+            metrics.plain_steps.labels(reason_name(step.disabled_reason)).inc()
         if step.num_drafted:
             method = self.summary.method
             metrics.num_drafts.labels(method).inc()
@@ -488,7 +490,8 @@ class Generation:
         if spec.method == common_pb2.SPEC_METHOD_NONE and s.num_drafts == 0 \
                 and s.disabled_reason is None and self.decision.method != "none":
             s.disabled_reason = reason_name(spec.disabled_reason) or "drafter_unavailable"
-        elif spec.disabled_reason and s.disabled_reason is None and not self.enabled:
+        elif spec.disabled_reason and s.disabled_reason is None \
+                and (not self.enabled or not s.num_drafts):
             s.disabled_reason = reason_name(spec.disabled_reason)
         delta.usage = common_pb2.Usage(prompt_tokens=len(self.req.prompt_token_ids),
                                        completion_tokens=len(p.generated))
@@ -503,6 +506,8 @@ class Generation:
         m.generation_tokens.inc(n)
         if s.num_drafts:
             m.acceptance_length.labels(s.method).observe(s.acceptance_length)
+        if s.disabled_reason is not None:
+            m.disabled.labels(s.disabled_reason).inc()
         m.requests.labels(s.method, delta.finish_reason or "abort").inc()
 
     async def _wait_for_replica(self, error: str, failures: int) -> Replica:

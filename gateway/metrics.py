@@ -145,8 +145,12 @@ class GatewayMetrics:
                                            "Per request: tokens emitted per drafting step",
                                            ["method"], buckets=_AL, registry=r)
         self.disabled = Counter("specdec_spec_decode_disabled",
-                                "Requests admitted with speculation off, by reason",
+                                "Requests served without a draft, by why speculation was off",
                                 ["reason"], registry=r)
+        self.plain_steps = Counter("specdec_spec_decode_plain_steps",
+                                   "Steps of speculative requests run without drafts, by why "
+                                   "(queue_size, dynamic_k, drafter_unavailable, ...)",
+                                   ["reason"], registry=r)
         self.k_updates = Counter("specdec_spec_decode_k_updates",
                                  "Dynamic-K changes sent to verifiers", registry=r)
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time to first token",

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who chooses dynamic-K requests' K each step: the gateway (from the "
                         "step stats it sees, sent back as policy updates) or this verifier's "
                         "engine, from the step's own batch (verifier/engine/speculation.py)")
+    p.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
+                   help="steps taken while this verifier holds more than N requests (running "
+                        "and waiting) draft nothing; reported as queue_size (default: never)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grace-s", type=float, default=10.0, help="shutdown grace period")
@@ -88,7 +91,6 @@ ENGINE_FLAGS: dict[str, tuple[str, tuple]] = {
     "--attention": ("specdec", ()),
     "--block-size": ("specdec", ()),
     "--step-timeout-s": ("specdec", ()),
-    "--speculation-control": ("specdec", ("gateway",)),
     "--threads": ("specdec", (0,)),
     "--tensor-parallel-size": ("vllm", (1,)),
     "--gpu-memory-utilization": ("vllm", ()),
@@ -146,7 +148,8 @@ async def _serve(args: argparse.Namespace, server_tls: tls.TlsConfig | None,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_speculative_tokens=args.max_num_speculative_tokens, seed=args.seed,
         cuda_graphs=args.cuda_graphs, enable_prefix_caching=args.enable_prefix_caching,
-        speculation_controller=args.speculation_control == "verifier")
+        speculation_controller=args.speculation_control == "verifier",
+        disable_queue_size=args.speculative_disable_queue_size)
     target = TargetInfo(cfg.vocab_size, digest, cfg.hidden_size, cfg.num_layers)
     # One shared token for the internal APIs (unset: none): this verifier requires it
     # and presents it to its drafters.

@@ -126,6 +126,8 @@ class _Stats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Why the latest step that ran without drafts did (DisabledReason).
+    plain_reason: int = common_pb2.DISABLED_REASON_NONE
 
 
 def _field_error(prefix: str, e: ValueError) -> ValueError:
@@ -278,18 +280,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             stats.num_draft_tokens += out.num_drafted
             stats.num_accepted_tokens += out.num_accepted
         step_reason = common_pb2.DISABLED_REASON_NONE
-        if out.num_speculative_tokens and not out.num_drafted and out.miss_reason:
+        if not out.num_drafted and out.miss_reason:
             step_reason = reason_to_proto(out.miss_reason)
         elif not out.num_speculative_tokens and not policy.enabled:
             step_reason = policy.disabled_reason
-        elif (not out.num_speculative_tokens and policy.auto_k and policy.effective_k
-              and self.engine.controller is not None):  # the controller chose plain
-            step_reason = common_pb2.DISABLED_REASON_DYNAMIC_K
         request_reason = common_pb2.DISABLED_REASON_NONE
         if not policy.enabled or policy.drafter is None:
             request_reason = policy.disabled_reason
         elif not self.pool.clients[policy.drafter].available:
             request_reason = common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE
+        elif not stats.num_drafts:  # nothing drafted yet: why the steps did not
+            request_reason = stats.plain_reason = step_reason or stats.plain_reason
         resp = verifier_pb2.GenerateResponse(
             request_id=out.request_id, token_ids=out.new_token_ids,
             step_stats=common_pb2.StepStats(

@@ -1,5 +1,6 @@
-"""Admission: how one request starts, from its `speculative` field and the load of the
-verifier it goes to (the method, K or its bound, and whether speculation is off)."""
+"""Admission: how one request starts, from its `speculative` field and what the
+deployment runs (the method, K or its bound, and whether speculation is off). Load is
+the verifier's to act on, step by step (auto-disable by queue size, dynamic K)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from gateway.policy.values import check_count
 from specdec.speculation import METHODS
 
 # The reasons an admission decision may give; the verifier adds its own per step.
-DECISION_REASONS = (None, "request", "queue_size", "drafter_unavailable")
+DECISION_REASONS = (None, "request", "drafter_unavailable")
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,6 @@ class Deployment:
     methods_available: frozenset[str]
     default_num_speculative_tokens: int  # static K, or dynamic K's bound with default_auto_k
     max_num_speculative_tokens: int
-    disable_queue_size: int | None  # None = never auto-disable
     # Requests that do not give num_speculative_tokens get dynamic K ("auto"), bounded
     # by default_num_speculative_tokens; False: that K, static.
     default_auto_k: bool = False
@@ -42,8 +42,6 @@ class Deployment:
             raise ValueError(f"deployment: default_num_speculative_tokens "
                              f"({self.default_num_speculative_tokens}) must not exceed "
                              f"max_num_speculative_tokens ({self.max_num_speculative_tokens})")
-        if self.disable_queue_size is not None:
-            check_count("deployment: disable_queue_size", self.disable_queue_size)
         if not isinstance(self.default_auto_k, bool):
             raise ValueError(f"deployment: default_auto_k must be a bool, "
                              f"got {self.default_auto_k!r}")
@@ -78,9 +76,8 @@ class Decision:
                              f"got {self.num_speculative_tokens}")
 
 
-def decide(req: SpeculativeRequest, dep: Deployment, num_running: int) -> Decision:
-    """Admission policy for one request on a verifier with `num_running` running requests."""
-    check_count("num_running", num_running)
+def decide(req: SpeculativeRequest, dep: Deployment) -> Decision:
+    """Admission policy for one request."""
     method = req.method or dep.default_method
     requested_k = req.num_speculative_tokens
     # Checked first: a K no deployment setting allows is a mistake even when unused.
@@ -105,7 +102,4 @@ def decide(req: SpeculativeRequest, dep: Deployment, num_running: int) -> Decisi
     # model's first fit saw only such steps and plain ones, so it priced every row in
     # between as dear. The deployment's default K is where a static deployment starts.
     first_k = (min(k, dep.default_num_speculative_tokens) or k) if auto else None
-    # Under load the method and K are kept, so the verifier can be told to turn
-    # speculation on later without asking the user again.
-    overloaded = dep.disable_queue_size is not None and num_running > dep.disable_queue_size
-    return Decision(method, k, auto, "queue_size" if overloaded else None, first_k)
+    return Decision(method, k, auto, None, first_k)

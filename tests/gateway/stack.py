@@ -61,7 +61,8 @@ class Replica:
     def __init__(self, loop: LoopThread, model: LlamaForCausalLM, eos: frozenset[int],
                  drafter_ports: dict[str, int], max_num_seqs: int = 16,
                  grammars: Grammars | None = None, port: int = 0, token: str | None = None,
-                 tls: TlsConfig | None = None, speculation_controller: bool = False):
+                 tls: TlsConfig | None = None, speculation_controller: bool = False,
+                 disable_queue_size: int | None = None):
         cfg = model.config
         target = TargetInfo(cfg.vocab_size, "", cfg.hidden_size, cfg.num_layers)
         clients = [DrafterClient(name, f"127.0.0.1:{port}", target, backoff_s=(0.05, 0.2),
@@ -71,7 +72,8 @@ class Replica:
         engine = Engine(model, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=MAX_LEN,
                                             block_size=16, num_kv_blocks=600,
                                             max_num_speculative_tokens=K_MAX,
-                                            speculation_controller=speculation_controller),
+                                            speculation_controller=speculation_controller,
+                                            disable_queue_size=disable_queue_size),
                         self.pool, eos)
         self.servicer = VerifierServicer(engine, self.pool, target, model_name=MODEL_NAME,
                                          default_num_speculative_tokens=4, grammars=grammars)
@@ -97,7 +99,7 @@ class GatewayStack:
                  profile: ItlProfile | None = None, grpc_port: int = 0,
                  token: str | None = None, tls: TlsConfig | None = None,
                  internal_tls: TlsConfig | None = None, speculation_controller: bool = False,
-                 **config):
+                 disable_queue_size: int | None = None, **config):
         """tls: the gateway's REST and gRPC API; internal_tls: every internal service's
         (it serves with it and presents it, as SPECDEC_INTERNAL_TLS_* make them do)."""
         self.loop = loop
@@ -112,7 +114,8 @@ class GatewayStack:
                                  self.tokenizer.eos_token_ids)
         self.replicas = [Replica(loop, model, self.tokenizer.eos_token_ids, ports,
                                  grammars=self.grammars, token=token, tls=internal_tls,
-                                 speculation_controller=speculation_controller)
+                                 speculation_controller=speculation_controller,
+                                 disable_queue_size=disable_queue_size)
                          for _ in range(replicas)]
         pool = ReplicaPool([r.address for r in self.replicas], poll_interval_s=0.1, token=token,
                            tls=internal_tls)

@@ -582,11 +582,16 @@ def test_a_verifier_that_chooses_k_itself_gets_the_bound_and_no_updates(loop, mo
     from gateway.core import Gateway, GatewayConfig
     from gateway.replicas import ReplicaPool
     from gateway.service import serve as serve_gateway
+    from tests.verifier.test_speculation import MadeUpCost
 
     drafter = FirstRightDrafter(model)
     s = GatewayStack(loop, model, smollm2_dir, drafters={"draft_model": drafter},
                      speculation_controller=True)
     servicer = s.replicas[0].servicer
+    # Made-up step times (10 ms + 2 ms a row): a tiny model's real ones are a few ms,
+    # near the drafter's round trip, and whether drafting pays would be the machine's.
+    controller = servicer.engine.controller
+    controller.cost = MadeUpCost(controller.config.cost_weight)
     received = []
     servicer._apply_update = lambda request_id, policy, update: received.append(update)
     second = Gateway(GatewayConfig(model_name=MODEL_NAME), s.tokenizer,

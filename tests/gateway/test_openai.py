@@ -330,28 +330,37 @@ def test_api_key(loop, smollm2_dir, stack):
 
 
 def test_auto_disable_by_queue_size(loop, smollm2_dir, stack):
+    # The verifier holds more than 2 requests: its steps draft nothing, for every one.
     s = GatewayStack(loop, stack.model, smollm2_dir, disable_queue_size=2,
                      default_method="draft_model")
     try:
         client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
+
+        def report(stream) -> dict:
+            chunks = list(stream)
+            return next(c.model_extra["spec_decode"] for c in chunks
+                        if c.choices and c.choices[0].finish_reason)
+
         streams = []
-        # Four requests held open at once: each sees the ones before it running.
-        for i in range(4):
+        for max_tokens in (60, 60, 60, 20):  # held open at once; the last ends first
             stream = client.chat.completions.create(
-                model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[i % 3]}],
-                temperature=0, max_tokens=40, stream=True)
+                model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
+                temperature=0, max_tokens=max_tokens, stream=True,
+                extra_body={"ignore_eos": True, "speculative": {"num_speculative_tokens": 4}})
             next(iter(stream))  # the role chunk: the request is admitted
             streams.append(stream)
-        reports = []
-        for stream in streams:
-            chunks = list(stream)
-            reports.append(next(c.model_extra["spec_decode"] for c in chunks
-                                if c.choices and c.choices[0].finish_reason))
-        assert [r.get("disabled_reason") for r in reports[:3]] == [None, None, None]
-        assert reports[3]["disabled_reason"] == "queue_size"
-        assert reports[3]["num_drafts"] == 0 and reports[0]["num_drafts"] > 0
+        last = report(streams[3])  # each of its steps had 4 requests held
+        assert last["disabled_reason"] == "queue_size" and last["num_drafts"] == 0
+        for stream in streams[:3]:
+            report(stream)
+        alone = report(client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
+            temperature=0, max_tokens=40, stream=True,
+            extra_body={"speculative": {"num_speculative_tokens": 4}}))
+        assert alone.get("disabled_reason") is None and alone["num_drafts"] > 0
         metrics = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
-        assert 'specdec_spec_decode_disabled_total{reason="queue_size"} 1.0' in metrics
+        assert 'specdec_spec_decode_disabled_total{reason="queue_size"}' in metrics
+        assert 'specdec_spec_decode_plain_steps_total{reason="queue_size"}' in metrics
     finally:
         s.close()
 

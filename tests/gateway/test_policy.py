@@ -122,83 +122,64 @@ def dep() -> Deployment:
         methods_available=frozenset({"ngram", "eagle"}),
         default_num_speculative_tokens=3,
         max_num_speculative_tokens=5,
-        disable_queue_size=2,
     )
 
 
 def test_decide_method_none_is_off_by_request(dep):
-    assert decide(SpeculativeRequest(method="none"), dep, 0) == Decision("none", 0, False, "request")
-    assert decide(SpeculativeRequest(method="none", auto=True), dep, 0) == \
+    assert decide(SpeculativeRequest(method="none"), dep) == Decision("none", 0, False, "request")
+    assert decide(SpeculativeRequest(method="none", auto=True), dep) == \
         Decision("none", 0, False, "request")
 
 
 def test_decide_k_zero_is_off_by_request(dep):
-    assert decide(SpeculativeRequest(method="ngram", num_speculative_tokens=0), dep, 0) == \
+    assert decide(SpeculativeRequest(method="ngram", num_speculative_tokens=0), dep) == \
         Decision("none", 0, False, "request")
-    assert decide(SpeculativeRequest(num_speculative_tokens=0), dep, 0) == \
+    assert decide(SpeculativeRequest(num_speculative_tokens=0), dep) == \
         Decision("none", 0, False, "request")
 
 
 def test_decide_deployment_default_none_is_off(dep):
-    plain = Deployment("none", frozenset({"ngram"}), 0, 4, None)
-    assert decide(SpeculativeRequest(), plain, 0).method == "none"
+    plain = Deployment("none", frozenset({"ngram"}), 0, 4)
+    assert decide(SpeculativeRequest(), plain).method == "none"
     # ...while a request may still ask for a drafter the deployment offers.
-    assert decide(SpeculativeRequest(method="ngram", num_speculative_tokens=2), plain, 0) == \
+    assert decide(SpeculativeRequest(method="ngram", num_speculative_tokens=2), plain) == \
         Decision("ngram", 2, False, None)
 
 
 def test_decide_k_over_max_is_an_error_naming_the_field(dep):
-    assert decide(SpeculativeRequest(num_speculative_tokens=5), dep, 0).num_speculative_tokens == 5
+    assert decide(SpeculativeRequest(num_speculative_tokens=5), dep).num_speculative_tokens == 5
     with pytest.raises(ValueError, match=r"^speculative\.num_speculative_tokens: 6 .* 5"):
-        decide(SpeculativeRequest(num_speculative_tokens=6), dep, 0)
+        decide(SpeculativeRequest(num_speculative_tokens=6), dep)
     with pytest.raises(ValueError, match=r"^speculative\.num_speculative_tokens"):
-        decide(SpeculativeRequest(num_speculative_tokens=6, auto=True), dep, 0)
+        decide(SpeculativeRequest(num_speculative_tokens=6, auto=True), dep)
 
 
 def test_decide_unavailable_drafter_runs_plainly(dep):
     for req in (SpeculativeRequest(method="draft_model"),
                 SpeculativeRequest(method="eagle3", num_speculative_tokens=2, auto=True)):
-        assert decide(req, dep, 0) == Decision(req.method, 0, False, "drafter_unavailable")
-    gone = Deployment("eagle", frozenset(), 3, 5, None)
-    assert decide(SpeculativeRequest(), gone, 0) == Decision("eagle", 0, False, "drafter_unavailable")
-
-
-def test_decide_auto_disable_above_queue_size(dep):
-    req = SpeculativeRequest(method="ngram", num_speculative_tokens=4)
-    for running in (0, 1, 2):
-        assert decide(req, dep, running) == Decision("ngram", 4, False, None)
-    for running in (3, 50):
-        assert decide(req, dep, running) == Decision("ngram", 4, False, "queue_size")
-    auto = SpeculativeRequest(auto=True)
-    assert decide(auto, dep, 3) == Decision("eagle", 5, True, "queue_size", first_k=3)
-
-
-def test_decide_without_queue_size_never_disables(dep):
-    never = Deployment("eagle", frozenset({"eagle"}), 3, 5, disable_queue_size=None)
-    assert decide(SpeculativeRequest(), never, 10_000).disabled_reason is None
-    zero = Deployment("eagle", frozenset({"eagle"}), 3, 5, disable_queue_size=0)
-    assert decide(SpeculativeRequest(), zero, 0).disabled_reason is None
-    assert decide(SpeculativeRequest(), zero, 1).disabled_reason == "queue_size"
+        assert decide(req, dep) == Decision(req.method, 0, False, "drafter_unavailable")
+    gone = Deployment("eagle", frozenset(), 3, 5)
+    assert decide(SpeculativeRequest(), gone) == Decision("eagle", 0, False, "drafter_unavailable")
 
 
 def test_decide_defaults_and_explicit_values(dep):
-    assert decide(SpeculativeRequest(), dep, 0) == Decision("eagle", 3, False, None)
-    assert decide(SpeculativeRequest(method="ngram"), dep, 0) == Decision("ngram", 3, False, None)
-    assert decide(SpeculativeRequest(num_speculative_tokens=1), dep, 0) == \
+    assert decide(SpeculativeRequest(), dep) == Decision("eagle", 3, False, None)
+    assert decide(SpeculativeRequest(method="ngram"), dep) == Decision("ngram", 3, False, None)
+    assert decide(SpeculativeRequest(num_speculative_tokens=1), dep) == \
         Decision("eagle", 1, False, None)
 
 
 def test_decide_auto_k_is_an_upper_bound_and_starts_at_the_default_k(dep):
     # Bounded by the verifier's maximum (5), it drafts the deployment's default K (3)
     # until dynamic K has a profile to choose by.
-    assert decide(SpeculativeRequest(auto=True), dep, 0) == Decision("eagle", 5, True, None, 3)
-    assert decide(SpeculativeRequest(num_speculative_tokens=2, auto=True), dep, 0) == \
+    assert decide(SpeculativeRequest(auto=True), dep) == Decision("eagle", 5, True, None, 3)
+    assert decide(SpeculativeRequest(num_speculative_tokens=2, auto=True), dep) == \
         Decision("eagle", 2, True, None, 2)
     assert decide(SpeculativeRequest.from_json({"method": "ngram", "num_speculative_tokens": "auto"}),
-                  dep, 0) == Decision("ngram", 5, True, None, 3)
+                  dep) == Decision("ngram", 5, True, None, 3)
     # A deployment whose default is plain starts an "auto" at its bound.
-    plain = Deployment("none", frozenset({"ngram"}), 0, 4, None)
-    assert decide(SpeculativeRequest(method="ngram", auto=True), plain, 0).first_k == 4
+    plain = Deployment("none", frozenset({"ngram"}), 0, 4)
+    assert decide(SpeculativeRequest(method="ngram", auto=True), plain).first_k == 4
 
 
 def test_decision_first_k_is_checked():
@@ -211,21 +192,16 @@ def test_decision_first_k_is_checked():
 def test_decide_default_auto_k_is_bounded_by_the_default_k(dep):
     auto = dataclasses.replace(dep, default_auto_k=True)
     # No K given: dynamic K within the K the deployment would run statically.
-    assert decide(SpeculativeRequest(), auto, 0) == Decision("eagle", 3, True, None, 3)
-    assert decide(SpeculativeRequest(method="ngram"), auto, 0) == Decision("ngram", 3, True, None, 3)
+    assert decide(SpeculativeRequest(), auto) == Decision("eagle", 3, True, None, 3)
+    assert decide(SpeculativeRequest(method="ngram"), auto) == Decision("ngram", 3, True, None, 3)
     # An explicit K stays static, an explicit "auto" may reach the verifier's maximum.
-    assert decide(SpeculativeRequest(num_speculative_tokens=2), auto, 0) == \
+    assert decide(SpeculativeRequest(num_speculative_tokens=2), auto) == \
         Decision("eagle", 2, False, None)
-    assert decide(SpeculativeRequest(auto=True), auto, 0) == Decision("eagle", 5, True, None, 3)
-    assert decide(SpeculativeRequest(method="none"), auto, 0) == \
+    assert decide(SpeculativeRequest(auto=True), auto) == Decision("eagle", 5, True, None, 3)
+    assert decide(SpeculativeRequest(method="none"), auto) == \
         Decision("none", 0, False, "request")
     with pytest.raises(ValueError, match="default_auto_k"):
         dataclasses.replace(dep, default_auto_k=1)
-
-
-def test_decide_rejects_negative_load(dep):
-    with pytest.raises(ValueError, match="num_running"):
-        decide(SpeculativeRequest(), dep, -1)
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -234,7 +210,6 @@ def test_decide_rejects_negative_load(dep):
     ({"default_num_speculative_tokens": -1}, "default_num_speculative_tokens"),
     ({"max_num_speculative_tokens": True}, "max_num_speculative_tokens"),
     ({"default_num_speculative_tokens": 6}, "default_num_speculative_tokens"),
-    ({"disable_queue_size": -1}, "disable_queue_size"),
 ])
 def test_deployment_is_checked_on_construction(kwargs, name):
     args = {
@@ -242,14 +217,13 @@ def test_deployment_is_checked_on_construction(kwargs, name):
         "methods_available": {"eagle"},
         "default_num_speculative_tokens": 3,
         "max_num_speculative_tokens": 5,
-        "disable_queue_size": None,
     } | kwargs
     with pytest.raises(ValueError, match=name):
         Deployment(**args)
 
 
 def test_deployment_accepts_any_iterable_of_methods():
-    d = Deployment("ngram", ["ngram", "eagle"], 2, 4, None)
+    d = Deployment("ngram", ["ngram", "eagle"], 2, 4)
     assert d.methods_available == frozenset({"ngram", "eagle"})
 
 

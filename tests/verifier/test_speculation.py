@@ -10,15 +10,16 @@ from specdec.generate import greedy_generate
 from tests.tiny import tiny_llama
 from tests.verifier.test_engine import GREEDY, VOCAB, ScriptedProposer, run
 from verifier.engine import Engine, EngineConfig, Request
-from verifier.engine.scheduler import Scheduled
-from verifier.engine.sequence import Sequence
-from verifier.engine.speculation import ControllerConfig, SpeculationController, StepCost
+from verifier.engine.speculation import (
+    ControllerConfig,
+    Row,
+    SpeculationController,
+    StepCost,
+)
 
 
-def _item(seq_id: int, k: int, auto: bool = True, prefill: bool = False) -> Scheduled:
-    request = Request(f"r{seq_id}", [1, 2, 3], 100, GREEDY, num_speculative_tokens=k,
-                      drafter="ngram", auto_k=auto)
-    return Scheduled(Sequence(seq_id, request, [1, 2, 3]), 1 + k if not prefill else 3, prefill)
+def _row(key: int, k: int, auto: bool = True, prefill: bool = False) -> Row:
+    return Row(key, 0 if prefill else k, "ngram" if auto else None, prefill)
 
 
 def _trained(step_ms, acceptance: dict[int, float], k: int = 4, steps: int = 40,
@@ -27,12 +28,11 @@ def _trained(step_ms, acceptance: dict[int, float], k: int = 4, steps: int = 40,
     acceptance[s] of `steps` drafting steps (none at the others, spread evenly), and
     measured steps of every row count in rows_seen at step_ms(rows) just now."""
     c = SpeculationController()
-    drafter_of = {s: "ngram" for s in acceptance}
     for t in range(steps):
-        batch = [_item(s, k) for s in acceptance]
+        rows = [_row(s, k) for s in acceptance]
         outcomes = {s: (k, k if int((t + 1) * rate) > int(t * rate) else 0)
                     for s, rate in acceptance.items()}
-        c.observe(batch, drafter_of, outcomes, 1.0, 1.0, len(batch) * (k + 1))
+        c.observe(rows, outcomes, 1.0, 1.0, len(rows) * (k + 1))
     c.cost = StepCost(c.config.cost_weight)
     for rows in rows_seen:
         c.cost.observe(0, rows, step_ms(rows))
@@ -45,34 +45,27 @@ def _trained(step_ms, acceptance: dict[int, float], k: int = 4, steps: int = 40,
 def test_a_batch_where_drafting_cannot_pay_runs_plain():
     # A row costs as much as the step's base: a draft pays only if it lands 4 times in 5.
     c = _trained(lambda rows: 5.0 + 5.0 * rows, {0: 0.2, 1: 0.2, 2: 0.4, 3: 0.4})
-    batch = [_item(s, 4) for s in range(4)]
-    assert c.choose(batch, {s: "ngram" for s in range(4)}) == {0: 0, 1: 0, 2: 0, 3: 0}
-    assert all(item.num_tokens == 1 for item in batch)
+    assert c.choose([_row(s, 4) for s in range(4)]) == {0: 0, 1: 0, 2: 0, 3: 0}
 
 
 def test_cheap_rows_and_drafts_that_land_draft_to_the_bound():
     c = _trained(lambda rows: 20.0 + 0.05 * rows, {0: 1.0, 1: 1.0})
-    batch = [_item(0, 4), _item(1, 4)]
-    assert c.choose(batch, {0: "ngram", 1: "ngram"}) == {0: 4, 1: 4}
-    assert [item.num_tokens for item in batch] == [5, 5]
+    assert c.choose([_row(0, 4), _row(1, 4)]) == {0: 4, 1: 4}
 
 
 def test_a_mixed_batch_gives_rows_to_the_request_whose_drafts_land():
     """One request copying its prompt (all accepted), one writing new text (none), one
-    at a fixed K: the rows go to the first, the fixed one keeps its K and its rows
-    count in the price."""
+    at a fixed K: the rows go to the first; the fixed one is not chosen for."""
     c = _trained(lambda rows: 10.0 + 1.0 * rows, {0: 1.0, 1: 0.0})
-    batch = [_item(0, 4), _item(1, 4), _item(2, 3, auto=False)]
-    chosen = c.choose(batch, {0: "ngram", 1: "ngram"})
-    assert chosen[0] > 0 and chosen[1] == 0
-    assert batch[2].num_tokens == 4  # the fixed K's block stays
+    chosen = c.choose([_row(0, 4), _row(1, 4), _row(2, 3, auto=False)])
+    assert chosen[0] > 0 and chosen[1] == 0 and 2 not in chosen
 
 
 def test_an_unmeasured_plain_step_is_probed_once():
     c = _trained(lambda rows: 10.0 + 0.1 * rows, {0: 1.0}, rows_seen=range(3, 20))
-    assert c.choose([_item(0, 4)], {0: "ngram"}) == {0: 0}  # one row: never measured
-    c.observe([_item(0, 0)], {0: "ngram"}, {}, 10.1, 0.5, 1)
-    assert c.choose([_item(0, 4)], {0: "ngram"}) == {0: 4}
+    assert c.choose([_row(0, 4)]) == {0: 0}  # one row: never measured
+    c.observe([_row(0, 4)], {}, 10.1, 0.5, 1)
+    assert c.choose([_row(0, 4)]) == {0: 4}
     assert c.num_probes == 1
 
 
@@ -81,14 +74,13 @@ def test_rows_past_what_was_measured_are_not_priced():
     bound of 4 drafts 10 positions at most, however cheap the line says rows are."""
     c = _trained(lambda rows: 10.0 + 0.01 * rows, {s: 1.0 for s in range(8)},
                  rows_seen=range(1, 11))
-    batch = [_item(s, 4) for s in range(8)]
-    chosen = c.choose(batch, {s: "ngram" for s in range(8)})
+    chosen = c.choose([_row(s, 4) for s in range(8)])
     assert sum(chosen.values()) == 10
 
 
 def test_a_prefill_in_the_step_runs_dynamic_k_plain():
     c = _trained(lambda rows: 20.0 + 0.05 * rows, {0: 1.0})
-    assert c.choose([_item(0, 4), _item(1, 0, prefill=True)], {0: "ngram"}) == {0: 0}
+    assert c.choose([_row(0, 4), _row(1, 0, prefill=True)]) == {0: 0}
 
 
 def test_config_is_one_frozen_dataclass():
@@ -151,5 +143,42 @@ def test_a_drafter_kept_off_by_its_wait_is_tried_again_after_a_while():
     for _ in range(20):
         c.cost.observe_wait(c._step, {"ngram"}, 100.0)
     waits = c.config.redraft_after_steps
-    chosen = [c.choose([_item(0, 4)], {0: "ngram"})[0] for _ in range(waits + 1)]
+    chosen = [c.choose([_row(0, 4)])[0] for _ in range(waits + 1)]
     assert chosen[:waits] == [0] * waits and chosen[-1] == 4
+
+
+def test_steps_past_the_queue_size_draft_nothing():
+    """disable_queue_size=2: while the engine holds 3 requests (one of them dynamic K)
+    no drafter is asked for anything and every output says queue_size; once one has
+    finished the other two draft again. Replies stay plain decoding's."""
+    model = tiny_llama(VOCAB, seed=0)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5], [8, 9, 7, 9]]
+    lengths = [30, 30, 10]
+    plain = [greedy_generate(model, [p], n)[0] for p, n in zip(prompts, lengths, strict=True)]
+    refs = {i: p + c for i, (p, c) in enumerate(zip(prompts, plain, strict=True))}
+    proposer = CountingProposer(refs, 0.0)
+    engine = Engine(model, EngineConfig(max_num_seqs=8, max_model_len=128, block_size=4,
+                                        num_kv_blocks=256, speculation_controller=True,
+                                        disable_queue_size=2), proposer)
+    requests = [Request(f"r{i}", p, n, GREEDY, num_speculative_tokens=4, drafter="d",
+                        auto_k=i == 0)
+                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    for r in requests:
+        engine.add_request(r)
+    out = {r.request_id: [] for r in requests}
+    reasons: list[tuple[int, set]] = []  # (requests held, plain reasons of the step)
+    while engine.has_work():
+        held = engine.num_running + engine.num_waiting
+        outputs = engine.step()
+        reasons.append((held, {o.miss_reason for o in outputs}))
+        for o in outputs:
+            out[o.request_id] += o.new_token_ids
+            assert held <= 2 or o.num_drafted == 0
+    assert [out[r.request_id] for r in requests] == plain
+    # (A request's last token is never drafted for: None beside queue_size.)
+    assert all("queue_size" in reason and reason <= {"queue_size", None}
+               for held, reason in reasons[1:] if held == 3)
+    assert not any(wanted for wanted in proposer.asked[:9])  # 3 held: nothing asked
+    assert any(wanted for wanted in proposer.asked[10:])  # 2 held: drafting again
+    with pytest.raises(ValueError, match="disable_queue_size"):
+        EngineConfig(disable_queue_size=-1)

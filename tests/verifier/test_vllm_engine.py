@@ -142,7 +142,8 @@ class Stack:
             [str(PEERS_PYTHON), "-m", "verifier", "--engine", "vllm", "--model", str(model_dir),
              "--port", "0", "--drafter", f"ngram=127.0.0.1:{self.drafter_port}",
              "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
-             "--kv-cache-tokens", "16384", "--no-cuda-graphs", "--num-speculative-tokens", "4"],
+             "--kv-cache-tokens", "16384", "--no-cuda-graphs", "--num-speculative-tokens", "4",
+             "--speculation-control", "verifier"],
             log, _vllm_env())
         _wait("vLLM verifier's port", lambda: SERVING.search(log.read_text()) is not None,
               [self.drafter, self.verifier], 600)
@@ -164,13 +165,14 @@ class Stack:
         load = self.stub.Load(verifier_pb2.LoadRequest(), timeout=5)
         return any(d.name == "ngram" and d.available for d in load.drafters)
 
-    def generate(self, prompt: list[int], *, method: int = 0, k: int = 0, on_response=None,
-                 **sampling) -> tuple[list[int], verifier_pb2.GenerateResponse]:
+    def generate(self, prompt: list[int], *, method: int = 0, k: int = 0, auto_k: bool = False,
+                 on_response=None, **sampling) -> tuple[list[int], verifier_pb2.GenerateResponse]:
         sampling = {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True, **sampling}
         start = verifier_pb2.GenerateRequest.Start(
             request_id=f"t{time.monotonic_ns()}", prompt_token_ids=prompt,
             sampling=common_pb2.SamplingParams(**sampling),
-            speculation=common_pb2.SpeculationPolicy(method=method, num_speculative_tokens=k))
+            speculation=common_pb2.SpeculationPolicy(method=method, num_speculative_tokens=k,
+                                                     auto_k=auto_k))
         tokens: list[int] = []
         last = None
         for i, resp in enumerate(self.stub.Generate(
@@ -269,6 +271,19 @@ def test_speculation_off_and_k_per_request(stack, prompts, ours):
     spec = last.spec_decode
     assert got == ours[0]
     assert spec.num_drafts > 0 and spec.num_draft_tokens == spec.num_drafts  # one a step
+
+
+def test_the_verifiers_controller_chooses_k_on_vllms_engine(stack, prompts, ours):
+    """--speculation-control verifier: a dynamic-K request's K is chosen in vLLM's step
+    by the proposer's controller; its drafts still land where the text repeats, and the
+    text is plain decoding's."""
+    load = stack.stub.Load(verifier_pb2.LoadRequest(), timeout=5)
+    assert load.speculation_controller
+    for prompt, want in zip(prompts, ours, strict=True):
+        got, last = stack.generate(prompt, auto_k=True)
+        assert got == want
+    got, last = stack.generate(prompts[0], auto_k=True)
+    assert last.spec_decode.num_accepted_tokens > 0
 
 
 def test_drafter_killed_mid_request_changes_nothing(stack, prompts, ours):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
+from verifier.engine.speculation import StepCost
 from verifier.vllm.policy import RequestPolicy
 from verifier.vllm.proposer import ProposerConfig, RemoteProposer
 
@@ -119,9 +120,9 @@ class Engine:
     """vLLM's side of the steps: each request's tokens in the runner's rows, and the
     proposer called after every step as vLLM's runner calls it."""
 
-    def __init__(self, drafters: dict[str, str], *, deadline_ms: float = 2000.0):
+    def __init__(self, drafters: dict[str, str], *, deadline_ms: float = 2000.0, **config):
         config = ProposerConfig(drafters=drafters, draft_deadline_ms=deadline_ms,
-                                num_speculative_tokens=DEFAULT_K)
+                                num_speculative_tokens=DEFAULT_K, **config)
         self.runner = Runner(SimpleNamespace(
             additional_config=config.to_additional_config(),
             speculative_config=SimpleNamespace(num_speculative_tokens=MAX_K),
@@ -288,3 +289,55 @@ def test_drafter_states_for_the_load_report(engine, drafters):
     assert states["ngram"] == {"name": "ngram", "method": common_pb2.SPEC_METHOD_NGRAM,
                                "available": True, "max_num_speculative_tokens": MAX_K}
     assert states["suffix"]["method"] == common_pb2.SPEC_METHOD_SUFFIX
+
+
+class MadeUpCost(StepCost):
+    """10 ms + 2 ms a row: the fake steps' real times are noise around nothing."""
+
+    def observe(self, step: int, rows: int, ms: float) -> None:
+        StepCost.observe(self, step, rows, 10.0 + 2.0 * rows)
+
+
+def test_the_controller_chooses_k_of_requests_that_name_none(tp_rank, drafters):
+    """speculation_controller: a request naming no K is dynamic. Its drafts never land
+    (each step accepts none), so it ends up asking its drafter for nothing, while the
+    request with a fixed K keeps its drafts every step; one whose drafts land keeps
+    drafting."""
+    engine = Engine({name: d.address for name, d in drafters.items()},
+                    speculation_controller=True)
+    try:
+        engine.proposer.controller.cost = MadeUpCost(engine.proposer.controller.config.cost_weight)
+        engine.add("auto", [1, 2])
+        engine.add("fixed", [3, 4], specdec_num_speculative_tokens=2)
+        # Of another method: acceptance is learnt per method too.
+        engine.add("lands", [5, 6], specdec_method="suffix", specdec_auto_k=True)
+        engine.add("bad", [7, 8], specdec_auto_k="yes")  # not a bool: no drafts, no error
+        new = {"auto": [100], "fixed": [200], "lands": [300], "bad": [400]}
+        history = []
+        for _ in range(40):
+            drafts = engine.step(new)
+            history.append(drafts)
+            # "auto" and "fixed" reject every draft; "lands" accepts all of its drafts.
+            new = {"auto": [new["auto"][-1] + 50], "fixed": [new["fixed"][-1] + 50],
+                   "lands": [*drafts[2], drafts[2][-1] + 50 if drafts[2] else
+                             new["lands"][-1] + 50], "bad": [new["bad"][-1] + 50]}
+        assert all(not h[0] for h in history[-10:]) and any(h[0] for h in history)
+        assert all(len(h[1]) == 2 for h in history)
+        assert sum(len(h[2]) for h in history[-10:]) >= 10
+        assert all(not h[3] for h in history)
+        assert engine.proposer.controller.num_probes >= 1
+    finally:
+        engine.close()
+
+
+def test_no_drafts_while_the_runner_holds_more_than_the_queue_size(tp_rank, drafters):
+    engine = Engine({"ngram": drafters["ngram"].address}, disable_queue_size=1)
+    try:
+        engine.add("a", [1, 2])
+        engine.add("b", [3, 4], specdec_num_speculative_tokens=2)
+        assert engine.step({"a": [10], "b": [20]}) == [[], []]
+        assert engine.step({"a": [11], "b": [21]}) == [[], []]
+        engine.finish("b")
+        assert engine.step({"a": [12]}) == [drafts_after(12, DEFAULT_K)]
+    finally:
+        engine.close()

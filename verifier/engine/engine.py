@@ -45,7 +45,7 @@ from verifier.engine.sequence import (
     Status,
     check_k_by_outcome,
 )
-from verifier.engine.speculation import SpeculationController
+from verifier.engine.speculation import Row, SpeculationController
 from verifier.sampling.rejection import greedy_chains
 from verifier.sampling.sampler import rejection_sample
 from verifier.sampling.tree_acceptance import Chains, chain_blocks
@@ -64,8 +64,11 @@ class EngineConfig:
     seed: int = 0  # the shared generator of unseeded requests
     cuda_graphs: bool = True  # replay pure decode/verify steps from CUDA graphs (GPU only)
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks (prefix_cache.py)
-    # Choose dynamic-K requests' K each step here (verifier/speculation/controller.py).
+    # Choose dynamic-K requests' K each step here (verifier/engine/speculation.py).
     speculation_controller: bool = False
+    # Steps taken while the engine holds more requests than this (running and waiting)
+    # draft nothing, reported as "queue_size"; None: never.
+    disable_queue_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_kv_blocks",
@@ -74,6 +77,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_num_speculative_tokens < 0:
             raise ValueError("max_num_speculative_tokens must be >= 0")
+        if self.disable_queue_size is not None and self.disable_queue_size < 0:
+            raise ValueError(f"disable_queue_size must be >= 0, got {self.disable_queue_size}")
         if self.num_kv_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"KV cache ({self.num_kv_blocks} blocks x {self.block_size}) cannot hold one "
@@ -124,7 +129,9 @@ class StepOutput:
     num_accepted: int
     finish_reason: FinishReason | None = None
     num_speculative_tokens: int = 0  # K the scheduler gave the sequence this step
-    miss_reason: str | None = None  # why no draft arrived although K > 0 (see Proposer.miss_reason)
+    # Why the step fed no drafts for a request that asks for them: the engine ran it
+    # plain (Scheduled.plain_reason), or none arrived although K > 0 (Proposer.miss_reason).
+    miss_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token when the request asked
     # The step as a whole, the same for every output of one step.
     step: int = 0
@@ -264,9 +271,7 @@ class Engine:
             return []
         self.num_steps += 1
         generators = self._generator_states(batch)
-        dynamic = self._dynamic(batch)
-        if dynamic:
-            self.controller.choose(batch, dynamic)
+        rows = self._choose_k(batch)
         try:
             t1 = time.perf_counter()
             drafts = collect_drafts(self.proposer, batch, self.model.config)
@@ -291,7 +296,7 @@ class Engine:
             outcomes = {item.seq.seq_id: (len(fed), accepted) for item, fed, accepted
                         in zip(out.sampled, out.drafts, num_accepted, strict=True)
                         if item.num_speculative_tokens}
-            self.controller.observe(batch, dynamic, outcomes, (t5 - t0 - (t2 - t1)) * 1e3,
+            self.controller.observe(rows, outcomes, (t5 - t0 - (t2 - t1)) * 1e3,
                                     (t2 - t1) * 1e3, out.num_tokens)
         self._account(t0, t1, t2, t3, t4, t5, len(batch), out.num_tokens, outputs)
         dt = (t5 - t0) * 1e3
@@ -302,13 +307,27 @@ class Engine:
             o.num_tokens = out.num_tokens
         return outputs
 
-    def _dynamic(self, batch: list[Scheduled]) -> dict[int, str]:
-        """seq_id -> drafter of the batch's dynamic-K sequences, where the controller
-        chooses K (none without one)."""
+    def _choose_k(self, batch: list[Scheduled]) -> list[Row]:
+        """Each sequence's K this step where the engine chooses it, within the K the
+        scheduler gave it: none past the queue size, dynamic K's by the controller.
+        Returns the step's rows for the controller to learn from (none without one)."""
+        limit = self.config.disable_queue_size
+        if limit is not None and self.num_running + self.num_waiting > limit:
+            for item in batch:
+                if item.num_speculative_tokens:
+                    item.num_tokens, item.plain_reason = 1, "queue_size"
         if self.controller is None:
-            return {}
-        return {item.seq.seq_id: item.seq.request.drafter for item in batch
-                if item.seq.request.auto_k and item.seq.request.drafter is not None}
+            return []
+        rows = [Row(item.seq.seq_id, item.num_speculative_tokens,
+                    item.seq.request.drafter if item.seq.request.auto_k else None,
+                    item.is_prefill) for item in batch]
+        chosen = self.controller.choose(rows)
+        for item in batch:
+            k = chosen.get(item.seq.seq_id)
+            if k is not None:
+                item.num_tokens = 1 + k
+                item.plain_reason = None if k else "dynamic_k"
+        return rows
 
     def _generator_states(self, batch: list[Scheduled]) -> list[tuple[torch.Generator, torch.Tensor]]:
         """The random generators the batch may draw from, with their states now: none
@@ -479,7 +498,7 @@ class Engine:
                                   hidden.take(seq.seq_id, self.proposer, kept, tree_rows),
                                   start_pos)
             self.proposer.advance(seq.seq_id, outcome)
-        miss = None
+        miss = item.plain_reason
         if item.num_speculative_tokens and not num_drafted and self.proposer is not None:
             miss = self.proposer.miss_reason(seq.seq_id)
         if reason is not None:

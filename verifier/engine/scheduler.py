@@ -28,6 +28,9 @@ class Scheduled:
     seq: Sequence
     num_tokens: int  # prefill: chunk length; decode: 1 + K (upper bound; drafts may be fewer)
     is_prefill: bool
+    # Why the engine runs it without drafts this step although its request asks for
+    # some ("queue_size", "dynamic_k"); None: it does not, or drafts are asked for.
+    plain_reason: str | None = None
 
     @property
     def num_speculative_tokens(self) -> int:

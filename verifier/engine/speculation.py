@@ -1,10 +1,12 @@
 """Dynamic K where the step runs, beside the scheduler: each step, every dynamic-K
 request's K from that step's real batch and the engine's own measurements.
 
-The engine calls `choose(batch)` between scheduling and asking the drafters, and
-`observe(...)` once the step committed. Nothing travels: no gateway models the
-verifier from the responses it sees and sends K back a step late, and any number of
-gateways see one controller.
+Our engine calls `choose(rows)` between scheduling and asking the drafters, and
+`observe(...)` once the step committed; under vLLM's engine the proposer does, at the
+end of each step for the next (verifier/vllm/proposer.py). A step is a list of `Row`s,
+so neither engine's types reach in. Nothing travels: no gateway models the verifier
+from the responses it sees and sends K back a step late, and any number of gateways
+see one controller.
 
 A step's worth is its expected tokens over its time. For a batch of B decoding
 sequences whose requests draft n positions in all:
@@ -35,8 +37,6 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from verifier.engine.scheduler import Scheduled
-
 
 @dataclass(frozen=True, slots=True)
 class ControllerConfig:
@@ -60,6 +60,20 @@ class ControllerConfig:
     redraft_after_steps: int = 32
     # The acceptance of a method nothing has been measured for.
     default_rate: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One sequence of a step."""
+
+    key: int  # the sequence, the same every step
+    bound: int  # drafts it may have this step (its request's K, the room left); 0: none
+    drafter: str | None = None  # dynamic K with this drafter; None: K stays `bound`
+    prefill: bool = False  # a prompt chunk: it drafts nothing
+
+    @property
+    def dynamic(self) -> bool:
+        return self.drafter is not None and self.bound > 0 and not self.prefill
 
 
 @dataclass(slots=True)
@@ -167,7 +181,7 @@ class StepCost:
 @dataclass(slots=True)
 class _Position:
     reach: float
-    index: int  # of the request in the step's list of dynamic-K requests
+    index: int  # of the row in the step's list of dynamic-K rows
     method: str
 
 
@@ -182,42 +196,33 @@ class SpeculationController:
 
     # -- choosing --------------------------------------------------------------
 
-    def choose(self, batch: list[Scheduled], drafter_of: dict[int, str]) -> dict[int, int]:
-        """Set the K of every dynamic-K decoding sequence of the step (drafter_of: seq_id
-        -> its drafter, for those; rates and waits are kept per drafter), within the K
-        the scheduler gave it (its request's bound, room left). Returns seq_id -> K."""
+    def choose(self, rows: list[Row]) -> dict[int, int]:
+        """The K of every dynamic-K row of the step, within its bound: key -> K."""
         self._step += 1
-        dynamic = [item for item in batch if not item.is_prefill
-                   and item.seq.seq_id in drafter_of and item.num_speculative_tokens > 0]
+        dynamic = [row for row in rows if row.dynamic]
         if not dynamic:
             return {}
-        chosen = self._choose(batch, dynamic, drafter_of)
-        for item in dynamic:
-            item.num_tokens = 1 + chosen[item.seq.seq_id]
-        return chosen
+        return self._choose(rows, dynamic)
 
-    def _choose(self, batch: list[Scheduled], dynamic: list[Scheduled],
-                drafter_of: dict[int, str]) -> dict[int, int]:
-        plain = {item.seq.seq_id: 0 for item in dynamic}
-        if any(item.is_prefill for item in batch):
+    def _choose(self, rows: list[Row], dynamic: list[Row]) -> dict[int, int]:
+        plain = {row.key: 0 for row in dynamic}
+        if any(row.prefill for row in rows):
             return plain
-        decoding = [item for item in batch if not item.is_prefill]
-        fixed = [item for item in decoding if item not in dynamic]
-        base_rows = len(decoding) + sum(item.num_speculative_tokens for item in fixed)
+        decoding = [row for row in rows if not row.prefill]
+        base_rows = len(decoding) + sum(row.bound for row in decoding if row.drafter is None)
         last = self.cost.last_step.get(base_rows)
         if last is None or self._step - last > self.config.probe_after_steps:
             self.num_probes += 1
             return plain  # measure the plain step at this row count
         positions = sorted(
-            (_Position(reach, i, drafter_of[item.seq.seq_id])
-             for i, item in enumerate(dynamic)
-             for reach in self._reach(item, drafter_of[item.seq.seq_id])),
+            (_Position(reach, i, row.drafter)
+             for i, row in enumerate(dynamic) for reach in self._reach(row)),
             key=lambda p: -p.reach)
         tokens = float(len(decoding))  # each decoding sequence's own token
         trusted = self.cost.trusted_rows(self.config)
         # Drafters not drafted for a while are tried again at no wait (see the config).
-        fresh = {d for d in set(drafter_of.values())
-                 if self._step - self.cost.drafted_step.get(d, self._step)
+        fresh = {row.drafter for row in dynamic
+                 if self._step - self.cost.drafted_step.get(row.drafter, self._step)
                  <= self.config.redraft_after_steps}
         best_n, best = 0, tokens / self.cost.price(base_rows)
         methods: set[str] = set()
@@ -233,18 +238,18 @@ class SpeculationController:
         ks = [0] * len(dynamic)
         for p in positions[:best_n]:
             ks[p.index] += 1
-        return {item.seq.seq_id: k for item, k in zip(dynamic, ks, strict=True)}
+        return {row.key: k for row, k in zip(dynamic, ks, strict=True)}
 
-    def _reach(self, item: Scheduled, method: str) -> list[float]:
+    def _reach(self, row: Row) -> list[float]:
         """[K] the chance that each of the sequence's next K drafts is accepted."""
-        k, cfg = item.num_speculative_tokens, self.config
+        k, cfg, method = row.bound, self.config, row.drafter
         method_counts = self._method_counts.get(method)
         if method_counts is None:
             prior, answer_prior = [cfg.default_rate] * k, 1.0
         else:  # the method's rates over all its requests, around the default
             prior = method_counts.rates([cfg.default_rate] * len(method_counts.tried), 1.0)
             answer_prior = method_counts.answer_rate(1.0, 1.0)
-        counts = self._counts.get(item.seq.seq_id)
+        counts = self._counts.get(row.key)
         if counts is None:
             rates, answered = _widen(prior, k), answer_prior
         else:
@@ -259,29 +264,27 @@ class SpeculationController:
 
     # -- learning --------------------------------------------------------------
 
-    def observe(self, batch: list[Scheduled], drafter_of: dict[int, str],
-                outcomes: dict[int, tuple[int, int]], step_ms: float, draft_wait_ms: float,
-                rows: int) -> None:
-        """A committed step: outcomes[seq_id] = (drafted, accepted) of each sequence that
-        asked for drafts; step_ms its time without the drafters' wait; rows it fed."""
-        if not any(item.is_prefill for item in batch):
-            self.cost.observe(self._step, rows, step_ms)
-        drafting = {drafter_of[s] for s, (drafted, _) in outcomes.items()
-                    if drafted and s in drafter_of}
+    def observe(self, rows: list[Row], outcomes: dict[int, tuple[int, int]], step_ms: float,
+                draft_wait_ms: float, fed: int) -> None:
+        """A committed step of these rows (as chosen: bounds, drafters): outcomes[key] =
+        (drafted, accepted) of each row that asked for drafts; step_ms its time without
+        the drafters' wait; fed the rows it fed the model."""
+        if not any(row.prefill for row in rows):
+            self.cost.observe(self._step, fed, step_ms)
+        drafting = {row.drafter for row in rows
+                    if row.drafter is not None and outcomes.get(row.key, (0, 0))[0]}
         self.cost.observe_wait(self._step, drafting, draft_wait_ms)
         cfg = self.config
         decay = 0.5 ** (1 / cfg.half_life_steps)
         method_decay = 0.5 ** (1 / cfg.method_half_life_steps)
-        for item in batch:
-            seq_id = item.seq.seq_id
-            if seq_id not in outcomes or seq_id not in drafter_of:
+        for row in rows:
+            if row.key not in outcomes or row.drafter is None:
                 continue
-            drafted, accepted = outcomes[seq_id]
-            k = item.num_speculative_tokens
-            counts = _fit(self._counts.setdefault(seq_id, _Counts.empty(k)), k)
+            drafted, accepted = outcomes[row.key]
+            counts = _fit(self._counts.setdefault(row.key, _Counts.empty(row.bound)), row.bound)
             counts.add(drafted, accepted, decay)
-            method = _fit(self._method_counts.setdefault(drafter_of[seq_id],
-                                                              _Counts.empty(k)), k)
+            method = _fit(self._method_counts.setdefault(row.drafter, _Counts.empty(row.bound)),
+                          row.bound)
             method.add(drafted, accepted, method_decay)
 
     def forget(self, seq_id: int) -> None:

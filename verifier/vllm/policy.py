@@ -25,6 +25,9 @@ KEY_METHOD = "specdec_method"  # "none", "ngram", ...; absent = the deployment's
 KEY_DRAFTER = "specdec_drafter"  # a configured drafter's name; absent = the method's first
 KEY_NUM_SPECULATIVE_TOKENS = "specdec_num_speculative_tokens"  # K; 0 = tracked, no drafts
 KEY_REQUEST_ID = "specdec_request_id"  # the name policy updates use; absent = vLLM's id
+# true: K is a bound, and the proposer's speculation controller chooses each step's K
+# within it (ProposerConfig.speculation_controller); absent = the deployment's default.
+KEY_AUTO_K = "specdec_auto_k"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,7 @@ class RequestPolicy:
     drafter: str | None = None
     num_speculative_tokens: int | None = None
     request_id: str | None = None
+    auto_k: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in METHODS:
@@ -43,6 +47,8 @@ class RequestPolicy:
         k = self.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ValueError(f"{KEY_NUM_SPECULATIVE_TOKENS}: must be an int >= 0, got {k!r}")
+        if self.auto_k is not None and not isinstance(self.auto_k, bool):
+            raise ValueError(f"{KEY_AUTO_K}: must be true or false, got {self.auto_k!r}")
 
     @classmethod
     def from_extra_args(cls, extra_args: Mapping[str, Any] | None) -> RequestPolicy:
@@ -53,10 +59,11 @@ class RequestPolicy:
         if isinstance(k, float) and k.is_integer():  # JSON numbers may arrive as floats
             k = int(k)
         return cls(method=args.get(KEY_METHOD), drafter=args.get(KEY_DRAFTER) or None,
-                   num_speculative_tokens=k, request_id=args.get(KEY_REQUEST_ID))
+                   num_speculative_tokens=k, request_id=args.get(KEY_REQUEST_ID),
+                   auto_k=args.get(KEY_AUTO_K))
 
     def to_extra_args(self) -> dict[str, Any]:
         values = {KEY_METHOD: self.method, KEY_DRAFTER: self.drafter,
                   KEY_NUM_SPECULATIVE_TOKENS: self.num_speculative_tokens,
-                  KEY_REQUEST_ID: self.request_id}
+                  KEY_REQUEST_ID: self.request_id, KEY_AUTO_K: self.auto_k}
         return {key: value for key, value in values.items() if value is not None}

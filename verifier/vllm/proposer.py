@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,7 @@ from verifier.drafter_client import LIVENESS_S, DrafterClient, TargetInfo
 from verifier.drafting import DrafterPool
 from verifier.engine.proposer import Outcome
 from verifier.engine.sequence import Request
+from verifier.engine.speculation import Row, SpeculationController
 from verifier.vllm.policy import RequestPolicy
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,11 @@ class ProposerConfig:
     # K for requests that name none; 0 = the speculative config's num_speculative_tokens.
     num_speculative_tokens: int = 0
     drafter_liveness_s: float = LIVENESS_S
+    # Each step's K of dynamic-K requests chosen here (verifier/engine/speculation.py);
+    # requests that name no K are dynamic, within it.
+    speculation_controller: bool = False
+    # Steps after which the runner holds more requests than this draft nothing.
+    disable_queue_size: int | None = None
 
     def __post_init__(self) -> None:
         for name, address in self.drafters.items():
@@ -81,6 +88,9 @@ class ProposerConfig:
         if self.num_speculative_tokens < 0:
             raise ValueError(f"{CONFIG_KEY}.num_speculative_tokens must be >= 0, "
                              f"got {self.num_speculative_tokens}")
+        if self.disable_queue_size is not None and self.disable_queue_size < 0:
+            raise ValueError(f"{CONFIG_KEY}.disable_queue_size must be >= 0, "
+                             f"got {self.disable_queue_size}")
 
     @classmethod
     def from_additional_config(cls, additional: Mapping[str, Any] | None) -> ProposerConfig:
@@ -94,7 +104,9 @@ class ProposerConfig:
         return {CONFIG_KEY: {"drafters": dict(self.drafters),
                              "draft_deadline_ms": self.draft_deadline_ms,
                              "num_speculative_tokens": self.num_speculative_tokens,
-                             "drafter_liveness_s": self.drafter_liveness_s}}
+                             "drafter_liveness_s": self.drafter_liveness_s,
+                             "speculation_controller": self.speculation_controller,
+                             "disable_queue_size": self.disable_queue_size}}
 
 
 @dataclass(slots=True)
@@ -106,6 +118,8 @@ class _Tracked:
     seq_id: int = -1  # its sequence on the drafter stream
     num_tokens: int = 0  # context length the drafter has
     num_drafted: int = 0  # drafts handed to vLLM last step
+    num_wanted: int = 0  # drafts asked of its drafter last step
+    auto_k: bool = False  # the controller chooses its K each step, within its K
 
     @property
     def key(self) -> str | None:
@@ -155,6 +169,13 @@ class RemoteProposer:
         self._k: dict[str, int] = {}  # policy key -> K set since the request started
         self._next_seq_id = 0
         self._failures = 0
+        self.controller = SpeculationController() if self.config.speculation_controller else None
+        # The step now running as the controller chose it, when its drafts were handed
+        # over (perf_counter), and the wait for them (ms); its time is measured at the
+        # next call, which is where it ends.
+        self._rows: list[Row] = []
+        self._handed_at: float | None = None
+        self._wait_ms = 0.0
 
     def load_model(self, model: Any) -> None:
         """vLLM's hook once the target is loaded: connect to the drafters."""
@@ -182,35 +203,48 @@ class RemoteProposer:
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
                  drafts: list[list[int]]) -> None:
+        started = time.perf_counter()
         requests = self.runner.requests
         for req_id in [r for r in self._tracked if r not in requests]:  # finished, aborted
             self._forget(req_id)
-        wanted: dict[int, int] = {}
+        bounds: dict[int, int] = {}  # seq_id -> K it may have next step
         rows: dict[int, tuple[int, _Tracked]] = {}
+        outcomes: dict[int, tuple[int, int]] = {}  # seq_id -> (drafted, accepted) this step
+        fed, prefill = 0, False  # rows this step fed the target; whether it prefilled
+        plain: list[Row] = []  # next step's rows that draft nothing in any case
         for row, (req_id, sampled) in enumerate(zip(self.runner.input_batch.req_ids,
                                                     sampled_token_ids, strict=True)):
             state = requests.get(req_id)
             if not sampled or state is None or state.sampling_params is None:
-                continue  # a partial prefill chunk (or a pooling request): nothing to draft
+                prefill = True  # a partial prefill chunk (or a pooling request)
+                plain.append(Row(-2 - row, 0, prefill=True))  # it goes on next step
+                continue
             num_tokens = int(num_tokens_no_spec[row])
             seq = self._tracked.get(req_id)
+            fed += 1 + (seq.num_drafted if seq is not None else 0)
             if seq is None:
+                prefill = True  # its prompt was this step's
                 seq = self._tracked[req_id] = self._track(req_id, state.sampling_params)
                 if seq.drafter is not None:
                     self._start(req_id, seq, token_ids_cpu[row, :num_tokens])
             elif seq.drafter is None:
+                plain.append(Row(-2 - row, 0))
                 continue
             elif seq.num_tokens + len(sampled) == num_tokens:
                 num_accepted = len(sampled) - 1
                 self.pool.advance(seq.seq_id, Outcome(
                     num_drafted=max(seq.num_drafted, num_accepted), num_accepted=num_accepted,
                     new_token_ids=[int(t) for t in sampled]))
+                if seq.num_wanted:
+                    outcomes[seq.seq_id] = (seq.num_drafted, num_accepted)
                 seq.num_tokens = num_tokens
             else:  # its context changed otherwise (re-prefilled after a preemption)
+                prefill = True
                 self.pool.free(seq.seq_id)
                 self._start(req_id, seq, token_ids_cpu[row, :num_tokens])
-            seq.num_drafted = 0
+            seq.num_drafted = seq.num_wanted = 0
             if seq.drafter is None:
+                plain.append(Row(-2 - row, 0))
                 continue
             k = self._k.get(seq.key) if seq.key is not None else None
             if k is None:
@@ -218,10 +252,12 @@ class RemoteProposer:
             if k is None:
                 k = self.default_num_speculative_tokens
             # Every draft is a position of the context: stay under the model's length.
-            k = min(k, self.max_num_speculative_tokens, self.max_model_len - num_tokens - 1)
-            if k > 0:
-                wanted[seq.seq_id] = k
-                rows[seq.seq_id] = row, seq
+            bounds[seq.seq_id] = max(0, min(k, self.max_num_speculative_tokens,
+                                            self.max_model_len - num_tokens - 1))
+            rows[seq.seq_id] = row, seq
+        wanted = self._choose(bounds, rows, plain, outcomes, fed, prefill, started)
+        for seq_id, k in wanted.items():
+            rows[seq_id][1].num_wanted = k
         # Sent even when nothing is wanted: the step's outcomes and frees go out with it.
         for seq_id, proposal in self.pool.propose(wanted, {}).items():
             row, seq = rows[seq_id]
@@ -230,6 +266,32 @@ class RemoteProposer:
                 ids = [ids[i] for i in first_child_chain(proposal.parents)]
             drafts[row] = ids[:wanted[seq_id]]
             seq.num_drafted = len(drafts[row])
+        self._handed_at = time.perf_counter()
+        self._wait_ms = (self._handed_at - started) * 1e3
+
+    def _choose(self, bounds: dict[int, int], rows: dict[int, tuple[int, _Tracked]],
+                plain: list[Row], outcomes: dict[int, tuple[int, int]], fed: int,
+                prefill: bool, started: float) -> dict[int, int]:
+        """seq_id -> K of the next step: none while the runner holds more requests than
+        the queue size, dynamic K's from the controller (which learns of the step that
+        has just ended first), the others their bound."""
+        limit = self.config.disable_queue_size
+        if limit is not None and len(self.runner.requests) > limit:
+            bounds = dict.fromkeys(bounds, 0)
+        if self.controller is None:
+            return {seq_id: k for seq_id, k in bounds.items() if k > 0}
+        if self._handed_at is not None:
+            # This step ran from the last drafts handed over to now; it waited for them
+            # before it started. A step this call cannot see whole (a prompt's) is not
+            # priced.
+            ended = self._rows + ([Row(-1, 0, prefill=True)] if prefill else [])
+            self.controller.observe(ended, outcomes, (started - self._handed_at) * 1e3,
+                                    self._wait_ms, fed)
+        self._rows = plain + [
+            Row(seq_id, k, rows[seq_id][1].drafter if rows[seq_id][1].auto_k else None)
+            for seq_id, k in bounds.items()]
+        chosen = self.controller.choose(self._rows)
+        return {seq_id: k for seq_id, k in (bounds | chosen).items() if k > 0}
 
     def _track(self, req_id: str, sampling_params: Any) -> _Tracked:
         try:
@@ -247,7 +309,11 @@ class RemoteProposer:
             client = None
         if client is not None and client.hidden_layers():
             client = None  # EAGLE heads read the target's hidden states, which vLLM keeps
-        return _Tracked(policy, client.name if client is not None else None)
+        auto = policy.auto_k
+        if auto is None:  # a request naming no K follows the controller, where there is one
+            auto = self.controller is not None and policy.num_speculative_tokens is None
+        return _Tracked(policy, client.name if client is not None else None,
+                        auto_k=auto and self.controller is not None)
 
     def _start(self, req_id: str, seq: _Tracked, context: Any) -> None:
         tokens = [int(t) for t in context]
@@ -263,6 +329,8 @@ class RemoteProposer:
         seq = self._tracked.pop(req_id)
         if seq.drafter is not None:
             self.pool.free(seq.seq_id)
+        if self.controller is not None:
+            self.controller.forget(seq.seq_id)
         if seq.key is not None:
             self._k.pop(seq.key, None)
 

@@ -108,7 +108,9 @@ async def serve(args: argparse.Namespace, server_tls: TlsConfig | None,
     model_dir = Path(args.model) if args.model else prepare_default_model()
     config = ProposerConfig(drafters=dict(args.drafter), draft_deadline_ms=args.draft_deadline_ms,
                             num_speculative_tokens=args.num_speculative_tokens,
-                            drafter_liveness_s=args.drafter_liveness_s)
+                            drafter_liveness_s=args.drafter_liveness_s,
+                            speculation_controller=args.speculation_control == "verifier",
+                            disable_queue_size=args.speculative_disable_queue_size)
     load = EngineLoad()
     engine = AsyncLLM.from_engine_args(
         AsyncEngineArgs(**engine_args(args, model_dir, config.to_additional_config())),

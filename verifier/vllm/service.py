@@ -108,6 +108,7 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
                  max_num_speculative_tokens: int, block_size: int, num_kv_blocks: int,
                  load: EngineLoad, max_num_waiting: int = 0):
         self.engine = engine  # vllm.v1.engine.async_llm.AsyncLLM
+        self.speculation_controller = config.speculation_controller
         self.target = target
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -218,7 +219,7 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
         rides = RequestPolicy(
             method=method_name(policy.method) if policy.drafter is not None else "none",
             drafter=policy.drafter, num_speculative_tokens=policy.effective_k,
-            request_id=request_id)
+            request_id=request_id, auto_k=policy.auto_k)
         params = sampling.to_vllm(s, max_tokens=max_tokens, vocab_size=self.target.vocab_size,
                                   extra_args=rides.to_extra_args(),
                                   speculative=bool(self.drafters))
@@ -361,6 +362,7 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
             tokenizer=common_pb2.TokenizerFingerprint(vocab_size=self.target.vocab_size,
                                                       hash=self.target.tokenizer_hash),
             prefix_caching_enabled=True,
+            speculation_controller=self.speculation_controller,
             prefix_cache_queries=load.prefix_cache_queries,
             prefix_cache_hits=load.prefix_cache_hits,
             prefix_cache_hit_rate=(load.prefix_cache_hits / load.prefix_cache_queries
