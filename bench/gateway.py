@@ -1,7 +1,7 @@
 """Concurrency sweep through the whole stack: static K against dynamic K.
 
 Starts the real deployment on loopback (a drafter, the verifier on the default
-model, the gateway), profiles it with `specdec profile`, then sends C
+model, the gateway), then sends C
 concurrent streaming chat completions (greedy, fixed max tokens) for C in
 --concurrency, with speculation off (K=0), static K in --ks, and dynamic K
 ("auto", bounded by the largest static K). Configurations alternate within
@@ -32,11 +32,9 @@ import openai
 import torch
 
 from bench.prompts import PROMPTS
-from gateway.profile import profile
 from specdec.launch import free_port
 from specdec.models.prepare import cache_dir, prepare_default_model
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
-from specdec.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -239,27 +237,16 @@ def main() -> None:
             ],
         )
         wait_for_verifier(verifier, args.method)
-        tokenizer = Tokenizer.from_dir(model_dir)
-        chat = [tokenizer.apply_chat_template(list(p.messages)) for p in PROMPTS
-                if p.category != "long_context"]
-        print("profiling the deployment ...", file=sys.stderr, flush=True)
-        prof = asyncio.run(profile(verifier, chat, sorted({1, *args.concurrency}),
-                                   [0, *range(1, max_num_speculative_tokens + 1)], 24, args.method,
-                                   log=lambda s: print("  " + s, file=sys.stderr, flush=True)))
-        out = Path(args.out)
-        profile_path = out.with_name(out.stem + "_profile.json")
-        prof.save(profile_path)
         procs.spawn("gateway", [
             "-m", "gateway", "--model", str(model_dir), "--served-model-name", "smollm2",
             "--verifier", verifier, "--port", str(ports["http"]), "--grpc-port", "-1",
-            "--speculative-method", args.method, "--profile", str(profile_path)])
+            "--speculative-method", args.method])
         base = f"http://127.0.0.1:{ports['http']}/v1"
         asyncio.run(wait_for_gateway(base))
         result = asyncio.run(sweep(args, base))
     result.update({"method": args.method, "max_tokens": args.max_tokens,
                    "threads": args.threads, "machine": f"{platform.machine()} "
                    f"{os.cpu_count()} cores", "torch": torch.__version__,
-                   "profile": prof.to_json(),
                    "command": "python -m bench.gateway " + " ".join(sys.argv[1:])})
     Path(args.out).write_text(json.dumps(result, indent=1))
     table = render(result)

@@ -4,9 +4,8 @@
 One deployment serves every cell of ours: the n-gram, EAGLE-3 and draft-model
 drafters as their own processes, the verifier on the default model, the
 gateway, all started from their command lines on loopback with the same torch
-thread count. Before the sweep `specdec profile` measures the verifier's step
-time per batch size, K and drafter (each drafter's own draft time is on the
-critical path) and acceptance priors; the gateway's dynamic K uses that file.
+thread count. Dynamic K is the verifier's, chosen each step from the step's
+own batch and measured step times.
 
 A cell is one system under one load: the same N requests (N = max(C,
 --requests), prompts of bench/prompts.py without the long-context one, chat
@@ -59,7 +58,6 @@ from bench.drafters import device_name, free_port, truncated_copy
 from bench.gateway import Processes, _ints, one_request, wait_for_gateway, wait_for_verifier
 from bench.peers import NGRAM_MAX, NGRAM_MIN, PEERS_PYTHON, run_vllm_mode, vllm_unavailable
 from bench.prompts import PROMPTS, Prompt
-from gateway.profile import profile
 from specdec.launch import service_flag
 from specdec.models.prepare import cache_dir, prepare_default_model
 from specdec.tokenizer import Tokenizer
@@ -129,8 +127,8 @@ async def run_ours(args, base: str, prompts: list[Prompt], cfgs: dict[str, dict]
     return cells
 
 
-def start_ours(args, model_dir: Path, procs: Processes) -> tuple[str, str, Path]:
-    """Drafters, verifier, profile, gateway; (verifier address, API base, profile path)."""
+def start_ours(args, model_dir: Path, procs: Processes) -> tuple[str, str]:
+    """Drafters, verifier, gateway; (verifier address, API base)."""
     ports = {n: free_port() for n in (*args.methods, "verifier", "http")}
     drafter_argv = {
         "ngram": ["--method", "ngram", "--target", str(model_dir), "--ngram-min",
@@ -152,24 +150,13 @@ def start_ours(args, model_dir: Path, procs: Processes) -> tuple[str, str, Path]
     procs.spawn("verifier", verifier_argv)
     verifier = f"127.0.0.1:{ports['verifier']}"
     wait_for_verifier(verifier, args.methods[0] if args.methods else "none")
-    tokenizer = Tokenizer.from_dir(model_dir)
-    chat = [tokenizer.apply_chat_template(list(p.messages)) for p in PROMPTS
-            if p.category != "long_context"]
-    print("profiling the deployment ...", flush=True)
-    prof = asyncio.run(profile(verifier, chat, sorted({1, *args.concurrency}),
-                               sorted({0, 1, *args.ks}), args.profile_tokens,
-                               list(args.methods) or None,
-                               log=lambda s: print("  " + s, flush=True)))
-    profile_path = procs.log_dir / "profile.json"
-    prof.save(profile_path)
     procs.spawn("gateway", [
         "-m", "gateway", "--model", str(model_dir), "--served-model-name", "smollm2",
-        "--verifier", verifier, "--port", str(ports["http"]), "--grpc-port", "-1",
-        "--profile", str(profile_path)]
+        "--verifier", verifier, "--port", str(ports["http"]), "--grpc-port", "-1"]
         + (["--speculative-method", args.methods[0]] if args.methods else []))
     base = f"http://127.0.0.1:{ports['http']}/v1"
     asyncio.run(wait_for_gateway(base))
-    return verifier, base, profile_path
+    return verifier, base
 
 
 # -- transformers ------------------------------------------------------------------
@@ -429,8 +416,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="eagle3 ends a head chain before a draft the head gives less than "
                          "this (default %(default)s, as compose.yaml deploys it; 0 = K drafts)")
     ap.add_argument("--draft-layers", type=int, default=6)
-    ap.add_argument("--profile-tokens", type=int, default=12,
-                    help="tokens per profile request, times K + 1")
     ap.add_argument("--peers-python", default=str(PEERS_PYTHON))
     ap.add_argument("--vllm-timeout-s", type=float, default=600.0, help="per vLLM mode")
     ap.add_argument("--quick", action="store_true",
@@ -443,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--methods: unknown {', '.join(sorted(unknown))} (choose from {METHODS})")
     if args.quick:
         args.methods, args.ks, args.concurrency = ["ngram"], [2], [1, 4]
-        args.requests, args.max_tokens, args.profile_tokens = 2, 8, 4
+        args.requests, args.max_tokens = 2, 8
     systems = set(args.systems.split(","))
 
     t_start = time.perf_counter()
@@ -458,14 +443,12 @@ def main(argv: list[str] | None = None) -> None:
     unavailable: dict[str, str] = {}
     versions = {"torch": torch.__version__}
     vllm_info: dict = {}
-    prof_json = None
     log_dir = cache_dir() / "logs" / "bench-grid"
     log_dir.mkdir(parents=True, exist_ok=True)
     if "ours" in systems:
         t0 = time.perf_counter()
         with Processes(log_dir, args.threads) as procs:
-            _, base, profile_path = start_ours(args, model_dir, procs)
-            prof_json = json.loads(profile_path.read_text())
+            _, base = start_ours(args, model_dir, procs)
             cells.update(asyncio.run(run_ours(args, base, prompts, cfgs)))
         phase_s["ours"] = round(time.perf_counter() - t0, 1)
     if "transformers" in systems:
@@ -501,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
                    "draft_layers": args.draft_layers, "head": str(args.head.relative_to(ROOT))
                    if args.head.is_relative_to(ROOT) else str(args.head),
                    "prompts": [p.name for p in prompts], "ours": cfgs},
-        "profile": prof_json, "summary": summary, "unavailable": unavailable,
+        "summary": summary, "unavailable": unavailable,
         "notes": notes(args), "cells": cells,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -525,9 +508,9 @@ def notes(args) -> list[str]:
         f"draft_model is the target's first {args.draft_layers} of 30 layers (no smaller SmolLM2 "
         "exists offline): a poor draft, shown for the cost of drafting; dynamic K is expected "
         "to turn it off.",
-        "Dynamic K (auto) is bounded by the largest static K and chooses per step from the "
-        "profile measured at start (each drafter's own step times) and the request's own "
-        "acceptance once it has drafted 8 times.",
+        "Dynamic K (auto) is bounded by the largest static K; the verifier chooses each "
+        "step's K from the step's batch, its measured step times and each request's "
+        "acceptance.",
         "transformers prompt lookup runs at concurrency 1 only (its `generate` supports no "
         "batch for it); transformers plain runs each wave as one left-padded batch.",
         "vLLM: `LLM(dtype=float32, gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 GiB, "

@@ -208,6 +208,20 @@ SECTIONS = [
      "--ours-vctl 'plain,eagle3 auto' --concurrency 1,4,16 --requests 16 --repeats 2 --out "
      "/tmp/serving_vctl_eagle3.json (copied to "
      "bench/results/serving_speculation_control_eagle3.json)"),
+    ("serving_speculation_control_ab.md",
+     "The gateway's dynamic K (`ours`, before its removal) against the verifier's "
+     "(`ours-vctl`, --speculation-control verifier at the time), a fresh stack of each per "
+     "repeat in turns (ABBA), default (ngram) and eagle3 auto against each stack's plain, "
+     "with static K = 2 on the verifier's stack, AMD EPYC (2026-12-06). The machine "
+     "drifted by up to 20 % within one stack (ngram K=2 / plain at C = 16: 1.21 then "
+     "0.87), so only large gaps are resolved. Per repeat, default / plain: gateway 1.53, "
+     "1.57 / 1.05, 1.17 / 1.08, 1.03 at C = 1 / 4 / 16; verifier 1.23, 1.48 / 1.02, "
+     "1.11 / 1.09, 1.10. eagle3 auto / plain: gateway 1.53, 1.50 / 0.89, 1.03 / 0.93, "
+     "0.92; verifier 1.49, 1.22 / 1.02, 1.07 / 0.96, 1.12. Every reply identical",
+     "python -m bench.serving --systems ours,ours-vctl --alternate --ours 'plain,default,"
+     "eagle3 auto' --ours-vctl 'plain,default,eagle3 auto,ngram K=2,eagle3 K=2' "
+     "--concurrency 1,4,16 --requests 16 --repeats 2 --out /tmp/ab_vctl.json (copied to "
+     "bench/results/serving_speculation_control_ab.json)"),
     ("serving_sampled.md",
      "`make run` against `vllm serve`, sampled (temperature 0.7, unseeded), after the CPU "
      "sampler's inverse CDF (the AMD EPYC, 2026-11-28, a later session)",

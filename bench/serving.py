@@ -130,14 +130,10 @@ class Stack:
     engine: str
     configs: dict[str, dict | None]
     added_drafters: tuple[str, ...] = ()
-    environ: tuple[tuple[str, str], ...] = ()  # compose variables set for this stack
 
 
-# System name -> its stack; a row is "SYSTEM CONFIGURATION". ours-vctl: ours with dynamic
-# K chosen in the verifier (--speculation-control verifier) rather than the gateway.
+# System name -> its stack; a row is "SYSTEM CONFIGURATION".
 STACKS = {"ours": Stack("specdec", OURS),
-          "ours-vctl": Stack("specdec", OURS,
-                             environ=(("SPECDEC_SPECULATION_CONTROL", "verifier"),)),
           "ours-vllm": Stack("vllm", OURS_VLLM, added_drafters=("suffix",))}
 SYSTEMS = (*STACKS, "vllm", "engine")
 
@@ -443,8 +439,7 @@ def run_stack(args, system: str, model_dir: Path, prompts: list[Prompt], log_dir
     concurrency's cells."""
     stack_def = STACKS[system]
     env = {"SPECDEC_MODEL_ROOT": str(model_dir.parent), "SPECDEC_MODEL": model_dir.name,
-           "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ, "SPECDEC_ENGINE": stack_def.engine,
-           **dict(stack_def.environ)}
+           "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ, "SPECDEC_ENGINE": stack_def.engine}
     services, ports = on_free_ports(with_drafters(local_services(environ=env),
                                                   stack_def.added_drafters))
     configs = {n: spec for n, spec in stack_def.configs.items()
@@ -1001,7 +996,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: concurrency 1 and 4, 2 requests, 8 tokens, one repeat")
     ap.add_argument("--alternate", action="store_true",
-                    help="ours and ours-vctl: a fresh stack of each per repeat, in turns "
+                    help="ours and ours-vllm: a fresh stack of each per repeat, in turns "
                          "(ABBA...), so that drift of a shared machine hits both alike")
     ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")
     args = ap.parse_args(argv)
@@ -1029,7 +1024,12 @@ def main(argv: list[str] | None = None) -> None:
     threads = torch.get_num_threads()
     engine = InProcessEngine(args, model_dir, prompts) if "engine" in systems else None
     preload: dict[str, str] = {}
-    turns = [s for s in ("ours", "ours-vctl") if s in systems] if args.alternate else []
+    turns = [s for s in STACKS if s in systems] if args.alternate else []
+    if "ours-vllm" in turns:
+        python = Path(os.environ.get(VLLM_PYTHON_ENV) or VLLM_PYTHON)
+        if (why := specdec_unavailable_beside_vllm(python)) is not None:
+            raise SystemExit(f"--alternate: ours-vllm cannot run: {why}")
+        versions["vllm"] = _peer_version(python)
     if len(turns) > 1:
         one = argparse.Namespace(**{**vars(args), "repeats": 1})
         for rep in range(args.repeats):
@@ -1048,9 +1048,6 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.repeats):
             for c in args.concurrency:
                 engine.measure(c)
-    if "ours-vctl" in systems:
-        got, startup["ours-vctl"], _ = run_stack(args, "ours-vctl", model_dir, prompts, log_dir)
-        cells.update({f"ours-vctl {n}": v for n, v in got.items()})
     if "ours-vllm" in systems:
         python = Path(os.environ.get(VLLM_PYTHON_ENV) or VLLM_PYTHON)
         if (why := specdec_unavailable_beside_vllm(python)) is not None:

@@ -13,13 +13,10 @@ import sys
 from pathlib import Path
 
 from specdec import tls
-from specdec.models.prepare import cache_dir
 from specdec.server import INTERNAL_TOKEN_ENV, host_port
 from specdec.speculation import METHODS
 
 log = logging.getLogger("gateway")
-
-DEFAULT_PROFILE = cache_dir() / "profile.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,14 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="K for requests that do not choose one: their static K, or with "
                    "--dynamic-k the upper bound of their dynamic K")
     p.add_argument("--dynamic-k", action=argparse.BooleanOptionalAction, default=True,
-                   help="requests that do not choose K get dynamic K (\"auto\"), from --profile "
-                   "or, without one, from a step-time model fitted online (default on)")
+                   help="requests that do not choose K get dynamic K (\"auto\"): the verifier "
+                   "chooses each step's K within --num-speculative-tokens (default on)")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="log lines as text or as JSON objects (one per request on "
                    "gateway.requests: id, status, method, K, tokens, TTFT, end-to-end time)")
-    p.add_argument("--profile", default=None,
-                   help=f"ITL profile for dynamic K, written by `specdec profile` "
-                   f"(default {DEFAULT_PROFILE} when it exists)")
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="require `Authorization: Bearer KEY` (default: $SPECDEC_API_KEY)")
     p.add_argument("--max-queue-time-s", type=float, default=60.0,
@@ -79,7 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
 async def _serve(args: argparse.Namespace, public_tls: tls.TlsConfig | None,
                  internal_tls: tls.TlsConfig | None) -> int:
     from gateway.core import Gateway, GatewayConfig, Limits
-    from gateway.policy.itl_profile import ItlProfile
     from gateway.replicas import ReplicaPool
     from gateway.service import serve
     from specdec.models.prepare import prepare_default_model
@@ -89,13 +82,6 @@ async def _serve(args: argparse.Namespace, public_tls: tls.TlsConfig | None,
     setup_tracing("specdec-gateway", args.otlp_endpoint)
     model_dir = Path(args.model) if args.model else prepare_default_model()
     tokenizer = Tokenizer.from_dir(model_dir)
-    profile_path = Path(args.profile) if args.profile else DEFAULT_PROFILE
-    profile = None
-    if args.profile or profile_path.is_file():
-        profile = ItlProfile.load(profile_path)
-        log.info("dynamic K profile: %s", profile_path)
-    else:
-        log.info("dynamic K: no profile file, step times are modelled online")
     config = GatewayConfig(
         model_name=args.served_model_name or model_dir.name,
         default_method=args.speculative_method,
@@ -115,7 +101,7 @@ async def _serve(args: argparse.Namespace, public_tls: tls.TlsConfig | None,
     replicas = ReplicaPool([host_port(v) for v in args.verifier or ["127.0.0.1:50051"]],
                            model_fingerprint(model_dir),
                            token=os.environ.get(INTERNAL_TOKEN_ENV) or None, tls=internal_tls)
-    gateway = Gateway(config, tokenizer, replicas, profile=profile)
+    gateway = Gateway(config, tokenizer, replicas)
     grpc_address = None if args.grpc_port < 0 else f"{args.host}:{args.grpc_port}"
     service = await serve(gateway, args.host, args.port, grpc_address, public_tls)
     log.info("gateway serving %s: %s://%s:%d/v1 (gRPC %s%s), verifiers %s", config.model_name,

@@ -1,9 +1,10 @@
 """Admission of one request, shared by the REST and gRPC front ends.
 
 `Gateway.open` validates a tokenized request against the deployment and its
-limits, picks the least loaded verifier replica and decides the speculation
-policy (method, K, auto-disable, dynamic K); every error a client can cause is
-raised there, before any output. The returned `Generation` (generation.py)
+limits, picks the least loaded verifier replica and decides the request's
+speculation policy (method, K or dynamic K's bound, off); every error a client
+can cause is raised there, before any output. Each step's K under load is the
+verifier's to choose (verifier/engine/speculation.py). The returned `Generation` (generation.py)
 streams the request's text deltas.
 """
 
@@ -19,10 +20,6 @@ from gateway import tools
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.policy.admission import Decision, Deployment, decide
-from gateway.policy.batch_k import BatchKs
-from gateway.policy.dynamic_k import PRIOR_STEPS, DynamicK, ProfileSource
-from gateway.policy.itl_profile import ItlProfile
-from gateway.policy.online_profile import OnlineProfile
 from gateway.policy.shedding import ServiceTimes, expected_wait_s, retry_after_s
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
 from gateway.tools import ToolError, ToolRequest
@@ -72,13 +69,11 @@ class GatewayConfig:
     model_name: str
     default_method: str = "none"
     # K of requests that do not give one: with default_auto_k the bound of their
-    # dynamic K (and their K until a profile exists), else their static K.
+    # dynamic K, which the verifier chooses each step, else their static K.
     default_num_speculative_tokens: int = 4
     default_auto_k: bool = True
     limits: Limits = field(default_factory=Limits)
     api_key: str | None = None
-    # Drafting steps the method's rates count for in a request's own acceptance estimate.
-    dynamic_k_prior_steps: float = PRIOR_STEPS
     # Admission: a request expected to wait longer than this for its first step is
     # refused (429, Retry-After); 0 = never. 60 s keeps a served request on `make run`
     # (16 slots, a few seconds a reply) within a minute and a half of arriving.
@@ -110,40 +105,17 @@ class GatewayConfig:
 
 class Gateway:
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, replicas: ReplicaPool,
-                 metrics: GatewayMetrics | None = None, profile: ItlProfile | None = None):
+                 metrics: GatewayMetrics | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.replicas = replicas
         self.metrics = metrics or GatewayMetrics()
-        # A profiled table (`specdec profile`) wins; without one, dynamic K reads the
-        # step-time model this gateway fits from its own requests' step statistics.
-        # The model learns either way, so its fit is on /metrics to compare.
-        self.profile = profile
-        self.online_profile = OnlineProfile()
-        self.metrics.watch_step_cost(self.online_profile.cost)
-        self.metrics.watch_calibration(self.online_profile.calibrations)
         # Compiles a request's grammar to refuse a bad one before it reaches a verifier.
         self.grammars = Grammars(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_ids)
-        self.batches = BatchKs()  # per replica: its dynamic-K requests choose K together
         self.service_times = ServiceTimes()  # per replica: how long a request holds a slot
         # Requests admitted and not finished, per replica: streams start only when their
         # client reads them, so a burst would otherwise all see an idle replica.
         self.admitted: dict[str, int] = {}
-
-    def profile_source(self, replica: Replica) -> ProfileSource:
-        """The profile dynamic K reads on `replica`, as it is at each call."""
-        if self.profile is not None:
-            profile = self.profile
-            return lambda: profile
-
-        def online() -> ItlProfile | None:
-            report = replica.report
-            if report is None:
-                return None
-            return self.online_profile.profile(report.max_num_seqs,
-                                               report.max_num_speculative_tokens)
-
-        return online
 
     # -- request preparation ------------------------------------------------------
 
@@ -311,15 +283,6 @@ class Gateway:
         except GatewayError as e:
             self.metrics.request_errors.labels(type(e).__name__).inc()
             raise
-        dynamic = None
-        # A verifier that chooses K each step itself gets the bound alone (generation.py).
-        delegated = replica.report is not None and replica.report.speculation_controller
-        if decision.auto_k and decision.num_speculative_tokens > 0 and not delegated:
-            method, online = decision.method, self.online_profile
-            dynamic = DynamicK(self.profile_source(replica), method,
-                               decision.num_speculative_tokens,
-                               prior_steps=self.config.dynamic_k_prior_steps,
-                               calibration=lambda: online.calibration(method))
         address = replica.address
         self.admitted[address] = self.admitted.get(address, 0) + 1
 
@@ -329,12 +292,11 @@ class Gateway:
         # The shorter of the server's limit and the request's own (0 / None: none).
         timeout = min((t for t in (self.config.request_timeout_s, req.timeout_s) if t),
                       default=None)
-        return Generation(req, request_id, decision, dynamic, max_tokens, t0, replica,
-                          self.replicas, self.tokenizer, self.metrics, self.online_profile,
+        return Generation(req, request_id, decision, max_tokens, t0, replica, self.replicas,
+                          self.tokenizer, self.metrics,
                           deadline=t0 + timeout if timeout else None, release=release,
                           service_times=self.service_times,
-                          resume_wait_s=self.config.resume_wait_s, batches=self.batches,
-                          admitted=self.admitted)
+                          resume_wait_s=self.config.resume_wait_s)
 
     def _admit(self, replica: Replica, max_tokens: int) -> None:
         """Overloaded (429) where this request would wait past the maximum queue time on

@@ -7,13 +7,12 @@ Each gateway owns its registry: tests run several in one process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.policy.online_profile import ROW_KNOTS, StepCost
 from specdec.pb import verifier_pb2
 
 # Latency buckets (seconds) wide enough for a CPU deployment and a GPU one.
@@ -47,69 +46,6 @@ class VerifierPrefixCache(Collector):
                 hits.add_metric([address], report.prefix_cache_hits)
                 rate.add_metric([address], report.prefix_cache_hit_rate)
         yield from (queries, hits, rate)
-
-
-class StepCostFit(Collector):
-    """The online step-time model's coefficients (gateway/policy/online_profile.py) as
-    they are at scrape time; nothing until it has seen enough steps."""
-
-    def __init__(self, source: Callable[[], StepCost | None]):
-        self.source = source
-
-    def collect(self) -> Iterator[Metric]:
-        cost = self.source()
-        if cost is None:
-            return
-        for name, value, doc in (
-                ("a", cost.a, "Fixed forward time of a verifier step"),
-                ("b", cost.b, "Forward time per row a step feeds, up to the first knot"),
-                ("g", cost.g, "Forward time per sequence in a step's batch"),
-                ("w", cost.w, "Scheduling and draft wait of a step that does not draft")):
-            g = GaugeMetricFamily(f"specdec_step_cost_{name}_ms",
-                                  f"Online step-time model: {doc}, ms")
-            g.add_metric([], value)
-            yield g
-        f = GaugeMetricFamily("specdec_step_cost_forward_ms",
-                              "Online step-time model: forward time of a step feeding this "
-                              "many rows, before its per-sequence cost g, ms", labels=["rows"])
-        for rows in (1, *ROW_KNOTS):
-            f.add_metric([str(rows)], cost.forward(rows))
-        yield f
-        d = GaugeMetricFamily("specdec_step_cost_draft_ms",
-                              "Online step-time model: a drafter's fixed wait per step, ms",
-                              labels=["method"])
-        e = GaugeMetricFamily("specdec_step_cost_draft_token_ms",
-                              "Online step-time model: a drafter's wait per draft token, ms",
-                              labels=["method"])
-        seq = GaugeMetricFamily("specdec_step_cost_draft_sequence_ms",
-                                "Online step-time model: a drafter's wait per sequence it "
-                                "drafts for, ms", labels=["method"])
-        depth = GaugeMetricFamily("specdec_step_cost_draft_depth_ms",
-                                  "Online step-time model: a drafter's wait per draft "
-                                  "position of its deepest sequence, ms", labels=["method"])
-        for method in sorted(cost.d):
-            d.add_metric([method], cost.d[method])
-            e.add_metric([method], cost.e[method])
-            seq.add_metric([method], cost.s.get(method, 0.0))
-            depth.add_metric([method], cost.h.get(method, 0.0))
-        yield from (d, e, seq, depth)
-
-
-class Calibration(Collector):
-    """Dynamic K's calibration per drafter method (OnlineProfile.calibration) as it is
-    at scrape time: the drafts its steps accepted over those their requests' rates
-    expected."""
-
-    def __init__(self, source: Callable[[], dict[str, float]]):
-        self.source = source
-
-    def collect(self) -> Iterator[Metric]:
-        g = GaugeMetricFamily("specdec_dynamic_k_calibration",
-                              "Accepted draft tokens of dynamic-K steps over those their "
-                              "requests' rates expected when K was chosen", labels=["method"])
-        for method, value in sorted(self.source().items()):
-            g.add_metric([method], value)
-        yield g
 
 
 class GatewayMetrics:
@@ -151,8 +87,6 @@ class GatewayMetrics:
                                    "Steps of speculative requests run without drafts, by why "
                                    "(queue_size, dynamic_k, drafter_unavailable, ...)",
                                    ["reason"], registry=r)
-        self.k_updates = Counter("specdec_spec_decode_k_updates",
-                                 "Dynamic-K changes sent to verifiers", registry=r)
         self.ttft = Histogram("specdec_time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("specdec_inter_token_latency_seconds",
@@ -171,14 +105,6 @@ class GatewayMetrics:
                             registry=r)
         self.verifier_prefix_cache = VerifierPrefixCache()
         r.register(self.verifier_prefix_cache)
-
-    def watch_step_cost(self, source: Callable[[], StepCost | None]) -> None:
-        """Export the online step-time model's fit, read from `source` at each scrape."""
-        self.registry.register(StepCostFit(source))
-
-    def watch_calibration(self, source: Callable[[], dict[str, float]]) -> None:
-        """Export dynamic K's calibration per method, read from `source` at each scrape."""
-        self.registry.register(Calibration(source))
 
     def observe_verifier(self, address: str, report: verifier_pb2.LoadReport) -> None:
         """The series a verifier's Load report carries."""

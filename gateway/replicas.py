@@ -54,9 +54,6 @@ class Replica:
         self.healthy = False
         self.error = "not polled yet"
         self.inflight = 0  # Generate streams this gateway has open on it
-        # Those of them (their Generation's id) that have had no response yet: a batch
-        # forming, which the verifier will prefill together.
-        self.unanswered: set[int] = set()
         self._fingerprint = fingerprint
         # time.monotonic() of each of this gateway's streams on it that the latest report
         # counts (opened before it was asked for) and that ended since it was asked for.
@@ -73,11 +70,6 @@ class Replica:
     def load(self) -> int:
         """Sequences on the replica now, as far as this gateway can tell."""
         return max(self._reported, self.inflight)
-
-    def joining(self) -> int:
-        """The batch a stream opened just now joins, itself included (it is counted in
-        `inflight`, not yet in a report)."""
-        return max(self._reported + 1, self.inflight)
 
     def stream_opened(self) -> float:
         """One more of this gateway's streams is open on it; returns its time.monotonic(),

@@ -6,13 +6,9 @@ import argparse
 import os
 import sys
 import time
-from importlib.metadata import entry_points
 from pathlib import Path
 
 from specdec.models.prepare import default_model_dir, prepare_default_model
-
-# Entry points of this group are `register(subparsers)` functions of the services.
-COMMANDS_GROUP = "specdec.commands"
 
 
 def _model_dir(arg: str | None) -> Path:
@@ -115,11 +111,6 @@ def main(argv: list[str] | None = None) -> int:
                        "embedded default: CPU, ngram and EAGLE-3 drafters); Ctrl-C stops it")
     launch.add_arguments(p)
     p.set_defaults(func=cmd_up)
-
-    # Services add their own subcommands (e.g. the gateway's `profile`): this package
-    # knows no service, so it finds them by entry point rather than by import.
-    for entry in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
-        entry.load()(sub)
 
     args = parser.parse_args(argv)
     return args.func(args)

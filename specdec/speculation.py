@@ -2,15 +2,12 @@
 
 The catalogue of speculation methods, of the reasons speculation is off, and of how a
 generation finishes: each name (the REST API's, the CLI's, the metrics' labels) beside
-its value on the wire (common.proto). And the acceptance length a request reports,
-and the outcomes of a drafting step that K by outcome tells apart.
+its value on the wire (common.proto). And the acceptance length a request reports.
 """
 
 from __future__ import annotations
 
-import enum
-
-from specdec.pb import common_pb2, verifier_pb2
+from specdec.pb import common_pb2
 
 # Method name -> SpecMethod. "none" is plain decoding, a choice of the gateway; the
 # others are what a drafter can be.
@@ -98,39 +95,3 @@ def acceptance_length(num_accepted_tokens: int, num_drafts: int) -> float:
     num_drafts steps emits its accepted drafts plus one token of the target's own; 0
     before any step has drafted."""
     return 1 + num_accepted_tokens / num_drafts if num_drafts else 0.0
-
-
-class DraftOutcome(enum.IntEnum):
-    """What a step that asked for drafts gave a sequence; the order of the Ks of
-    PolicyUpdate.KByOutcome (verifier.proto)."""
-
-    ALL_ACCEPTED = 0
-    SOME_ACCEPTED = 1
-    NONE_ACCEPTED = 2
-    NO_DRAFTS = 3
-
-    @classmethod
-    def of(cls, num_drafted: int, num_accepted: int) -> DraftOutcome:
-        if not num_drafted:
-            return cls.NO_DRAFTS
-        if not num_accepted:
-            return cls.NONE_ACCEPTED
-        return cls.ALL_ACCEPTED if num_accepted >= num_drafted else cls.SOME_ACCEPTED
-
-
-# PolicyUpdate.KByOutcome's fields, in DraftOutcome order (their field numbers): a table
-# of K by outcome on the wire.
-K_BY_OUTCOME_FIELDS: tuple[str, ...] = tuple(
-    f.name for f in sorted(verifier_pb2.GenerateRequest.KByOutcome.DESCRIPTOR.fields,
-                           key=lambda f: f.number))
-
-
-def k_by_outcome_from_proto(msg: verifier_pb2.GenerateRequest.KByOutcome
-                            ) -> tuple[int, int, int, int]:
-    return tuple(getattr(msg, name) for name in K_BY_OUTCOME_FIELDS)
-
-
-def k_by_outcome_to_proto(table: tuple[int, ...],
-                          msg: verifier_pb2.GenerateRequest.KByOutcome) -> None:
-    for name, k in zip(K_BY_OUTCOME_FIELDS, table, strict=True):
-        setattr(msg, name, k)

@@ -66,10 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
                    default=True,
                    help="reuse the KV cache of full blocks shared with earlier requests "
                         "(automatic prefix caching)")
-    p.add_argument("--speculation-control", choices=["gateway", "verifier"], default="gateway",
-                   help="who chooses dynamic-K requests' K each step: the gateway (from the "
-                        "step stats it sees, sent back as policy updates) or this verifier's "
-                        "engine, from the step's own batch (verifier/engine/speculation.py)")
     p.add_argument("--speculative-disable-queue-size", type=int, default=None, metavar="N",
                    help="steps taken while this verifier holds more than N requests (running "
                         "and waiting) draft nothing; reported as queue_size (default: never)")
@@ -148,7 +144,6 @@ async def _serve(args: argparse.Namespace, server_tls: tls.TlsConfig | None,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_speculative_tokens=args.max_num_speculative_tokens, seed=args.seed,
         cuda_graphs=args.cuda_graphs, enable_prefix_caching=args.enable_prefix_caching,
-        speculation_controller=args.speculation_control == "verifier",
         disable_queue_size=args.speculative_disable_queue_size)
     target = TargetInfo(cfg.vocab_size, digest, cfg.hidden_size, cfg.num_layers)
     # One shared token for the internal APIs (unset: none): this verifier requires it

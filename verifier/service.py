@@ -34,12 +34,7 @@ from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingParams
 from specdec.server import ADMITTED, REQUEST_FAILED, GrpcService, start_server
-from specdec.speculation import (
-    K_BY_OUTCOME_FIELDS,
-    acceptance_length,
-    k_by_outcome_from_proto,
-    reason_to_proto,
-)
+from specdec.speculation import acceptance_length, reason_to_proto
 from specdec.structured import Grammars
 from specdec.telemetry import incoming_context
 from specdec.tls import TlsConfig
@@ -72,8 +67,6 @@ class Policy:
     num_speculative_tokens: int  # kept while speculation is off, for when it is turned back on
     auto_k: bool
     disabled_reason: int  # DisabledReason; DISABLED_REASON_NONE = speculation on
-    # PolicyUpdate.k_by_outcome, in DraftOutcome order; None: num_speculative_tokens.
-    k_by_outcome: tuple[int, int, int, int] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -83,33 +76,15 @@ class Policy:
     def effective_k(self) -> int:
         return self.num_speculative_tokens if self.enabled and self.drafter is not None else 0
 
-    @property
-    def effective_k_by_outcome(self) -> tuple[int, int, int, int] | None:
-        return self.k_by_outcome if self.effective_k else None
-
     def apply(self, update: verifier_pb2.GenerateRequest.PolicyUpdate,
-              max_num_speculative_tokens: int, k_by_outcome: bool = True) -> None:
-        """A PolicyUpdate of the gateway's; ValueError naming the field it cannot take.
-        k_by_outcome: whether the engine takes a table (LoadReport.k_by_outcome_supported)."""
-        table = None
-        if update.HasField("k_by_outcome"):
-            if not k_by_outcome:
-                raise ValueError("policy_update.k_by_outcome: this verifier's engine "
-                                 "does not take K by outcome")
-            table = k_by_outcome_from_proto(update.k_by_outcome)
-            for name, k in zip(K_BY_OUTCOME_FIELDS, table, strict=True):
-                if k > max_num_speculative_tokens:
-                    raise ValueError(f"policy_update.k_by_outcome.{name}: {k} exceeds the "
-                                     f"maximum {max_num_speculative_tokens}")
+              max_num_speculative_tokens: int) -> None:
+        """A PolicyUpdate; ValueError naming the field it cannot take."""
         if update.HasField("num_speculative_tokens"):
             if update.num_speculative_tokens > max_num_speculative_tokens:
                 raise ValueError(f"policy_update.num_speculative_tokens: "
                                  f"{update.num_speculative_tokens} exceeds the maximum "
                                  f"{max_num_speculative_tokens}")
             self.num_speculative_tokens = update.num_speculative_tokens
-            self.k_by_outcome = table  # a K without a table clears the table
-        elif table is not None:
-            self.k_by_outcome = table
         if update.HasField("enabled"):
             if update.enabled and self.method == common_pb2.SPEC_METHOD_NONE:
                 raise ValueError("policy_update.enabled: the request's method is NONE")
@@ -270,8 +245,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def _apply_update(self, request_id: str, policy: Policy,
                       update: verifier_pb2.GenerateRequest.PolicyUpdate) -> None:
         policy.apply(update, self.engine.config.max_num_speculative_tokens)
-        self.worker.set_num_speculative_tokens(request_id, policy.effective_k,
-                                               policy.effective_k_by_outcome, policy.auto_k)
+        self.worker.set_num_speculative_tokens(request_id, policy.effective_k, policy.auto_k)
 
     def _response(self, out: StepOutput, policy: Policy, stats: _Stats) -> verifier_pb2.GenerateResponse:
         stats.completion_tokens += len(out.new_token_ids)
@@ -417,7 +391,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 forward_ms=load.times.forward_ms, sample_ms=load.times.sample_ms,
                 postprocess_ms=load.times.postprocess_ms, deliver_ms=load.deliver_ms,
                 drafter_ms=load.times.drafter_ms),
-            k_by_outcome_supported=True,
             speculation_controller=self.engine.controller is not None)
         for c in self.pool.clients.values():
             report.drafters.add(

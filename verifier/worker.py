@@ -146,12 +146,10 @@ class EngineWorker:
                 sink(out)
         self._commands.put(cancel)
 
-    def set_num_speculative_tokens(self, request_id: str, k: int,
-                                   k_by_outcome: tuple[int, int, int, int] | None = None,
-                                   auto_k: bool = False) -> None:
+    def set_num_speculative_tokens(self, request_id: str, k: int, auto_k: bool = False) -> None:
         def update() -> None:
             if request_id in self._sinks:
-                self.engine.set_num_speculative_tokens(request_id, k, k_by_outcome, auto_k)
+                self.engine.set_num_speculative_tokens(request_id, k, auto_k)
         self._commands.put(update)
 
     def call(self, fn: Callable[[], None]) -> None:

@@ -1,10 +1,9 @@
-"""Per-request speculation policy: which method, how many draft tokens (K), when to stop.
+"""Per-request speculation policy: which method, how many draft tokens (K), and
+whether the request is admitted now.
 
 Pure functions and small dataclasses, no gRPC, one concept a module: the request's
-`speculative` field (request.py); admission, which turns it and the chosen verifier's
-load into a `Decision` (admission.py); the measured step-time profile and its file
-format (itl_profile.py); the step-time model fitted online from the verifiers' step
-statistics, which gives the profile where no file does (online_profile.py); goodput
-and the best K (goodput.py); and `DynamicK`, which picks each round's K while a
-request runs (dynamic_k.py). docs/design.md ("Policies") has the reasoning.
+`speculative` field (request.py); admission, which turns it and the deployment into a
+`Decision` (admission.py); load shedding (shedding.py). Each step's K under load is
+not the gateway's: the verifier's speculation controller chooses it from the step's
+own batch (verifier/engine/speculation.py; docs/design.md section 5).
 """

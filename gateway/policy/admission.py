@@ -55,9 +55,6 @@ class Decision:
     num_speculative_tokens: int  # fixed K, or K's upper bound when auto_k
     auto_k: bool
     disabled_reason: str | None  # one of DECISION_REASONS
-    # With auto_k, the K of the steps before dynamic K has a profile to choose by (the
-    # online model's first MIN_STEPS steps); None: num_speculative_tokens.
-    first_k: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -66,11 +63,6 @@ class Decision:
         if self.disabled_reason not in DECISION_REASONS:
             raise ValueError(f"decision: disabled_reason must be one of {DECISION_REASONS}, "
                              f"got {self.disabled_reason!r}")
-        if self.first_k is not None:
-            check_count("decision: first_k", self.first_k)
-            if not self.auto_k or self.first_k > self.num_speculative_tokens:
-                raise ValueError(f"decision: first_k ({self.first_k}) needs auto_k and at most "
-                                 f"num_speculative_tokens ({self.num_speculative_tokens})")
         if self.method == "none" and self.num_speculative_tokens:
             raise ValueError(f"decision: method 'none' needs num_speculative_tokens=0, "
                              f"got {self.num_speculative_tokens}")
@@ -96,10 +88,4 @@ def decide(req: SpeculativeRequest, dep: Deployment) -> Decision:
         # An explicit "auto" may go to the verifier's maximum; the deployment's default
         # stays within the K it would run statically.
         k = dep.max_num_speculative_tokens if req.auto else dep.default_num_speculative_tokens
-    # Until dynamic K has a profile it cannot choose, and an "auto" bounded by the
-    # verifier's maximum would draft that deep for everyone: on a fresh `make run`, 16
-    # requests at K = 8 fed 100+ rows a step (2.6x a step at K = 2), and the online
-    # model's first fit saw only such steps and plain ones, so it priced every row in
-    # between as dear. The deployment's default K is where a static deployment starts.
-    first_k = (min(k, dep.default_num_speculative_tokens) or k) if auto else None
-    return Decision(method, k, auto, None, first_k)
+    return Decision(method, k, auto, None)

@@ -14,8 +14,8 @@ _K_ERROR = 'speculative.num_speculative_tokens: must be a non-negative integer o
 class SpeculativeRequest:
     """A request's `speculative` field: {"method": ..., "num_speculative_tokens": <int> | "auto"}.
 
-    None means "the deployment's default". With `auto` K follows the load (DynamicK),
-    and `num_speculative_tokens`, when given, is its upper bound.
+    None means "the deployment's default". With `auto` K follows the load (the verifier
+    chooses each step's), and `num_speculative_tokens`, when given, is its upper bound.
     """
 
     method: str | None = None

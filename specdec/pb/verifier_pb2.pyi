@@ -23,29 +23,16 @@ class GenerateRequest(_message.Message):
         disabled_reason: _common_pb2.DisabledReason
         def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., disabled_reason: _Optional[_Union[_common_pb2.DisabledReason, str]] = ...) -> None: ...
     class PolicyUpdate(_message.Message):
-        __slots__ = ("num_speculative_tokens", "enabled", "disabled_reason", "auto_k", "k_by_outcome")
+        __slots__ = ("num_speculative_tokens", "enabled", "disabled_reason", "auto_k")
         NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
         ENABLED_FIELD_NUMBER: _ClassVar[int]
         DISABLED_REASON_FIELD_NUMBER: _ClassVar[int]
         AUTO_K_FIELD_NUMBER: _ClassVar[int]
-        K_BY_OUTCOME_FIELD_NUMBER: _ClassVar[int]
         num_speculative_tokens: int
         enabled: bool
         disabled_reason: _common_pb2.DisabledReason
         auto_k: bool
-        k_by_outcome: GenerateRequest.KByOutcome
-        def __init__(self, num_speculative_tokens: _Optional[int] = ..., enabled: _Optional[bool] = ..., disabled_reason: _Optional[_Union[_common_pb2.DisabledReason, str]] = ..., auto_k: _Optional[bool] = ..., k_by_outcome: _Optional[_Union[GenerateRequest.KByOutcome, _Mapping]] = ...) -> None: ...
-    class KByOutcome(_message.Message):
-        __slots__ = ("after_all_accepted", "after_some_accepted", "after_none_accepted", "after_no_drafts")
-        AFTER_ALL_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-        AFTER_SOME_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-        AFTER_NONE_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-        AFTER_NO_DRAFTS_FIELD_NUMBER: _ClassVar[int]
-        after_all_accepted: int
-        after_some_accepted: int
-        after_none_accepted: int
-        after_no_drafts: int
-        def __init__(self, after_all_accepted: _Optional[int] = ..., after_some_accepted: _Optional[int] = ..., after_none_accepted: _Optional[int] = ..., after_no_drafts: _Optional[int] = ...) -> None: ...
+        def __init__(self, num_speculative_tokens: _Optional[int] = ..., enabled: _Optional[bool] = ..., disabled_reason: _Optional[_Union[_common_pb2.DisabledReason, str]] = ..., auto_k: _Optional[bool] = ...) -> None: ...
     class Cancel(_message.Message):
         __slots__ = ()
         def __init__(self) -> None: ...
@@ -80,7 +67,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_kv_blocks", "kv_block_size", "num_free_kv_tokens", "num_total_kv_tokens", "step_time_ema_ms", "max_num_seqs", "max_model_len", "drafters", "max_num_speculative_tokens", "model_name", "tokenizer", "prefix_caching_enabled", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "engine_times", "k_by_outcome_supported", "speculation_controller")
+    __slots__ = ("num_running", "num_waiting", "num_free_kv_blocks", "kv_block_size", "num_free_kv_tokens", "num_total_kv_tokens", "step_time_ema_ms", "max_num_seqs", "max_model_len", "drafters", "max_num_speculative_tokens", "model_name", "tokenizer", "prefix_caching_enabled", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "engine_times", "speculation_controller")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -99,7 +86,6 @@ class LoadReport(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_TIMES_FIELD_NUMBER: _ClassVar[int]
-    K_BY_OUTCOME_SUPPORTED_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_CONTROLLER_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
@@ -119,9 +105,8 @@ class LoadReport(_message.Message):
     prefix_cache_hits: int
     prefix_cache_hit_rate: float
     engine_times: EngineTimes
-    k_by_outcome_supported: bool
     speculation_controller: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_free_kv_tokens: _Optional[int] = ..., num_total_kv_tokens: _Optional[int] = ..., step_time_ema_ms: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[ConfiguredDrafter, _Mapping]]] = ..., max_num_speculative_tokens: _Optional[int] = ..., model_name: _Optional[str] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerFingerprint, _Mapping]] = ..., prefix_caching_enabled: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., engine_times: _Optional[_Union[EngineTimes, _Mapping]] = ..., k_by_outcome_supported: _Optional[bool] = ..., speculation_controller: _Optional[bool] = ...) -> None: ...
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_free_kv_tokens: _Optional[int] = ..., num_total_kv_tokens: _Optional[int] = ..., step_time_ema_ms: _Optional[float] = ..., max_num_seqs: _Optional[int] = ..., max_model_len: _Optional[int] = ..., drafters: _Optional[_Iterable[_Union[ConfiguredDrafter, _Mapping]]] = ..., max_num_speculative_tokens: _Optional[int] = ..., model_name: _Optional[str] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerFingerprint, _Mapping]] = ..., prefix_caching_enabled: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., engine_times: _Optional[_Union[EngineTimes, _Mapping]] = ..., speculation_controller: _Optional[bool] = ...) -> None: ...
 
 class EngineTimes(_message.Message):
     __slots__ = ("steps", "tokens", "schedule_ms", "draft_wait_ms", "forward_ms", "sample_ms", "postprocess_ms", "deliver_ms", "sequences", "rows", "drafter_ms")

@@ -13,7 +13,6 @@ from drafter.method import DrafterInfo, DraftMethod
 from drafter.ngram import NgramMethod
 from drafter.service import serve as serve_drafter
 from gateway.core import Gateway, GatewayConfig
-from gateway.policy.itl_profile import ItlProfile
 from gateway.replicas import ReplicaPool
 from gateway.service import serve as serve_gateway
 from specdec.generate import greedy_generate
@@ -61,7 +60,7 @@ class Replica:
     def __init__(self, loop: LoopThread, model: LlamaForCausalLM, eos: frozenset[int],
                  drafter_ports: dict[str, int], max_num_seqs: int = 16,
                  grammars: Grammars | None = None, port: int = 0, token: str | None = None,
-                 tls: TlsConfig | None = None, speculation_controller: bool = False,
+                 tls: TlsConfig | None = None, speculation_controller: bool = True,
                  disable_queue_size: int | None = None):
         cfg = model.config
         target = TargetInfo(cfg.vocab_size, "", cfg.hidden_size, cfg.num_layers)
@@ -96,9 +95,9 @@ class Replica:
 class GatewayStack:
     def __init__(self, loop: LoopThread, model: LlamaForCausalLM, tokenizer_dir: Path, *,
                  replicas: int = 1, drafters: dict[str, DraftMethod] | None = None,
-                 profile: ItlProfile | None = None, grpc_port: int = 0,
+                 grpc_port: int = 0,
                  token: str | None = None, tls: TlsConfig | None = None,
-                 internal_tls: TlsConfig | None = None, speculation_controller: bool = False,
+                 internal_tls: TlsConfig | None = None, speculation_controller: bool = True,
                  disable_queue_size: int | None = None, **config):
         """tls: the gateway's REST and gRPC API; internal_tls: every internal service's
         (it serves with it and presents it, as SPECDEC_INTERNAL_TLS_* make them do)."""
@@ -120,7 +119,7 @@ class GatewayStack:
         pool = ReplicaPool([r.address for r in self.replicas], poll_interval_s=0.1, token=token,
                            tls=internal_tls)
         self.gateway = Gateway(GatewayConfig(model_name=MODEL_NAME, **config), self.tokenizer,
-                               pool, profile=profile)
+                               pool)
         self.service = loop.run(serve_gateway(self.gateway, "127.0.0.1", 0,
                                                   f"127.0.0.1:{grpc_port}", tls))
         scheme = "https" if tls is not None else "http"

@@ -142,8 +142,7 @@ class Stack:
             [str(PEERS_PYTHON), "-m", "verifier", "--engine", "vllm", "--model", str(model_dir),
              "--port", "0", "--drafter", f"ngram=127.0.0.1:{self.drafter_port}",
              "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
-             "--kv-cache-tokens", "16384", "--no-cuda-graphs", "--num-speculative-tokens", "4",
-             "--speculation-control", "verifier"],
+             "--kv-cache-tokens", "16384", "--no-cuda-graphs", "--num-speculative-tokens", "4"],
             log, _vllm_env())
         _wait("vLLM verifier's port", lambda: SERVING.search(log.read_text()) is not None,
               [self.drafter, self.verifier], 600)
@@ -274,7 +273,7 @@ def test_speculation_off_and_k_per_request(stack, prompts, ours):
 
 
 def test_the_verifiers_controller_chooses_k_on_vllms_engine(stack, prompts, ours):
-    """--speculation-control verifier: a dynamic-K request's K is chosen in vLLM's step
+    """A dynamic-K request's K is chosen in vLLM's step
     by the proposer's controller; its drafts still land where the text repeats, and the
     text is plain decoding's."""
     load = stack.stub.Load(verifier_pb2.LoadRequest(), timeout=5)

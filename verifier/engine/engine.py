@@ -32,7 +32,6 @@ import torch
 from specdec.models import LlamaForCausalLM
 from specdec.processors import apply_block
 from specdec.sampling import SamplingMetadata
-from specdec.speculation import DraftOutcome
 from specdec.structured import allowed_tokens
 from verifier.engine.drafts import collect_drafts
 from verifier.engine.proposer import Outcome, Proposer
@@ -43,7 +42,6 @@ from verifier.engine.sequence import (
     Request,
     Sequence,
     Status,
-    check_k_by_outcome,
 )
 from verifier.engine.speculation import Row, SpeculationController
 from verifier.sampling.rejection import greedy_chains
@@ -64,8 +62,9 @@ class EngineConfig:
     seed: int = 0  # the shared generator of unseeded requests
     cuda_graphs: bool = True  # replay pure decode/verify steps from CUDA graphs (GPU only)
     enable_prefix_caching: bool = True  # reuse the KV of cached full blocks (prefix_cache.py)
-    # Choose dynamic-K requests' K each step here (verifier/engine/speculation.py).
-    speculation_controller: bool = False
+    # Choose dynamic-K requests' K each step here (verifier/engine/speculation.py);
+    # off, a dynamic-K request drafts its bound every step.
+    speculation_controller: bool = True
     # Steps taken while the engine holds more requests than this (running and waiting)
     # draft nothing, reported as "queue_size"; None: never.
     disable_queue_size: int | None = None
@@ -236,18 +235,14 @@ class Engine:
         self._finish(seq, FinishReason.CANCELLED)
         return StepOutput(request_id, [], 0, 0, FinishReason.CANCELLED)
 
-    def set_num_speculative_tokens(self, request_id: str, k: int,
-                                   k_by_outcome: tuple[int, int, int, int] | None = None,
-                                   auto_k: bool = False) -> None:
-        """The request's K from its next step on, and its K by outcome (None: none);
-        auto_k: K is a bound, chosen within each step by the controller."""
+    def set_num_speculative_tokens(self, request_id: str, k: int, auto_k: bool = False) -> None:
+        """The request's K from its next step on; auto_k: K is a bound, chosen within
+        each step by the controller."""
         if not 0 <= k <= self.config.max_num_speculative_tokens:
             raise ValueError(f"num_speculative_tokens must be in [0, "
                              f"{self.config.max_num_speculative_tokens}], got {k}")
-        check_k_by_outcome(k_by_outcome, self.config.max_num_speculative_tokens)
         request = self._by_request[request_id].request
-        request.num_speculative_tokens, request.k_by_outcome = k, k_by_outcome
-        request.auto_k = auto_k
+        request.num_speculative_tokens, request.auto_k = k, auto_k
 
     @property
     def num_running(self) -> int:
@@ -481,8 +476,6 @@ class Engine:
         # committed tokens (before a finish frees them into the evictable LRU).
         self.cache.commit(seq.seq_id, seq.tokens, seq.num_computed)
         seq.num_drafted += num_drafted
-        if item.num_speculative_tokens and not item.is_prefill:
-            seq.last_outcome = DraftOutcome.of(num_drafted, accepted)
         seq.num_accepted += min(accepted, len(appended))
         logprobs = None
         if seq.request.num_logprobs:

@@ -60,13 +60,9 @@ class Scheduler:
         self.cache.free(seq.seq_id)
 
     def wanted_num_speculative_tokens(self, seq: Sequence, max_num_speculative_tokens: int) -> int:
-        """K for a decoding sequence (its table's K after its last outcome, where it has
-        both): never draft past max_tokens or the model length."""
+        """K for a decoding sequence: never draft past max_tokens or the model length."""
         room = min(seq.request.max_tokens - seq.num_output, self.max_model_len - len(seq.tokens))
         k = seq.request.num_speculative_tokens
-        table = seq.request.k_by_outcome
-        if table is not None and seq.last_outcome is not None:
-            k = table[seq.last_outcome]
         return max(0, min(k, max_num_speculative_tokens, room - 1))
 
     def schedule(self, max_num_speculative_tokens: int,

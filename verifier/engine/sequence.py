@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass, field
 
 from specdec.sampling import SamplingParams
-from specdec.speculation import DraftOutcome
 
 
 class FinishReason(enum.Enum):
@@ -25,10 +24,6 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     num_speculative_tokens: int = 0  # K wanted; 0 = plain decoding
-    # K by the outcome of the sequence's latest step that asked for drafts (DraftOutcome
-    # order: all accepted, some, none, no drafts), in place of num_speculative_tokens
-    # once it has had such a step; None: num_speculative_tokens always.
-    k_by_outcome: tuple[int, int, int, int] | None = None
     drafter: str | None = None  # the proposer's name for this request's drafter; None = none
     # Dynamic K: num_speculative_tokens is a bound, and the engine's speculation
     # controller (where it has one) chooses K within it every step.
@@ -48,18 +43,7 @@ class Request:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.num_logprobs < 0:
             raise ValueError(f"num_logprobs must be >= 0, got {self.num_logprobs}")
-        check_k_by_outcome(self.k_by_outcome)
         self.stop_token_ids = frozenset(self.stop_token_ids)
-
-
-def check_k_by_outcome(table: tuple[int, ...] | None, maximum: int | None = None) -> None:
-    """ValueError unless `table` is None or one K >= 0 (and <= maximum) per DraftOutcome."""
-    if table is None:
-        return
-    if len(table) != len(DraftOutcome) or any(k < 0 for k in table):
-        raise ValueError(f"k_by_outcome must be {len(DraftOutcome)} Ks >= 0, got {table!r}")
-    if maximum is not None and max(table) > maximum:
-        raise ValueError(f"k_by_outcome: {max(table)} exceeds the maximum {maximum}")
 
 
 class Status(enum.Enum):
@@ -85,7 +69,6 @@ class Sequence:
     wants_features: bool = False
     # Leading positions taken from the cache whose features the drafter has not had yet.
     cached_features: int = 0
-    last_outcome: DraftOutcome | None = None  # of its latest step that asked for drafts
 
     @property
     def prompt_len(self) -> int:

@@ -303,8 +303,7 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 kind = msg.WhichOneof("kind")
                 if kind == "policy_update":
                     try:
-                        policy.apply(msg.policy_update, self.max_num_speculative_tokens,
-                                     k_by_outcome=False)
+                        policy.apply(msg.policy_update, self.max_num_speculative_tokens)
                     except ValueError as e:
                         errors.append(e)
                     else:
