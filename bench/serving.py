@@ -111,6 +111,11 @@ REMOTE_PROPOSER = {"method": "custom_class", "model": "verifier.vllm.RemotePropo
 VLLM = {"plain": None,
         "ngram K=4": {"method": "ngram", "num_speculative_tokens": 4,
                       "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+        # vLLM's dynamic SD: K by the batch's size, (first, last, K) inclusive.
+        "ngram dynamic": {"method": "ngram", "num_speculative_tokens": 4,
+                          "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                          "num_speculative_tokens_per_batch_size":
+                              [[1, 1, 4], [2, 4, 3], [5, 8, 2], [9, 1024, 1]]},
         "remote ngram K=4": REMOTE_PROPOSER,
         "remote suffix K=4": REMOTE_PROPOSER}
 # Modes whose proposer drafts through one of our drafter services: mode -> its method.
@@ -141,6 +146,14 @@ SYSTEMS = (*STACKS, "vllm", "engine")
 def prompts_by_name(names=PROMPT_NAMES) -> list[Prompt]:
     known = {p.name: p for p in PROMPTS}
     return [known[n] for n in names]
+
+
+# --prompt-set: the chat prompts above, or those whose answers are new text (summaries,
+# explanations, open chat: nothing to copy from the prompt), one of each kind but the
+# long-context one.
+PROMPT_SETS = {"chat": PROMPT_NAMES,
+               "open": tuple(p.name for p in PROMPTS
+                             if not p.copy_heavy and p.category != "long_context")}
 
 
 def workload(prompts: list, concurrency: int, requests: int) -> list:
@@ -925,11 +938,13 @@ def notes(result: dict) -> list[str]:
     out = [
         "ours = compose.yaml's x-local services started as `make run` starts them (ngram and "
         "eagle3 drafters, verifier, gateway), on free ports; `default` sends no `speculative` "
-        "field (`make run`'s default: ngram on CPU, see compose.yaml, with dynamic K from the "
-        "gateway's online step-time model); `auto` asks for dynamic K.",
+        "field (`make run`'s default: ngram on CPU, see compose.yaml, with dynamic K chosen "
+        "each step by the verifier); `auto` asks for dynamic K.",
         "vLLM = `python -m vllm.entrypoints.openai.api_server --model DIR "
         + " ".join(VLLM_ARGS) + "` (what `vllm serve` runs), its ngram mode with "
-        f"`--speculative-config '{json.dumps(VLLM['ngram K=4'])}'`.",
+        f"`--speculative-config '{json.dumps(VLLM['ngram K=4'])}'`; thread binding: "
+        + (", ".join(f"{k}={v}" for k, v in result.get("vllm_binding", {}).items())
+           or "vLLM's default") + ".",
         "Seconds from start to serving: " + ", ".join(f"{k} {v:.0f}" for k, v in st.items()) + ".",
         "ITL is the gap between streamed content chunks: a speculative step may stream several "
         "tokens in one chunk, so its ITL counts per chunk, as vLLM's benchmark does.",
@@ -995,6 +1010,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vllm-timeout-s", type=float, default=600.0, help="per server start")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: concurrency 1 and 4, 2 requests, 8 tokens, one repeat")
+    ap.add_argument("--prompt-set", choices=list(PROMPT_SETS), default="chat",
+                    help="chat: six chat prompts, one per kind of task (default); open: "
+                         "prompts whose answers are new text, which drafters cannot copy")
     ap.add_argument("--alternate", action="store_true",
                     help="ours and ours-vllm: a fresh stack of each per repeat, in turns "
                          "(ABBA...), so that drift of a shared machine hits both alike")
@@ -1014,7 +1032,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     load0 = round(os.getloadavg()[0], 2)
     model_dir = prepare_default_model()
-    prompts = prompts_by_name()
+    prompts = prompts_by_name(PROMPT_SETS[args.prompt_set])
     log_dir = cache_dir() / "logs" / "bench-serving"
     log_dir.mkdir(parents=True, exist_ok=True)
     cells: dict[str, dict[str, list[dict]]] = {}
@@ -1090,6 +1108,9 @@ def main(argv: list[str] | None = None) -> None:
                    "prompts": [p.name for p in prompts], "ours": OURS, "ours_vllm": OURS_VLLM,
                    "vllm": VLLM, "vllm_args": list(VLLM_ARGS)},
         "summary": summarise(cells, reference), "unavailable": unavailable, "preload": preload,
+        "vllm_binding": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND",
+                                                     "VLLM_CPU_NUM_OF_RESERVED_CPU")
+                         if k in os.environ},
     }
     result["notes"] = notes(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from functools import cached_property
 from gateway import tools
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
-from gateway.policy.admission import Decision, Deployment, decide
+from gateway.policy.admission import Deployment, decide
 from gateway.policy.shedding import ServiceTimes, expected_wait_s, retry_after_s
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
 from gateway.tools import ToolError, ToolRequest
@@ -36,7 +36,7 @@ from gateway.types import (
 )
 from specdec.pb import verifier_pb2
 from specdec.processors import LogitsProcessors
-from specdec.speculation import METHODS, drafter_method
+from specdec.speculation import METHODS, SpeculationPolicy, drafter_method
 from specdec.structured import Grammars
 from specdec.tokenizer import Tokenizer
 
@@ -219,7 +219,7 @@ class Gateway:
                 raise InvalidRequest(f"{name}: {len(items)} entries, over this server's limit "
                                      f"of {limits.max_list_items}", param=name)
 
-    def _decide(self, req: GenerationRequest, replica: Replica) -> Decision:
+    def _decide(self, req: GenerationRequest, replica: Replica) -> SpeculationPolicy:
         report = replica.report
         dep = Deployment(
             default_method=self.config.default_method,
@@ -278,7 +278,7 @@ class Gateway:
                     await self.grammars.compile_off_loop(req.sampling.structured_output, field)
                 except ValueError as e:
                     raise InvalidRequest(str(e), param=field) from None
-            decision = self._decide(req, replica)
+            policy = self._decide(req, replica)
             self._admit(replica, max_tokens)
         except GatewayError as e:
             self.metrics.request_errors.labels(type(e).__name__).inc()
@@ -292,7 +292,7 @@ class Gateway:
         # The shorter of the server's limit and the request's own (0 / None: none).
         timeout = min((t for t in (self.config.request_timeout_s, req.timeout_s) if t),
                       default=None)
-        return Generation(req, request_id, decision, max_tokens, t0, replica, self.replicas,
+        return Generation(req, request_id, policy, max_tokens, t0, replica, self.replicas,
                           self.tokenizer, self.metrics,
                           deadline=t0 + timeout if timeout else None, release=release,
                           service_times=self.service_times,

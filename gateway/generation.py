@@ -21,7 +21,6 @@ import grpc
 from opentelemetry import propagate, trace
 
 from gateway.metrics import GatewayMetrics
-from gateway.policy.admission import Decision
 from gateway.policy.shedding import ServiceTimes
 from gateway.replicas import NoReplicaError, Replica, ReplicaPool
 from gateway.types import (
@@ -37,7 +36,7 @@ from gateway.types import (
 from specdec.detokenizer import IncrementalDetokenizer
 from specdec.pb import common_pb2, verifier_pb2
 from specdec.server import ADMITTED, is_request_failed
-from specdec.speculation import method_to_proto, reason_name, reason_to_proto
+from specdec.speculation import SpeculationPolicy, reason_name, reason_to_proto
 from specdec.stop import StopStringMatcher
 from specdec.tokenizer import Tokenizer
 
@@ -68,7 +67,7 @@ class Generation:
     """One admitted request: its deltas, streamed from one replica or, after a failure,
     resumed on another."""
 
-    def __init__(self, req: GenerationRequest, request_id: str, decision: Decision,
+    def __init__(self, req: GenerationRequest, request_id: str, policy: SpeculationPolicy,
                  max_tokens: int, t0: float, replica: Replica, replicas: ReplicaPool,
                  tokenizer: Tokenizer, metrics: GatewayMetrics, *,
                  deadline: float | None = None, release: Callable[[], None] | None = None,
@@ -88,7 +87,7 @@ class Generation:
         self.opened_at = 0.0  # time.monotonic() its current stream opened
         self.req = req
         self.request_id = request_id
-        self.decision = decision
+        self.policy = policy
         self.progress = _Progress(list(req.prompt_token_ids), max_tokens)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=req.prompt_token_ids)
         self.stop = StopStringMatcher(req.stop)
@@ -97,24 +96,18 @@ class Generation:
         self.t_last: float | None = None
         # The current stream's cumulative SpecDecodeStats (streams restart counting).
         self.spec = common_pb2.SpecDecodeStats()
-        self.enabled = decision.disabled_reason is None and decision.num_speculative_tokens > 0
-        self.summary = SpecDecodeSummary(method=decision.method,
-                                         disabled_reason=decision.disabled_reason)
+        self.enabled = policy.enabled and policy.num_speculative_tokens > 0
+        self.summary = SpecDecodeSummary(method=policy.method,
+                                         disabled_reason=policy.disabled_reason)
 
     def _start(self, replica: Replica) -> verifier_pb2.GenerateRequest:
-        p, d = self.progress, self.decision
+        p, d = self.progress, self.policy
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(self.req.sampling)
         sampling.max_tokens = p.max_tokens - len(p.generated)
-        speculation = common_pb2.SpeculationPolicy(method=method_to_proto(d.method),
-                                                   drafter=self.req.speculative.drafter or "")
-        reason = common_pb2.DISABLED_REASON_NONE
-        if d.method != "none":
-            # With auto_k K is a bound: the verifier chooses each step's K within it.
-            speculation.num_speculative_tokens = d.num_speculative_tokens
-            speculation.auto_k = d.auto_k
-            if d.disabled_reason is not None:
-                reason = reason_to_proto(d.disabled_reason)
+        # With auto_k K is a bound: the verifier chooses each step's K within it.
+        speculation = d.to_proto()
+        reason = reason_to_proto(d.disabled_reason)
         if d.method != "none" and d.method not in replica.drafter_methods():
             # Known method without a drafter on this replica: run plainly, say why.
             speculation.method = common_pb2.SPEC_METHOD_NONE
@@ -129,9 +122,9 @@ class Generation:
         metrics = self.metrics
         with tracer.start_as_current_span("gateway.generate") as span:
             span.set_attribute("specdec.request_id", self.request_id)
-            span.set_attribute("specdec.method", self.decision.method)
+            span.set_attribute("specdec.method", self.policy.method)
             span.set_attribute("specdec.num_speculative_tokens",
-                               self.decision.num_speculative_tokens)
+                               self.policy.num_speculative_tokens)
             metrics.running.inc()
             status = "cancelled"  # the client went away before the end
             try:
@@ -168,9 +161,9 @@ class Generation:
     def log_fields(self, status: str) -> dict:
         s, now = self.summary, time.perf_counter()
         return {
-            "id": self.request_id, "status": status, "method": self.decision.method,
-            "num_speculative_tokens": self.decision.num_speculative_tokens,
-            "auto_k": self.decision.auto_k, "disabled_reason": s.disabled_reason,
+            "id": self.request_id, "status": status, "method": self.policy.method,
+            "num_speculative_tokens": self.policy.num_speculative_tokens,
+            "auto_k": self.policy.auto_k, "disabled_reason": s.disabled_reason,
             "prompt_tokens": len(self.req.prompt_token_ids),
             "completion_tokens": len(self.progress.generated),
             "acceptance_length": round(s.acceptance_length, 3) if s.num_drafts else None,
@@ -314,7 +307,7 @@ class Generation:
         self.progress.generated.extend(ids)
         self.spec = resp.spec_decode
         step = resp.step_stats
-        if step.disabled_reason and self.decision.method != "none":
+        if step.disabled_reason and self.policy.method != "none":
             metrics.plain_steps.labels(reason_name(step.disabled_reason)).inc()
         if step.num_drafted:
             method = self.summary.method
@@ -343,7 +336,7 @@ class Generation:
         s.num_draft_tokens = p.done_draft_tokens + spec.num_draft_tokens
         s.num_accepted_tokens = p.done_accepted + spec.num_accepted_tokens
         if spec.method == common_pb2.SPEC_METHOD_NONE and s.num_drafts == 0 \
-                and s.disabled_reason is None and self.decision.method != "none":
+                and s.disabled_reason is None and self.policy.method != "none":
             s.disabled_reason = reason_name(spec.disabled_reason) or "drafter_unavailable"
         elif spec.disabled_reason and s.disabled_reason is None \
                 and (not self.enabled or not s.num_drafts):

@@ -2,12 +2,15 @@
 
 The catalogue of speculation methods, of the reasons speculation is off, and of how a
 generation finishes: each name (the REST API's, the CLI's, the metrics' labels) beside
-its value on the wire (common.proto). And the acceptance length a request reports.
+its value on the wire (common.proto). A request's speculation policy, in the one form
+every service passes on, and the acceptance length a request reports.
 """
 
 from __future__ import annotations
 
-from specdec.pb import common_pb2
+from dataclasses import dataclass, replace
+
+from specdec.pb import common_pb2, verifier_pb2
 
 # Method name -> SpecMethod. "none" is plain decoding, a choice of the gateway; the
 # others are what a drafter can be.
@@ -95,3 +98,74 @@ def acceptance_length(num_accepted_tokens: int, num_drafts: int) -> float:
     num_drafts steps emits its accepted drafts plus one token of the target's own; 0
     before any step has drafted."""
     return 1 + num_accepted_tokens / num_drafts if num_drafts else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationPolicy:
+    """A request's speculation, as the gateway decides it at admission, as it rides in
+    the Generate stream's Start (common.proto SpeculationPolicy, and Start's
+    disabled_reason), and as the verifier runs it, its drafter resolved and its K
+    clamped to what the drafter and the engine take, once, at its entry.
+
+    method: "none" or a drafter method; num_speculative_tokens: K, or with auto_k its
+    bound (the verifier chooses each step's K within it); disabled_reason: why
+    speculation is off (a DISABLED_REASONS name; None: on); drafter: a configured
+    drafter's name (the gateway: None = the method's first; the verifier: the one
+    serving it, None = none)."""
+
+    method: str = "none"
+    num_speculative_tokens: int = 0
+    auto_k: bool = False
+    disabled_reason: str | None = None
+    drafter: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculation.method: unknown method {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"speculation.num_speculative_tokens: must be an int >= 0, "
+                             f"got {k!r}")
+        if self.method == "none" and k:
+            raise ValueError(f"speculation.num_speculative_tokens: method 'none' needs 0, "
+                             f"got {k}")
+        if not isinstance(self.auto_k, bool):
+            raise ValueError(f"speculation.auto_k: must be a bool, got {self.auto_k!r}")
+        if self.disabled_reason is not None and self.disabled_reason not in DISABLED_REASONS:
+            raise ValueError(f"speculation.disabled_reason: unknown reason "
+                             f"{self.disabled_reason!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.disabled_reason is None and self.method != "none"
+
+    @property
+    def effective_k(self) -> int:
+        """K the verifier's engine runs it with: its K while speculation is on and a
+        drafter serves it, else 0."""
+        return self.num_speculative_tokens if self.enabled and self.drafter is not None else 0
+
+    def to_proto(self) -> common_pb2.SpeculationPolicy:
+        return common_pb2.SpeculationPolicy(
+            method=method_to_proto(self.method), drafter=self.drafter or "",
+            num_speculative_tokens=self.num_speculative_tokens, auto_k=self.auto_k)
+
+    def updated(self, update: verifier_pb2.GenerateRequest.PolicyUpdate,
+                max_num_speculative_tokens: int) -> SpeculationPolicy:
+        """The policy after a PolicyUpdate; ValueError naming the field it cannot take."""
+        policy = self
+        if update.HasField("num_speculative_tokens"):
+            if update.num_speculative_tokens > max_num_speculative_tokens:
+                raise ValueError(f"policy_update.num_speculative_tokens: "
+                                 f"{update.num_speculative_tokens} exceeds the maximum "
+                                 f"{max_num_speculative_tokens}")
+            policy = replace(policy, num_speculative_tokens=update.num_speculative_tokens)
+        if update.HasField("enabled"):
+            if update.enabled and self.method == "none":
+                raise ValueError("policy_update.enabled: the request's method is none")
+            reason = None if update.enabled else (
+                reason_name(update.disabled_reason) or "request")
+            policy = replace(policy, disabled_reason=reason)
+        if update.HasField("auto_k"):
+            policy = replace(policy, auto_k=update.auto_k)
+        return policy

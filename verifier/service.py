@@ -34,7 +34,14 @@ from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingParams
 from specdec.server import ADMITTED, REQUEST_FAILED, GrpcService, start_server
-from specdec.speculation import acceptance_length, reason_to_proto
+from specdec.speculation import (
+    SpeculationPolicy,
+    acceptance_length,
+    method_name,
+    method_to_proto,
+    reason_name,
+    reason_to_proto,
+)
 from specdec.structured import Grammars
 from specdec.telemetry import incoming_context
 from specdec.tls import TlsConfig
@@ -58,40 +65,27 @@ _FINISH = {
 }
 
 
-@dataclass(slots=True)
-class Policy:
-    """A running request's speculation, as the gateway last set it."""
+class DrafterLike(Protocol):
+    """What a policy needs of the drafter that serves it (ours, and vLLM's path's)."""
 
-    method: int  # SpecMethod; NONE = no drafter at all
-    drafter: str | None
-    num_speculative_tokens: int  # kept while speculation is off, for when it is turned back on
-    auto_k: bool
-    disabled_reason: int  # DisabledReason; DISABLED_REASON_NONE = speculation on
+    name: str
+    method: int  # SpecMethod; UNSPECIFIED until the drafter has been reached
 
-    @property
-    def enabled(self) -> bool:
-        return self.disabled_reason == common_pb2.DISABLED_REASON_NONE
 
-    @property
-    def effective_k(self) -> int:
-        return self.num_speculative_tokens if self.enabled and self.drafter is not None else 0
-
-    def apply(self, update: verifier_pb2.GenerateRequest.PolicyUpdate,
-              max_num_speculative_tokens: int) -> None:
-        """A PolicyUpdate; ValueError naming the field it cannot take."""
-        if update.HasField("num_speculative_tokens"):
-            if update.num_speculative_tokens > max_num_speculative_tokens:
-                raise ValueError(f"policy_update.num_speculative_tokens: "
-                                 f"{update.num_speculative_tokens} exceeds the maximum "
-                                 f"{max_num_speculative_tokens}")
-            self.num_speculative_tokens = update.num_speculative_tokens
-        if update.HasField("enabled"):
-            if update.enabled and self.method == common_pb2.SPEC_METHOD_NONE:
-                raise ValueError("policy_update.enabled: the request's method is NONE")
-            self.disabled_reason = (common_pb2.DISABLED_REASON_NONE if update.enabled
-                                    else update.disabled_reason or common_pb2.DISABLED_REASON_REQUEST)
-        if update.HasField("auto_k"):
-            self.auto_k = update.auto_k
+def speculation_policy(method: int, drafter: DrafterLike | None, k: int, auto_k: bool,
+                       disabled_reason: int) -> SpeculationPolicy:
+    """A Start's policy as a verifier runs it: method (SpecMethod, the deployment's
+    default resolved), the drafter serving it (None: none is configured for it) and its
+    K, clamped to what the drafter takes. ValueError naming the field of a method no
+    build knows."""
+    if method == common_pb2.SPEC_METHOD_NONE:
+        return SpeculationPolicy("none", 0, False, "request")
+    name = method_name(drafter.method or method if drafter is not None else method)
+    if name is None or name == "none":
+        raise ValueError(f"start.speculation.method: unknown method {method}")
+    if drafter is None:
+        return SpeculationPolicy(name, k, auto_k, "drafter_unavailable")
+    return SpeculationPolicy(name, k, auto_k, reason_name(disabled_reason), drafter.name)
 
 
 @dataclass(slots=True)
@@ -183,7 +177,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         compiled = await self.grammars.compile_off_loop(s.structured_output, field)
         return self.grammars.matcher(compiled)
 
-    def to_request(self, start: verifier_pb2.GenerateRequest.Start) -> tuple[Request, Policy]:
+    def to_request(self, start: verifier_pb2.GenerateRequest.Start
+                   ) -> tuple[Request, SpeculationPolicy]:
         """Raise ValueError naming the field for anything the engine cannot run."""
         cfg = self.engine.config
         s = start.sampling
@@ -221,15 +216,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             k = min(k, client.max_num_speculative_tokens)
         if client is not None and spec.drafter and method == common_pb2.SPEC_METHOD_UNSPECIFIED:
             method = client.method
-        if method == common_pb2.SPEC_METHOD_NONE:
-            policy = Policy(method, None, 0, False, common_pb2.DISABLED_REASON_REQUEST)
-        elif client is None:
-            policy = Policy(method, None, k, spec.auto_k,
-                            common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE)
-        else:
-            policy = Policy(client.method or method, client.name, k, spec.auto_k,
-                            start.disabled_reason)
-
+        policy = speculation_policy(method, client, k, spec.auto_k, start.disabled_reason)
         request = Request(
             request_id=start.request_id or uuid.uuid4().hex, prompt_token_ids=prompt,
             max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(s.stop_token_ids),
@@ -242,12 +229,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise _field_error("start", e) from None
         return request, policy
 
-    def _apply_update(self, request_id: str, policy: Policy,
-                      update: verifier_pb2.GenerateRequest.PolicyUpdate) -> None:
-        policy.apply(update, self.engine.config.max_num_speculative_tokens)
+    def _apply_update(self, request_id: str, policy: SpeculationPolicy,
+                      update: verifier_pb2.GenerateRequest.PolicyUpdate) -> SpeculationPolicy:
+        policy = policy.updated(update, self.engine.config.max_num_speculative_tokens)
         self.worker.set_num_speculative_tokens(request_id, policy.effective_k, policy.auto_k)
+        return policy
 
-    def _response(self, out: StepOutput, policy: Policy, stats: _Stats) -> verifier_pb2.GenerateResponse:
+    def _response(self, out: StepOutput, policy: SpeculationPolicy, stats: _Stats
+                  ) -> verifier_pb2.GenerateResponse:
         stats.completion_tokens += len(out.new_token_ids)
         if out.num_drafted:
             stats.num_drafts += 1
@@ -257,10 +246,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if not out.num_drafted and out.miss_reason:
             step_reason = reason_to_proto(out.miss_reason)
         elif not out.num_speculative_tokens and not policy.enabled:
-            step_reason = policy.disabled_reason
+            step_reason = reason_to_proto(policy.disabled_reason)
         request_reason = common_pb2.DISABLED_REASON_NONE
         if not policy.enabled or policy.drafter is None:
-            request_reason = policy.disabled_reason
+            request_reason = reason_to_proto(policy.disabled_reason)
         elif not self.pool.clients[policy.drafter].available:
             request_reason = common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE
         elif not stats.num_drafts:  # nothing drafted yet: why the steps did not
@@ -276,7 +265,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             usage=common_pb2.Usage(prompt_tokens=stats.prompt_tokens,
                                    completion_tokens=stats.completion_tokens),
             spec_decode=common_pb2.SpecDecodeStats(
-                method=policy.method if policy.drafter is not None else common_pb2.SPEC_METHOD_NONE,
+                method=method_to_proto(policy.method if policy.drafter is not None else "none"),
                 num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
                 num_accepted_tokens=stats.num_accepted_tokens,
                 acceptance_length=acceptance_length(stats.num_accepted_tokens, stats.num_drafts),
@@ -317,13 +306,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         errors: asyncio.Queue[ValueError] = asyncio.Queue()
 
         async def read_updates() -> None:
+            nonlocal policy
             async for msg in messages:
                 kind = msg.WhichOneof("kind")
                 if kind == "cancel":
                     self.worker.cancel(rid)
                 elif kind == "policy_update":
                     try:
-                        self._apply_update(rid, policy, msg.policy_update)
+                        policy = self._apply_update(rid, policy, msg.policy_update)
                     except ValueError as e:
                         await errors.put(e)
                         self.worker.cancel(rid)

