@@ -273,16 +273,16 @@ def test_speculation_off_and_k_per_request(stack, prompts, ours):
 
 
 def test_the_verifiers_controller_chooses_k_on_vllms_engine(stack, prompts, ours):
-    """A dynamic-K request's K is chosen in vLLM's step
-    by the proposer's controller; its drafts still land where the text repeats, and the
-    text is plain decoding's."""
+    """A dynamic-K request's K is chosen in vLLM's step by the proposer's controller,
+    and the text is plain decoding's whatever it chooses. (Whether drafting pays here
+    is this machine's timing; the choice itself is checked against made-up step times
+    in tests/verifier/test_vllm_proposer.py.)"""
     load = stack.stub.Load(verifier_pb2.LoadRequest(), timeout=5)
     assert load.speculation_controller
     for prompt, want in zip(prompts, ours, strict=True):
         got, last = stack.generate(prompt, auto_k=True)
         assert got == want
-    got, last = stack.generate(prompts[0], auto_k=True)
-    assert last.spec_decode.num_accepted_tokens > 0
+        assert last.spec_decode.method == common_pb2.SPEC_METHOD_NGRAM
 
 
 def test_drafter_killed_mid_request_changes_nothing(stack, prompts, ours):
