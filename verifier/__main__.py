@@ -109,6 +109,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def engine_config(args: argparse.Namespace):
+    """Our engine's EngineConfig from the command line."""
+    from verifier.engine import EngineConfig
+
+    kv_tokens = args.kv_cache_tokens or max(args.max_num_seqs * args.max_model_len // 2,
+                                            args.max_model_len)
+    return EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        block_size=args.block_size, num_kv_blocks=math.ceil(kv_tokens / args.block_size),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_speculative_tokens=args.max_num_speculative_tokens, seed=args.seed,
+        cuda_graphs=args.cuda_graphs, enable_prefix_caching=args.enable_prefix_caching,
+        disable_queue_size=args.speculative_disable_queue_size)
+
+
+def drafter_pool(args: argparse.Namespace, target, token: str | None,
+                 drafter_tls: tls.TlsConfig | None):
+    """The proposer over the command line's --drafter services (not yet started)."""
+    from verifier.drafter_client import DrafterClient
+    from verifier.drafting import DrafterPool
+
+    return DrafterPool([DrafterClient(name, addr, target, liveness_s=args.drafter_liveness_s,
+                                      token=token, tls=drafter_tls)
+                        for name, addr in args.drafter],
+                       args.max_num_speculative_tokens, args.draft_deadline_ms)
+
+
 async def _serve(args: argparse.Namespace, server_tls: tls.TlsConfig | None,
                  drafter_tls: tls.TlsConfig | None) -> int:
     import torch
@@ -117,9 +144,8 @@ async def _serve(args: argparse.Namespace, server_tls: tls.TlsConfig | None,
     from specdec.models.prepare import prepare_default_model
     from specdec.structured import Grammars
     from specdec.tokenizer import Tokenizer, model_fingerprint
-    from verifier.drafter_client import DrafterClient, TargetInfo
-    from verifier.drafting import DrafterPool
-    from verifier.engine import Engine, EngineConfig
+    from verifier.drafter_client import TargetInfo
+    from verifier.engine import Engine
     from verifier.service import VerifierServicer, exit_process, serve
     from verifier.worker import EngineThread
 
@@ -136,23 +162,12 @@ async def _serve(args: argparse.Namespace, server_tls: tls.TlsConfig | None,
     tokenizer = Tokenizer.from_dir(model_dir)
     _, digest = model_fingerprint(model_dir)
     cfg = model.config
-    kv_tokens = args.kv_cache_tokens or max(args.max_num_seqs * args.max_model_len // 2,
-                                            args.max_model_len)
-    engine_cfg = EngineConfig(
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        block_size=args.block_size, num_kv_blocks=math.ceil(kv_tokens / args.block_size),
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_speculative_tokens=args.max_num_speculative_tokens, seed=args.seed,
-        cuda_graphs=args.cuda_graphs, enable_prefix_caching=args.enable_prefix_caching,
-        disable_queue_size=args.speculative_disable_queue_size)
+    engine_cfg = engine_config(args)
     target = TargetInfo(cfg.vocab_size, digest, cfg.hidden_size, cfg.num_layers)
     # One shared token for the internal APIs (unset: none): this verifier requires it
     # and presents it to its drafters.
     token = os.environ.get(INTERNAL_TOKEN_ENV) or None
-    pool = DrafterPool([DrafterClient(name, addr, target, liveness_s=args.drafter_liveness_s,
-                                      token=token, tls=drafter_tls)
-                        for name, addr in args.drafter],
-                       args.max_num_speculative_tokens, args.draft_deadline_ms)
+    pool = drafter_pool(args, target, token, drafter_tls)
     engine = engine_thread.call(lambda: Engine(model, engine_cfg, pool, tokenizer.eos_token_ids))
     servicer = VerifierServicer(engine, pool, target, model_name=model_dir.name,
                                 default_num_speculative_tokens=args.num_speculative_tokens,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
-from verifier.engine.speculation import StepCost
+from tests.verifier.test_speculation import MadeUpCost
 from verifier.vllm.policy import RequestPolicy
 from verifier.vllm.proposer import ProposerConfig, RemoteProposer
 
@@ -291,13 +291,6 @@ def test_drafter_states_for_the_load_report(engine, drafters):
     assert states["suffix"]["method"] == common_pb2.SPEC_METHOD_SUFFIX
 
 
-class MadeUpCost(StepCost):
-    """10 ms + 2 ms a row: the fake steps' real times are noise around nothing."""
-
-    def observe(self, step: int, rows: int, ms: float) -> None:
-        StepCost.observe(self, step, rows, 10.0 + 2.0 * rows)
-
-
 def test_the_controller_chooses_k_of_requests_that_name_none(tp_rank, drafters):
     """speculation_controller: a request naming no K is dynamic. Its drafts never land
     (each step accepts none), so it ends up asking its drafter for nothing, while the
@@ -325,7 +318,7 @@ def test_the_controller_chooses_k_of_requests_that_name_none(tp_rank, drafters):
         assert all(len(h[1]) == 2 for h in history)
         assert sum(len(h[2]) for h in history[-10:]) >= 10
         assert all(not h[3] for h in history)
-        assert engine.proposer.controller.num_probes >= 1
+        assert engine.proposer.controller.cost.ms  # it priced the steps it saw
     finally:
         engine.close()
 

@@ -23,13 +23,11 @@ its number of positions taken. n = 0 is plain decoding, chosen where no n pays.
 
 A request's rates are its own aged counts around its method's (the method's rates
 weigh as PRIOR_STEPS of the request's steps). T is measured per row count on steps
-without prefill, interpolated between measured counts, extended past the largest
-with the slope of a line through them, and trusted only a little past it (a few rows
-more than measured: past its data the line was wrong by 2.7x in the gateway's fit).
-A row count of the plain step never measured, or not for a while, is measured by
-running that step plain (a probe). A step with a prefill chunk runs its dynamic-K
-requests plain: its rows are far past what a decode step's are priced from, and an
-EAGLE drafter catching up on a new prompt makes its first drafting step slow.
+without prefill, interpolated between measured counts and extended past the largest
+with the slope of a line through them; a prefill chunk's rows are left out of the
+step's price. What each mechanism here buys was measured by turning it off alone
+(bench/ablation.py, docs/design.md section 5); those that bought nothing beyond the
+noise were deleted.
 """
 
 from __future__ import annotations
@@ -49,17 +47,18 @@ class ControllerConfig:
     method_half_life_steps: float = 256.0
     # A step's time at a row count: the newest sample weighs this much.
     cost_weight: float = 0.25
-    # Rows priced past the most measured: this factor of it, or this many more.
-    trusted_factor: float = 1.5
-    trusted_extra: int = 8
-    # A plain step's row count measured longer ago than this many steps is probed again.
-    probe_after_steps: int = 256
     # A drafter whose requests have not drafted for this many steps is priced without
     # its wait for one step: a wait measured once, on a cold first step (a drafter
     # taking in its prompts), would otherwise keep it off for good.
     redraft_after_steps: int = 32
     # The acceptance of a method nothing has been measured for.
     default_rate: float = 0.5
+    # Each mechanism above can be turned off, for the ablation that keeps it
+    # (bench/ablation.py): a request's own rates around its method's, pricing the
+    # drafters' wait, redrafting a drafter kept off by its wait.
+    request_rates: bool = True
+    price_wait: bool = True
+    redraft: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +115,6 @@ class StepCost:
 
     weight: float
     ms: dict[int, float] = field(default_factory=dict)  # rows -> smoothed step ms
-    last_step: dict[int, int] = field(default_factory=dict)  # rows -> step last measured
     wait_ms: dict[str, float] = field(default_factory=dict)  # drafter -> wait of its steps
     plain_wait_ms: float = 0.0  # the same wait on steps that drafted nothing
     drafted_step: dict[str, int] = field(default_factory=dict)  # drafter -> last step it drafted
@@ -126,11 +124,10 @@ class StepCost:
     def _smooth(self, old: float | None, ms: float) -> float:
         return ms if old is None else old + self.weight * (ms - old)
 
-    def observe(self, step: int, rows: int, ms: float) -> None:
+    def observe(self, rows: int, ms: float) -> None:
         if rows not in self.ms:
             bisect.insort(self._known, rows)
         self.ms[rows] = self._smooth(self.ms.get(rows), ms)
-        self.last_step[rows] = step
 
     def observe_wait(self, step: int, methods: set[str], ms: float) -> None:
         if not methods:
@@ -144,18 +141,18 @@ class StepCost:
         return max((max(0.0, self.wait_ms.get(m, 0.0) - self.plain_wait_ms) for m in methods),
                    default=0.0)
 
-    def trusted_rows(self, config: ControllerConfig) -> int:
-        most = max(self.ms, default=0)
-        return max(int(most * config.trusted_factor), most + config.trusted_extra)
-
     def price(self, rows: int) -> float:
         """Modelled ms of a step of `rows` rows (at least one row count measured): the
         measured times interpolated, never below what fewer rows were measured at (more
-        rows never cost less; a noisy sample would make drafts look free)."""
+        rows never cost less; a noisy sample would make drafts look free), and along a
+        line through them past either end."""
         known = self._known
         cut = bisect.bisect_right(known, rows)  # known[:cut] <= rows < known[cut:]
         if not cut:
-            return self.ms[known[0]]  # fewer rows than any measured: no cheaper than that
+            # Fewer rows than any measured: along the line below the fewest. Erring
+            # cheap here is safe, erring dear is not: a plain step priced cheap runs
+            # and is measured, one priced dear makes drafts look free and never runs.
+            return max(1e-3, self.ms[known[0]] - self._slope(known) * (known[0] - rows))
         floor = max(self.ms[r] for r in known[:cut])
         lo = known[cut - 1]
         if lo == rows:
@@ -192,7 +189,6 @@ class SpeculationController:
         self._counts: dict[int, _Counts] = {}  # seq_id -> its counts
         self._method_counts: dict[str, _Counts] = {}
         self._step = 0
-        self.num_probes = 0
 
     # -- choosing --------------------------------------------------------------
 
@@ -205,30 +201,24 @@ class SpeculationController:
         return self._choose(rows, dynamic)
 
     def _choose(self, rows: list[Row], dynamic: list[Row]) -> dict[int, int]:
-        plain = {row.key: 0 for row in dynamic}
-        if any(row.prefill for row in rows):
-            return plain
+        cfg = self.config
+        if not self.cost.ms:
+            return {row.key: 0 for row in dynamic}  # the first step: plain, to price it
         decoding = [row for row in rows if not row.prefill]
         base_rows = len(decoding) + sum(row.bound for row in decoding if row.drafter is None)
-        last = self.cost.last_step.get(base_rows)
-        if last is None or self._step - last > self.config.probe_after_steps:
-            self.num_probes += 1
-            return plain  # measure the plain step at this row count
         positions = sorted(
             (_Position(reach, i, row.drafter)
              for i, row in enumerate(dynamic) for reach in self._reach(row)),
             key=lambda p: -p.reach)
         tokens = float(len(decoding))  # each decoding sequence's own token
-        trusted = self.cost.trusted_rows(self.config)
         # Drafters not drafted for a while are tried again at no wait (see the config).
         fresh = {row.drafter for row in dynamic
-                 if self._step - self.cost.drafted_step.get(row.drafter, self._step)
-                 <= self.config.redraft_after_steps}
+                 if not cfg.redraft
+                 or self._step - self.cost.drafted_step.get(row.drafter, self._step)
+                 <= cfg.redraft_after_steps} if cfg.price_wait else set()
         best_n, best = 0, tokens / self.cost.price(base_rows)
         methods: set[str] = set()
         for n, p in enumerate(positions, start=1):
-            if base_rows + n > trusted:
-                break
             tokens += p.reach
             methods.add(p.method)
             worth = tokens / (self.cost.price(base_rows + n)
@@ -249,7 +239,7 @@ class SpeculationController:
         else:  # the method's rates over all its requests, around the default
             prior = method_counts.rates([cfg.default_rate] * len(method_counts.tried), 1.0)
             answer_prior = method_counts.answer_rate(1.0, 1.0)
-        counts = self._counts.get(row.key)
+        counts = self._counts.get(row.key) if cfg.request_rates else None
         if counts is None:
             rates, answered = _widen(prior, k), answer_prior
         else:
@@ -270,9 +260,10 @@ class SpeculationController:
         (drafted, accepted) of each row that asked for drafts; step_ms its time without
         the drafters' wait; fed the rows it fed the model."""
         if not any(row.prefill for row in rows):
-            self.cost.observe(self._step, fed, step_ms)
+            self.cost.observe(fed, step_ms)
+        # A step that asked a drafter waited for it whether or not drafts came.
         drafting = {row.drafter for row in rows
-                    if row.drafter is not None and outcomes.get(row.key, (0, 0))[0]}
+                    if row.drafter is not None and row.key in outcomes}
         self.cost.observe_wait(self._step, drafting, draft_wait_ms)
         cfg = self.config
         decay = 0.5 ** (1 / cfg.half_life_steps)

@@ -1,0 +1,42 @@
+"""bench/ablation.py (the speculation controller's ablation): each ablation turns one
+mechanism off, and cells are compared at the run's own step prices."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bench import ablation
+
+
+def test_each_ablation_turns_off_one_mechanism_of_the_whole_controller():
+    whole = dataclasses.asdict(ablation.WHOLE)
+    for name, config in ablation.ABLATIONS.items():
+        changed = {k: v for k, v in dataclasses.asdict(config).items() if whole[k] != v}
+        assert list(changed.values()) == [False], name
+    assert ablation.CONFIGS["plain"] == (0, None)
+    assert ablation.CONFIGS["controller"] == (None, ablation.WHOLE)
+
+
+def _cell(tokens, steps, tok_s, replies):
+    return {"tokens": tokens, "step_log": steps, "tok_s": tok_s, "tokens_per_step": 1.0,
+            "rows_per_step": 1.0, "replies": replies}
+
+
+def test_cells_are_priced_at_the_median_step_time_of_their_row_count():
+    """Plain ran on a slow machine (its one-row steps took 40 ms, the others' 20): priced,
+    every one-row step costs the median of all of them, so the drift goes and what the
+    drafts cost stays."""
+    plain = _cell(10, [(1, 40.0, 0.0)] * 10, 25.0, [[1, 2]])
+    drafting = _cell(10, [(1, 20.0, 1.0)] * 2 + [(3, 30.0, 1.0)] * 4, 80.0, [[1, 2]])
+    other = _cell(10, [(1, 20.0, 0.0)] * 10, 50.0, [[1, 3]])
+    prices = ablation.priced({"plain": [plain], "K=2": [drafting], "controller": [other]})
+    one_row = 20.0  # the median over 22 one-row steps, 12 of them at 20 ms
+    assert prices["plain"] == [pytest.approx(1e3 * 10 / (10 * one_row))]
+    assert prices["K=2"] == [pytest.approx(1e3 * 10 / (2 * (one_row + 1) + 4 * (30.0 + 1)))]
+    s = ablation.summarise({"chat": {"1": {"plain": [plain], "K=2": [drafting],
+                                           "controller": [other]}}})["chat"]["1"]
+    assert s["plain"]["vs_plain"] == 1.0 and s["K=2"]["vs_plain"] == pytest.approx(3.2)
+    assert s["controller"]["priced_vs_plain"] == pytest.approx(1.0)
+    assert s["K=2"]["same"] == "1/1" and s["controller"]["same"] == "0/1"
