@@ -234,6 +234,49 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'plain,default,eagle3 auto' "
      "--prompt-set open --concurrency 1,4,16 --requests 16 --repeats 2 --out "
      "/tmp/open.json (copied to bench/results/serving_open_prompts.json)"),
+    ("serving_controller_chat.md",
+     "The issue's table after the ablation's deletions: `make run`'s stack, chat prompts, "
+     "the `openai` client, one stack, configurations rotating per repeat, AMD EPYC "
+     "(2026-12-06), two repeats. Per repeat against plain at C = 1 / 4 / 16: default "
+     "1.63, 1.37 / 1.06, 1.09 / 1.08, 1.06; ngram K=2 1.60, 1.62 / 1.06, 1.14 / 1.04, 1.10; "
+     "eagle3 auto 1.76, 1.37 / 1.11, 1.09 / 0.98, 0.95 (it ran plain there: its tokens a "
+     "step are plain's). Targets 1.5 / 1.1 / 1.0: met at C = 16, within the noise at C = 1 "
+     "and 4, not shown beyond it. At C = 16 N = 16 requests make one wave whose slowest "
+     "request sets the time",
+     "python -m bench.serving --systems ours --ours 'plain,default,ngram K=2,ngram K=4,"
+     "eagle3 K=2,eagle3 K=4,eagle3 auto' --prompt-set chat --requests 12 --repeats 2"),
+    ("serving_controller_open.md",
+     "The same on prompts no drafter can guess (`--prompt-set open`). Per repeat against "
+     "plain at C = 1 / 4 / 16: default 1.36, 1.25 / 0.99, 1.10 / 0.81, 0.96; ngram K=2 "
+     "1.30, 1.62 / 1.02, 1.03 / 0.83, 0.88; eagle3 auto 1.34, 1.63 / 0.92, 1.01 / 0.80, "
+     "0.92. At C = 16 (16 requests, one wave) the default fed 1.9 draft rows a step and its "
+     "steps took 63.0 ms against plain's 56.3 without ending the wave sooner: the 0.98 "
+     "target is missed there; with 64 requests (serving_controller_c16_open) it is met",
+     "python -m bench.serving --systems ours --ours 'plain,default,ngram K=2,ngram K=4,"
+     "eagle3 auto' --prompt-set open --requests 12 --repeats 2"),
+    ("serving_controller_c16_open.md",
+     "C = 16 again with 64 requests, so finished requests are replaced as a server's are "
+     "and the cell is not one wave ended by its slowest request; open prompts, AMD EPYC "
+     "(2026-12-06), two repeats: default against plain 1.06 and 1.05 (AL 1.5)",
+     "python -m bench.serving --systems ours --ours plain,default --prompt-set open "
+     "--concurrency 16 --requests 64 --repeats 2"),
+    ("serving_controller_c16_chat.md",
+     "The same on chat prompts: default against plain 1.06 and 1.00 (AL 1.65)",
+     "python -m bench.serving --systems ours --ours plain,default --prompt-set chat "
+     "--concurrency 16 --requests 64 --repeats 2"),
+    ("serving_controller_vllm_engine.md",
+     "The verifier's controller on vLLM's engine (`SPECDEC_ENGINE=vllm make run`, its "
+     "default: ngram, dynamic K in RemoteProposer) against vLLM's own dynamic SD (its ngram "
+     "with `num_speculative_tokens_per_batch_size` [[1, 1, 4], [2, 4, 3], [5, 8, 2], "
+     "[9, 1024, 1]]), both at vLLM's best CPU binding here (VLLM_CPU_OMP_THREADS_BIND=0-1 "
+     "VLLM_CPU_NUM_OF_RESERVED_CPU=0), chat prompts, AMD EPYC (2026-12-06), two repeats. "
+     "tok/s per repeat at C = 1 / 4 / 16: ours-vllm default 48.9, 49.4 / 120.9, 109.4 / "
+     "195.1, 181.1 (its plain 26.7, 26.5 / 83.5, 83.2 / 179.5, 170.3: 1.83-1.86 / 1.31-1.45 "
+     "/ 1.06-1.09 of it); vLLM's dynamic SD 29.9, 32.6 / 85.0, 88.7 / 134.1, 140.6 (its "
+     "plain 28.1, 24.3 / 94.2, 75.0 / 179.5, 161.8)",
+     "VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 python -m bench.serving "
+     "--systems ours-vllm,vllm --ours-vllm plain,default --vllm 'plain,ngram dynamic' "
+     "--alternate --requests 12 --repeats 2"),
     ("speculation_ablation.md",
      "Prove or prune: the verifier's speculation controller whole, then with each of six "
      "mechanisms off alone, against ngram at static K = 1, 2, 4 and plain, our engine in "
