@@ -125,8 +125,20 @@ class GatewayStack:
         scheme = "https" if tls is not None else "http"
         self.base_url = f"{scheme}://127.0.0.1:{self.service.http_port}/v1"
         self.grpc_address = f"127.0.0.1:{self.service.grpc_port}"
+        self._more: list = []  # add_gateway's services
+
+    def add_gateway(self, **config) -> str:
+        """Another gateway over the same verifiers (as a deployment with several has);
+        its REST base URL. Stopped with the stack."""
+        pool = ReplicaPool([r.address for r in self.replicas], poll_interval_s=0.1)
+        gateway = Gateway(GatewayConfig(model_name=MODEL_NAME, **config), self.tokenizer, pool)
+        service = self.loop.run(serve_gateway(gateway, "127.0.0.1", 0, "127.0.0.1:0", None))
+        self._more.append(service)
+        return f"http://127.0.0.1:{service.http_port}/v1"
 
     def close(self) -> None:
+        for service in self._more:
+            self.loop.run(service.stop(1.0))
         self.loop.run(self.service.stop(1.0))
         for r in self.replicas:
             r.stop(self.loop)

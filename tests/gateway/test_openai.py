@@ -329,31 +329,39 @@ def test_api_key(loop, smollm2_dir, stack):
         s.close()
 
 
+def _spec_report(stream) -> dict:
+    """A streamed reply's spec_decode report (on its last choice chunk), read to the end."""
+    chunks = list(stream)
+    return next(c.model_extra["spec_decode"] for c in chunks
+                if c.choices and c.choices[0].finish_reason)
+
+
+def _held_streams(clients, lengths: tuple[int, ...]) -> list:
+    """Streams of these max_tokens, admitted and held open at once, over the clients in
+    turn."""
+    streams = []
+    for i, max_tokens in enumerate(lengths):
+        stream = clients[i % len(clients)].chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
+            temperature=0, max_tokens=max_tokens, stream=True,
+            extra_body={"ignore_eos": True, "speculative": {"num_speculative_tokens": 4}})
+        next(iter(stream))  # the role chunk: the request is admitted
+        streams.append(stream)
+    return streams
+
+
 def test_auto_disable_by_queue_size(loop, smollm2_dir, stack):
     # The verifier holds more than 2 requests: its steps draft nothing, for every one.
     s = GatewayStack(loop, stack.model, smollm2_dir, disable_queue_size=2,
                      default_method="draft_model")
     try:
         client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
-
-        def report(stream) -> dict:
-            chunks = list(stream)
-            return next(c.model_extra["spec_decode"] for c in chunks
-                        if c.choices and c.choices[0].finish_reason)
-
-        streams = []
-        for max_tokens in (60, 60, 60, 20):  # held open at once; the last ends first
-            stream = client.chat.completions.create(
-                model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
-                temperature=0, max_tokens=max_tokens, stream=True,
-                extra_body={"ignore_eos": True, "speculative": {"num_speculative_tokens": 4}})
-            next(iter(stream))  # the role chunk: the request is admitted
-            streams.append(stream)
-        last = report(streams[3])  # each of its steps had 4 requests held
+        streams = _held_streams([client], (60, 60, 60, 20))  # the last ends first
+        last = _spec_report(streams[3])  # each of its steps had 4 requests held
         assert last["disabled_reason"] == "queue_size" and last["num_drafts"] == 0
         for stream in streams[:3]:
-            report(stream)
-        alone = report(client.chat.completions.create(
+            _spec_report(stream)
+        alone = _spec_report(client.chat.completions.create(
             model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
             temperature=0, max_tokens=40, stream=True,
             extra_body={"speculative": {"num_speculative_tokens": 4}}))
@@ -361,6 +369,24 @@ def test_auto_disable_by_queue_size(loop, smollm2_dir, stack):
         metrics = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
         assert 'specdec_spec_decode_disabled_total{reason="queue_size"}' in metrics
         assert 'specdec_spec_decode_plain_steps_total{reason="queue_size"}' in metrics
+    finally:
+        s.close()
+
+
+def test_the_verifier_decides_for_every_gateways_requests(loop, smollm2_dir, stack):
+    """Two gateways on one verifier, two requests held open through each: neither
+    gateway holds more than the queue size of 2, the verifier holds 4, and its steps
+    draft nothing for any of them (decided at a gateway's admission, none would be)."""
+    s = GatewayStack(loop, stack.model, smollm2_dir, disable_queue_size=2,
+                     default_method="draft_model")
+    try:
+        clients = [openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+                   for url in (s.base_url, s.add_gateway(default_method="draft_model"))]
+        streams = _held_streams(clients, (60, 60, 60, 20))
+        last = _spec_report(streams[3])  # through the second gateway
+        assert last["disabled_reason"] == "queue_size" and last["num_drafts"] == 0
+        for stream in streams[:3]:
+            _spec_report(stream)
     finally:
         s.close()
 
