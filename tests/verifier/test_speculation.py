@@ -106,11 +106,15 @@ def test_config_is_one_frozen_dataclass():
 # -- in the engine -----------------------------------------------------------------
 
 class MadeUpCost(StepCost):
-    """10 ms + 2 ms a row: a tiny model's (or a fake engine's) real step times are noise
-    around a constant."""
+    """10 ms + 2 ms a row, and no wait for the drafters: a tiny model's (or a fake
+    engine's) real step times are noise around a constant, and a real round trip to a
+    drafter on a loaded machine can outweigh such a step."""
 
     def observe(self, rows: int, ms: float) -> None:
         StepCost.observe(self, rows, 10.0 + 2.0 * rows)
+
+    def observe_wait(self, step: int, methods: set[str], ms: float) -> None:
+        StepCost.observe_wait(self, step, methods, 0.0)
 
 
 class CountingProposer(ScriptedProposer):
