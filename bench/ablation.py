@@ -187,6 +187,7 @@ def summarise(cells: dict) -> dict:
     for pset, by_c in cells.items():
         for c, by_config in by_c.items():
             plain = by_config["plain"]
+            measured = {n: [r["tok_s"] for r in v] for n, v in by_config.items()}
             at_price = priced(by_config)
             for name, reps in by_config.items():
                 def ratio(values, ref, name=name):
@@ -194,7 +195,6 @@ def summarise(cells: dict) -> dict:
                         return None
                     return statistics.median(a / b for a, b in
                                              zip(values[name], values[ref], strict=False))
-                measured = {n: [r["tok_s"] for r in v] for n, v in by_config.items()}
                 same = sum(a == b for rep, ref in zip(reps, plain, strict=False)
                            for a, b in zip(rep["replies"], ref["replies"], strict=True))
                 total = sum(len(rep["replies"]) for rep in reps)

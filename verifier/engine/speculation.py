@@ -33,6 +33,7 @@ noise were deleted.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -47,8 +48,8 @@ class ControllerConfig:
     method_half_life_steps: float = 256.0
     # A step's time at a row count: the newest sample weighs this much.
     cost_weight: float = 0.25
-    # A drafter whose requests have not drafted for this many steps is priced without
-    # its wait for one step: a wait measured once, on a cold first step (a drafter
+    # A drafter not asked for drafts for this many steps is priced without its wait
+    # for one step: a wait measured once, on a cold first step (a drafter
     # taking in its prompts), would otherwise keep it off for good.
     redraft_after_steps: int = 32
     # The acceptance of a method nothing has been measured for.
@@ -116,10 +117,14 @@ class StepCost:
     weight: float
     ms: dict[int, float] = field(default_factory=dict)  # rows -> smoothed step ms
     wait_ms: dict[str, float] = field(default_factory=dict)  # drafter -> wait of its steps
-    plain_wait_ms: float = 0.0  # the same wait on steps that drafted nothing
-    drafted_step: dict[str, int] = field(default_factory=dict)  # drafter -> last step it drafted
-    # The measured row counts in order, for `price` (a step prices many row counts).
+    plain_wait_ms: float = 0.0  # the same wait on steps that asked no drafter
+    drafted_step: dict[str, int] = field(default_factory=dict)  # drafter -> last step it was asked
+    # The measured row counts in order, for `price` (a step prices many row counts), and
+    # what `price` derives from them, rebuilt after a step's measurement (None: due):
+    # the most ms of any count up to each, and the slope of the line through them.
     _known: list[int] = field(default_factory=list)
+    _floors: list[float] = field(default_factory=list)
+    _line_slope: float | None = None
 
     def _smooth(self, old: float | None, ms: float) -> float:
         return ms if old is None else old + self.weight * (ms - old)
@@ -128,6 +133,7 @@ class StepCost:
         if rows not in self.ms:
             bisect.insort(self._known, rows)
         self.ms[rows] = self._smooth(self.ms.get(rows), ms)
+        self._line_slope = None
 
     def observe_wait(self, step: int, methods: set[str], ms: float) -> None:
         if not methods:
@@ -147,13 +153,16 @@ class StepCost:
         rows never cost less; a noisy sample would make drafts look free), and along a
         line through them past either end."""
         known = self._known
+        if self._line_slope is None:
+            self._floors = list(itertools.accumulate((self.ms[r] for r in known), max))
+            self._line_slope = self._slope(known)
         cut = bisect.bisect_right(known, rows)  # known[:cut] <= rows < known[cut:]
         if not cut:
             # Fewer rows than any measured: along the line below the fewest. Erring
             # cheap here is safe, erring dear is not: a plain step priced cheap runs
             # and is measured, one priced dear makes drafts look free and never runs.
-            return max(1e-3, self.ms[known[0]] - self._slope(known) * (known[0] - rows))
-        floor = max(self.ms[r] for r in known[:cut])
+            return max(1e-3, self.ms[known[0]] - self._line_slope * (known[0] - rows))
+        floor = self._floors[cut - 1]
         lo = known[cut - 1]
         if lo == rows:
             return floor
@@ -161,7 +170,7 @@ class StepCost:
             hi = known[cut]
             line = self.ms[lo] + (self.ms[hi] - self.ms[lo]) * (rows - lo) / (hi - lo)
         else:
-            line = self.ms[lo] + self._slope(known) * (rows - lo)
+            line = self.ms[lo] + self._line_slope * (rows - lo)
         return max(floor, line)
 
     def _slope(self, known: list[int]) -> float:
@@ -211,11 +220,14 @@ class SpeculationController:
              for i, row in enumerate(dynamic) for reach in self._reach(row)),
             key=lambda p: -p.reach)
         tokens = float(len(decoding))  # each decoding sequence's own token
-        # Drafters not drafted for a while are tried again at no wait (see the config).
-        fresh = {row.drafter for row in dynamic
-                 if not cfg.redraft
-                 or self._step - self.cost.drafted_step.get(row.drafter, self._step)
-                 <= cfg.redraft_after_steps} if cfg.price_wait else set()
+        # The drafters whose wait the step is priced with: not those not asked for a
+        # while, tried again at no wait (see the config).
+        fresh: set[str] = set()
+        if cfg.price_wait:
+            fresh = {row.drafter for row in dynamic
+                     if not cfg.redraft
+                     or self._step - self.cost.drafted_step.get(row.drafter, self._step)
+                     <= cfg.redraft_after_steps}
         best_n, best = 0, tokens / self.cost.price(base_rows)
         methods: set[str] = set()
         for n, p in enumerate(positions, start=1):
