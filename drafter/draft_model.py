@@ -231,9 +231,10 @@ class DraftModelMethod(DraftMethod):
         if not jobs:
             return {}
         logits = self._catch_up(jobs)  # [n, V]: each job's first draft position
+        argmax = None  # [n] the logits' argmax where a graph took it
         active = jobs
         while True:
-            self._choose(active, logits)
+            self._choose(active, logits, argmax)
             active = [job for job in active if len(job.token_ids) < job.num_speculative_tokens]
             if not active:
                 break
@@ -246,7 +247,7 @@ class DraftModelMethod(DraftMethod):
             out = self.graphs.run(ids, meta) if self.graphs is not None else None
             if out is None:
                 out = self.model(ids.to(self.device), meta.to(self.device), self.cache)
-            logits = out.logits
+            logits, argmax = out.logits, out.argmax
             for job in active:
                 job.seq.drafted.append(job.token_ids[-1])
         return {job.key: Draft(job.token_ids, torch.stack(job.probs) if job.probs else None)
@@ -325,9 +326,11 @@ class DraftModelMethod(DraftMethod):
             pending = rest
         return torch.stack(last)  # type: ignore[arg-type]
 
-    def _choose(self, jobs: list[_Job], logits: torch.Tensor) -> None:
-        """Append each job's next draft. logits: [len(jobs), V] for its next position."""
-        greedy = logits.argmax(-1).tolist()
+    def _choose(self, jobs: list[_Job], logits: torch.Tensor,
+                argmax: torch.Tensor | None = None) -> None:
+        """Append each job's next draft. logits: [len(jobs), V] for its next position;
+        argmax: [len(jobs)] theirs, where a CUDA graph took it (one small copy back)."""
+        greedy = (logits.argmax(-1) if argmax is None else argmax).tolist()
         sampled = [n for n, job in enumerate(jobs) if job.seq.sampling is not None]
         if sampled:
             params = [jobs[n].seq.sampling for n in sampled]

@@ -18,8 +18,10 @@ inputs (ids, positions, slots, lengths, block table) from one int64 buffer of
 its own, which a step fills with one asynchronous copy from a pinned host
 buffer where the step was laid out, padding included: planned on the host, a
 step costs no synchronous host-to-device copy and no padding kernels. Graphs
-copy their outputs into fixed buffers, so all graphs share their outputs and
-one memory pool. Graphs are captured lazily, the first time a shape is seen.
+copy their outputs (logits, each row's argmax, hidden states) into fixed
+buffers, so all graphs share their outputs and one memory pool. The argmax is
+what a greedy step reads: its acceptance then needs one [T] int64 copy back and
+no kernel outside the graph. Graphs are captured lazily, the first time a shape is seen.
 
 With capture=False (CPU, tests) the runner pads and copies exactly the same
 way and calls the forward eagerly instead of replaying it: everything but the
@@ -117,6 +119,9 @@ class CudaGraphRunner:
         cfg = model.config
         max_tokens = max_batch * max_query_len
         self.logits = torch.zeros(max_tokens, cfg.vocab_size, dtype=model.dtype, device=dev)
+        # Each row's argmax, taken inside the graph: a greedy step reads these alone, one
+        # small copy back ([T] int64) and no kernel after the replay.
+        self.argmax = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
         self.hidden: dict[tuple[int, ...], torch.Tensor] = {}  # layers -> [L, max_tokens, hidden]
         self.graphs: dict[GraphKey, _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -153,9 +158,9 @@ class CudaGraphRunner:
         out as in `meta`, already planned in the cache; both best on the host
         (`PagedKVCache.plan(..., device="cpu")`): they are staged there and reach the
         device in one asynchronous copy (device tensors are read back first, a sync).
-        Logits come at every row; hidden states of hidden_layers at hidden_indices
-        (default all; a device tensor). The outputs are views of the runner's buffers:
-        read them before the next run."""
+        Logits and their argmax come at every row; hidden states of hidden_layers at
+        hidden_indices (default all; a device tensor). The outputs are views of the
+        runner's buffers: read them before the next run."""
         key = self.key(meta, hidden_layers)
         if key is None:
             return None
@@ -179,8 +184,10 @@ class CudaGraphRunner:
             index = rows if hidden_indices is None else (
                 hidden_indices if rows is None else rows[hidden_indices])
             hidden = out[:, :t] if index is None else out.index_select(1, index)
-        logits = self.logits[:t] if rows is None else self.logits.index_select(0, rows)
-        return ForwardOutput(logits, hidden)
+        if rows is None:
+            return ForwardOutput(self.logits[:t], hidden, self.argmax[:t])
+        return ForwardOutput(self.logits.index_select(0, rows), hidden,
+                             self.argmax.index_select(0, rows))
 
     def _stage(self, key: GraphKey, input_ids: torch.Tensor,
                meta: AttentionMetadata | None) -> torch.Tensor:
@@ -241,6 +248,7 @@ class CudaGraphRunner:
             out = self.model(ids, meta, self.cache, logits_indices=rows,
                              hidden_layers=layers, static_shapes=True)
             self.logits[:t].copy_(out.logits)
+            torch.argmax(out.logits, dim=-1, out=self.argmax[:t])
             if layers:
                 self.hidden[layers][:, :t].copy_(out.hidden_states)
 

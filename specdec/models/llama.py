@@ -182,6 +182,9 @@ class ForwardOutput:
     # Hidden states of the requested layers at the requested positions:
     # [num_requested_layers, M, hidden], or None when none were asked for.
     hidden_states: torch.Tensor | None
+    # [N] int64, the argmax of each logits row, where the step computed it (a CUDA
+    # graph's, inside the graph); None elsewhere.
+    argmax: torch.Tensor | None = None
 
 
 class LlamaForCausalLM(nn.Module):

@@ -37,10 +37,9 @@ def accept_all(logits, draft_ids, draft_probs, num_drafts, metadata, position_ke
     return out, num_drafts.clone()
 
 
-def accept_all_greedy(logits, drafts):
+def accept_all_greedy(argmax, drafts):
     """The same broken rule on the engine's all-greedy path (rejection.greedy_chains):
     every draft is kept, then the argmax of the row after them."""
-    argmax = logits.argmax(dim=-1).tolist()
     token_ids, row = [], 0
     for chain in drafts:
         token_ids.append([*chain, argmax[row + len(chain)]])

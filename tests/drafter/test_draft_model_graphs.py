@@ -16,6 +16,7 @@ from specdec.models import LlamaForCausalLM
 from specdec.models.cuda_graphs import CudaGraphRunner
 from specdec.sampling import SamplingParams
 from tests.tiny import tiny_llama
+from tests.verifier.test_cuda_graphs import corrupt_graph_outputs
 
 VOCAB = 97
 GREEDY = SamplingParams(temperature=0.0)
@@ -62,13 +63,17 @@ def propose_in_step(methods: list[DraftModelMethod], rounds: int = 10) -> int:
 
 def test_draft_steps_through_the_graph_runner_propose_the_same(draft):
     """On CPU the runner pads and copies as on a GPU and calls the forward instead
-    of replaying: the proposals stay those of the plain method."""
+    of replaying: the proposals stay those of the plain method, and greedy drafts read
+    only the argmax taken in the graph (the same with the logits after it zeroed)."""
     plain = DraftModelMethod(model=draft, num_kv_blocks=200)
     padded = DraftModelMethod(model=draft, num_kv_blocks=201)
+    blind = DraftModelMethod(model=draft, num_kv_blocks=201)
     assert plain.graphs is None and padded.graphs is None  # CPU: no graphs by default
-    padded.graphs = CudaGraphRunner(draft, padded.cache, 4, 1, padded.max_model_len,
-                                    capture=False, min_context=16)
-    assert propose_in_step([plain, padded]) > 40
+    for method in (padded, blind):
+        method.graphs = CudaGraphRunner(draft, method.cache, 4, 1, method.max_model_len,
+                                        capture=False, min_context=16)
+    corrupt_graph_outputs(blind.graphs, logits=True)
+    assert propose_in_step([plain, padded, blind]) > 40
     # Steps of 5 sequences are past the largest bucket (4): those alone ran eagerly.
     assert padded.graphs.num_runs > 10
     for key in "abcde":

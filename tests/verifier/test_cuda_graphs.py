@@ -110,6 +110,7 @@ def check_padded_step(model: LlamaForCausalLM, runner: CudaGraphRunner, batch: i
     out = runner.run(ids, meta, LAYERS, subset)
     assert runner.num_runs == runs + 1
     torch.testing.assert_close(out.logits, eager.logits, rtol=0, atol=atol)
+    assert torch.equal(out.argmax, out.logits.argmax(-1))  # taken in the graph, rows mapped
     torch.testing.assert_close(out.hidden_states, eager.hidden_states[:, subset], rtol=0, atol=atol)
     # The step's own slots hold the same K/V as after the eager step ...
     torch.testing.assert_close(cache.k[:, meta.slot_mapping], eager_k, rtol=0, atol=atol)
@@ -198,6 +199,50 @@ def test_engine_with_padded_steps_keeps_greedy_exact(model, batch, k):
     # Every step ran padded (mixed K too) but the first, which prefilled every prompt.
     assert engine.runner.graphs.num_runs == engine.num_steps - 1 > max_tokens // (max(ks) + 1) // 2
     assert engine.cache.num_free_blocks == free  # every real block returned
+
+
+def corrupt_graph_outputs(runner: CudaGraphRunner, *, logits: bool = False,
+                          argmax: bool = False) -> None:
+    """Every output of the graph runner with its logits or its argmax made worthless:
+    zero logits, argmax all token 0."""
+    run = runner.run
+
+    def corrupted(*args, **kwargs):
+        out = run(*args, **kwargs)
+        if out is not None:
+            out.logits = torch.zeros_like(out.logits) if logits else out.logits
+            out.argmax = torch.zeros_like(out.argmax) if argmax else out.argmax
+        return out
+
+    runner.run = corrupted
+
+
+def test_a_greedy_step_reads_the_graphs_argmax_alone(model):
+    """A greedy graphed step's acceptance reads nothing but the argmax taken inside the
+    graph: with the logits after the graph zeroed, the engine still gives plain greedy
+    decoding's tokens (drafts accepted and rejected), and with the argmax zeroed it
+    does not."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(3)]
+    plain = greedy_generate(model, prompts, 16)
+    refs = {i: p + g for i, (p, g) in enumerate(zip(prompts, plain, strict=True))}
+
+    def generate(**corrupt) -> list[list[int]]:
+        engine = _engine_with_runner(model, ScriptedProposer(refs, error_rate=0.3, seed=2),
+                                     max_num_seqs=4, max_model_len=64, block_size=BLOCK,
+                                     num_kv_blocks=128, max_num_speculative_tokens=4)
+        corrupt_graph_outputs(engine.runner.graphs, **corrupt)
+        for i, p in enumerate(prompts):
+            engine.add_request(Request(f"r{i}", p, 16, GREEDY, num_speculative_tokens=i + 1))
+        out = {f"r{i}": [] for i in range(3)}
+        while engine.has_work():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+        assert engine.runner.graphs.num_runs > 3
+        return [out[f"r{i}"] for i in range(3)]
+
+    assert generate(logits=True) == plain
+    assert generate(argmax=True) != plain
 
 
 def test_config_flag_and_cpu_stay_eager(model):

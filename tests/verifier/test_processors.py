@@ -109,6 +109,28 @@ def test_greedy_with_processors_equals_plain_decoding(model, name, k, error_rate
         assert stats["accepted"] > 0
 
 
+@pytest.mark.parametrize("name", ["logit_bias", "bad_words"])
+def test_graphed_steps_with_processors_take_the_processed_argmax(model, name):
+    """The argmax a CUDA graph takes is of the raw logits: a greedy request under
+    processors takes its own of the processed rows (the graph's argmax made worthless
+    here, the runner replayed on CPU)."""
+    from tests.verifier.test_cuda_graphs import _engine_with_runner, corrupt_graph_outputs
+
+    p = PROCESSORS[name]
+    prompts = [[1, 2, 3, 12, 20], [40, 41, 9, 8, 7, 6]]
+    refs = [reference(model, p, pr, 20) for pr in prompts]
+    reqs = [Request(f"r{i}", pr, 20, SamplingParams(temperature=0.0), num_speculative_tokens=4,
+                    processors=p) for i, pr in enumerate(prompts)]
+    proposer = ScriptedProposer({i: pr + ref for i, (pr, ref) in enumerate(
+        zip(prompts, refs, strict=True))}, 0.5, seed=9)
+    engine = _engine_with_runner(model, proposer, max_num_seqs=4, max_model_len=64,
+                                 max_num_speculative_tokens=4)
+    corrupt_graph_outputs(engine.runner.graphs, argmax=True)
+    got = run(engine, reqs, {})
+    assert [got[r.request_id] for r in reqs] == refs
+    assert engine.runner.graphs.num_runs > 3
+
+
 def test_processors_change_the_output(model):
     """The cases above are not vacuous: each processor changes plain greedy output."""
     prompt = [1, 2, 3, 12, 20]

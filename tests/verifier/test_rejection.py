@@ -137,7 +137,7 @@ def test_greedy_chains_as_lists_equal_greedy_accept(counts):
               for s, n in zip(row_start.tolist(), counts, strict=True)]
     want_ids, want_accepted = greedy_accept(
         argmax, torch.tensor(sum(drafts, []), dtype=torch.int64), k)
-    token_ids, num_accepted = greedy_chains(logits, drafts)
+    token_ids, num_accepted = greedy_chains(argmax.tolist(), drafts)
     assert num_accepted == want_accepted.tolist()
     assert token_ids == [row[: a + 1] for row, a in zip(want_ids.tolist(), num_accepted,
                                                           strict=True)]

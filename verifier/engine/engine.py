@@ -276,7 +276,9 @@ class Engine:
             if out.sampled:
                 chains = chain_blocks(out.logits, out.drafts,
                                       [drafts.trees.get(item.seq.seq_id) for item in out.sampled])
-                token_ids, num_accepted = self._sample(out.sampled, chains, drafts.probs)
+                # The runner's argmax holds for rows no tree chose among.
+                argmax = out.argmax if chains.logits is out.logits else None
+                token_ids, num_accepted = self._sample(out.sampled, chains, drafts.probs, argmax)
                 t4 = time.perf_counter()
         except Exception as e:
             self._undo(batch, generators)
@@ -384,13 +386,20 @@ class Engine:
                         item.seq.seq_id, [], hidden, item.num_tokens, start_pos))
 
     def _sample(self, sampled: list[Scheduled], chains: Chains,
-                draft_probs: dict[int, torch.Tensor]) -> tuple[list[list[int]], list[int]]:
+                draft_probs: dict[int, torch.Tensor],
+                argmax: torch.Tensor | None) -> tuple[list[list[int]], list[int]]:
         """Rejection-sample every sequence's chain. Returns per sequence its row of
-        output ids (the first num_accepted + 1 are its new tokens) and num_accepted."""
+        output ids (the first num_accepted + 1 are its new tokens) and num_accepted.
+        argmax: [N] the argmax of chains.logits' rows where the runner took it (inside a
+        CUDA graph), else None."""
         seqs = [item.seq for item in sampled]
         params = [s.request.sampling for s in seqs]
         if all(p.is_greedy for p in params):
-            return greedy_chains(self._processed(chains, seqs), chains.drafts)
+            logits = self._processed(chains, seqs)
+            # The runner's argmax holds while no processor or grammar rewrote the rows.
+            if argmax is None or logits is not chains.logits:
+                argmax = logits.argmax(dim=-1)
+            return greedy_chains(argmax.tolist(), chains.drafts)
         dev, i64 = chains.logits.device, torch.int64
         num_drafts = torch.tensor([len(d) for d in chains.drafts], dtype=i64, device=dev)  # [B]
         # [sum K_i]: the chains' drafts, concatenated

@@ -58,6 +58,8 @@ class RunnerOutput:
     drafts: list[list[int]]
     hidden: Hidden
     num_tokens: int  # rows fed in all: prefill chunks, and 1 + drafts per verify block
+    # [len(logits)] int64 each row's argmax, where the step took it (inside a CUDA graph)
+    argmax: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -106,7 +108,8 @@ class ModelRunner:
             _keep_features(self.cache, batch, feeds, meta.slot_mapping.to(dev), out.hidden_states,
                            hidden_layers, hidden_rows, hidden_index, proposer)
         return RunnerOutput(out.logits, sampled, sampled_drafts,
-                            Hidden(out.hidden_states, hidden_layers, hidden_rows), len(ids))
+                            Hidden(out.hidden_states, hidden_layers, hidden_rows), len(ids),
+                            out.argmax)
 
 
 def _feed(item: Scheduled, draft: list[int]) -> list[int]:
