@@ -47,9 +47,11 @@ chat: model
 # Debian's docker-compose validates compose.yaml (no container engine needed).
 compose-config:
 	command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose)
-	docker-compose -f compose.yaml config -q
-	docker-compose -f compose.yaml --profile draft-model --profile tracing config -q
-	SPECDEC_ENGINE=vllm VERIFIER_TP=2 docker-compose -f compose.yaml config -q
+	SPECDEC_INTERNAL_TOKEN=check docker-compose -f compose.yaml config -q
+	SPECDEC_INTERNAL_TOKEN=check docker-compose -f compose.yaml --profile draft-model --profile tracing config -q
+	SPECDEC_INTERNAL_TOKEN=check SPECDEC_ENGINE=vllm VERIFIER_TP=2 docker-compose -f compose.yaml config -q
+	# Without an internal token compose refuses to start anything.
+	! env -u SPECDEC_INTERNAL_TOKEN docker-compose -f compose.yaml config -q 2>/dev/null
 
 # vllm-venv: tests/verifier/test_vllm_engine.py runs the verifier on vLLM's engine.
 test: model vllm-venv

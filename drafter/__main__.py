@@ -14,7 +14,13 @@ from drafter import registry
 from drafter.method import DraftMethod
 from drafter.service import serve
 from specdec import tls
-from specdec.server import INTERNAL_TOKEN_ENV, serve_until_signal
+from specdec.server import (
+    INTERNAL_TOKEN_ENV,
+    add_open_access_argument,
+    internal_callers_authenticated,
+    open_access_refusal,
+    serve_until_signal,
+)
 
 log = logging.getLogger("drafter")
 
@@ -55,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="target model directory: its tokenizer fingerprint is reported to "
                              "verifiers (without it, ngram matches any tokenizer)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    add_open_access_argument(parser, f"${INTERNAL_TOKEN_ENV} or mutual TLS")
     parser.add_argument("--port", type=int, default=50061,
                         help="port to bind, 0 = any free port (default %(default)s)")
     parser.add_argument("--max-num-speculative-tokens", type=int, metavar="K",
@@ -173,6 +180,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         server_tls = tls.server_from_args(args)
+    except ValueError as e:
+        parser.print_usage(sys.stderr)
+        print(f"specdec-drafter: error: {e}", file=sys.stderr)
+        return 2
+    refusal = open_access_refusal(
+        "specdec-drafter", args, internal_callers_authenticated(server_tls),
+        f"Set {INTERNAL_TOKEN_ENV} (the verifiers present it) or mutual TLS")
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
+    try:
         method = build_method(args)
     except ValueError as e:
         parser.print_usage(sys.stderr)

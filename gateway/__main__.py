@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import signal
@@ -13,7 +12,12 @@ import sys
 from pathlib import Path
 
 from specdec import tls
-from specdec.server import INTERNAL_TOKEN_ENV, host_port
+from specdec.server import (
+    INTERNAL_TOKEN_ENV,
+    add_open_access_argument,
+    host_port,
+    open_access_refusal,
+)
 from specdec.speculation import METHODS
 
 log = logging.getLogger("gateway")
@@ -55,10 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-wait-s", type=float, default=30.0,
                    help="a request whose verifier replicas all failed waits this long for one "
                    "to serve again, then resumes from its tokens so far (0 = fail at once)")
-    p.add_argument("--allow-unauthenticated", action="store_true",
-                   default=os.environ.get("SPECDEC_ALLOW_UNAUTHENTICATED", "") not in ("", "0"),
-                   help="serve without an API key on an address beyond loopback (refused "
-                   "otherwise; default: $SPECDEC_ALLOW_UNAUTHENTICATED)")
+    add_open_access_argument(p, "an API key")
     p.add_argument("--max-prompt-tokens", type=int, default=0)
     p.add_argument("--max-tokens-limit", type=int, default=0,
                    help="largest max_tokens a request may ask for (0 = model length)")
@@ -118,15 +119,6 @@ async def _serve(args: argparse.Namespace, public_tls: tls.TlsConfig | None,
     return 0
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a hostname: it may resolve anywhere
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -135,11 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"specdec-gateway: {e}", file=sys.stderr)
         return 2
-    if not args.api_key and not args.allow_unauthenticated and not is_loopback(args.host):
-        print(f"specdec-gateway: refusing to serve on {args.host} without an API key: anyone "
-              f"who reaches it could use the model. Set --api-key (or SPECDEC_API_KEY), "
-              f"listen on 127.0.0.1, or pass --allow-unauthenticated "
-              f"(SPECDEC_ALLOW_UNAUTHENTICATED=1) where the network is yours.", file=sys.stderr)
+    refusal = open_access_refusal("specdec-gateway", args, bool(args.api_key),
+                                  "Set --api-key (or SPECDEC_API_KEY)")
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
         return 2
     from specdec.telemetry import setup_logging
 

@@ -9,13 +9,18 @@ the server stops with a grace period for streams still open.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hmac
+import inspect
+import ipaddress
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec.tls import TlsConfig, open_channel
@@ -140,6 +145,98 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
+class ParseRequests(grpc.aio.ServerInterceptor):
+    """A unary request the protobuf parser refuses (bytes that are no message of its
+    type, a string field that is not UTF-8) ends with INVALID_ARGUMENT naming the
+    message type. Left to grpc, the parser's exception ends the call with UNKNOWN, as a
+    server's own failure would. The request is parsed in the handler instead, where
+    the call can be aborted with the client's error. Streamed requests (our own
+    services' internal streams) are left as they are."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if (handler is None or handler.request_streaming
+                or handler.request_deserializer is None):
+            return handler
+        deserialize = handler.request_deserializer
+
+        async def parse(raw: bytes, context):
+            try:
+                return deserialize(raw)
+            except DecodeError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request: not a valid message for {details.method}: {e}")
+
+        if handler.response_streaming and inspect.isasyncgenfunction(handler.unary_stream):
+            behaviour = handler.unary_stream
+
+            async def unary_stream(raw: bytes, context):
+                request = await parse(raw, context)
+                async for response in behaviour(request, context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, response_serializer=handler.response_serializer)
+        if not handler.response_streaming and inspect.iscoroutinefunction(handler.unary_unary):
+            behaviour = handler.unary_unary
+
+            async def unary_unary(raw: bytes, context):
+                return await behaviour(await parse(raw, context), context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, response_serializer=handler.response_serializer)
+        return handler
+
+
+ALLOW_UNAUTHENTICATED_ENV = "SPECDEC_ALLOW_UNAUTHENTICATED"
+# The address a container's port is published on, where the service sits behind such a
+# port (compose sets it): beyond loopback, that is where the service is reached.
+PUBLISHED_HOST_ENV = "SPECDEC_PUBLISHED_HOST"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname: it may resolve anywhere
+
+
+def add_open_access_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """--allow-unauthenticated (default $SPECDEC_ALLOW_UNAUTHENTICATED) and --published-host
+    (default $SPECDEC_PUBLISHED_HOST), which open_access_refusal reads."""
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   default=os.environ.get(ALLOW_UNAUTHENTICATED_ENV, "") not in ("", "0"),
+                   help=f"serve without {what} on an address beyond loopback (refused "
+                   f"otherwise; default: ${ALLOW_UNAUTHENTICATED_ENV})")
+    p.add_argument("--published-host", default=os.environ.get(PUBLISHED_HOST_ENV) or None,
+                   help="the address a container's port for this service is published on, "
+                   "checked instead of --host: inside a container the service listens on "
+                   f"0.0.0.0 whoever can reach it (default: ${PUBLISHED_HOST_ENV})")
+
+
+def internal_callers_authenticated(server_tls: TlsConfig | None) -> bool:
+    """Whether an internal service's callers must prove who they are: the shared token
+    is set, or its TLS requires their certificates."""
+    return bool(os.environ.get(INTERNAL_TOKEN_ENV)) or bool(
+        server_tls is not None and server_tls.require_client_cert)
+
+
+def open_access_refusal(program: str, args: argparse.Namespace, authenticated: bool,
+                        how: str) -> str | None:
+    """Why `program` must not start: it would serve beyond loopback (its --host, or the
+    address its container port is published on) with nothing to authenticate its
+    callers, and was not told it may (--allow-unauthenticated). None: it may start."""
+    host = args.published_host or args.host
+    if authenticated or args.allow_unauthenticated or is_loopback(host):
+        return None
+    return (f"{program}: refusing to serve on {host} without authentication: anyone who "
+            f"reaches it could use it. {how}, listen on 127.0.0.1, or pass "
+            f"--allow-unauthenticated ({ALLOW_UNAUTHENTICATED_ENV}=1) where the network is "
+            f"yours.")
+
+
 async def start_server(address: str, register: Callable[[grpc.aio.Server], None],
                        service_names: Iterable[str], servicer: object = None, *,
                        max_receive_bytes: int | None = None,
@@ -154,7 +251,8 @@ async def start_server(address: str, register: Callable[[grpc.aio.Server], None]
         options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
     server = grpc.aio.server(options=options,
-                             interceptors=[TokenAuth(token)] if token else None)
+                             interceptors=[*([TokenAuth(token)] if token else []),
+                                           ParseRequests()])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

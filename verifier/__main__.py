@@ -11,7 +11,14 @@ import sys
 from pathlib import Path
 
 from specdec import tls
-from specdec.server import INTERNAL_TOKEN_ENV, host_port, serve_until_signal
+from specdec.server import (
+    INTERNAL_TOKEN_ENV,
+    add_open_access_argument,
+    host_port,
+    internal_callers_authenticated,
+    open_access_refusal,
+    serve_until_signal,
+)
 
 log = logging.getLogger("verifier")
 
@@ -36,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM engine: size the KV cache as vLLM does, by this fraction of the "
                         "device's memory (default: from --kv-cache-tokens)")
     p.add_argument("--host", default="127.0.0.1")
+    add_open_access_argument(p, f"${INTERNAL_TOKEN_ENV} or mutual TLS")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--drafter", action="append", type=parse_drafter, default=[],
                    metavar="NAME=HOST:PORT", help="a drafter service; repeat for several")
@@ -194,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         drafter_tls = tls.TlsConfig.from_env()  # this verifier's side of its drafter links
     except ValueError as e:
         print(f"specdec-verifier: {e}", file=sys.stderr)
+        return 2
+    refusal = open_access_refusal(
+        "specdec-verifier", args, internal_callers_authenticated(server_tls),
+        f"Set {INTERNAL_TOKEN_ENV} (the gateways present it) or mutual TLS")
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     serve = _serve

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from specdec.models.prefix_cache import PrefixCacheStats
-from verifier.engine import Engine, Request, StepFailed, StepOutput, StepTimes
+from verifier.engine import Engine, NoTokenAllowed, Request, StepFailed, StepOutput, StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -247,8 +247,10 @@ class EngineWorker:
             if out.finish_reason is not None:
                 self._sinks.pop(out.request_id, None)
             if sink is not None:
-                sink(out if out.error is None else RequestFailed(
-                    f"{type(out.error).__name__}: {out.error}"))
+                if out.error is None or isinstance(out.error, NoTokenAllowed):
+                    sink(out if out.error is None else out.error)  # the client's error
+                else:
+                    sink(RequestFailed(f"{type(out.error).__name__}: {out.error}"))
         self._deliver_ms += (time.perf_counter() - t0) * 1e3
 
     def _snapshot(self) -> LoadSnapshot:

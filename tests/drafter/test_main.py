@@ -100,3 +100,13 @@ def test_process_serves_health_and_info_then_stops_on_sigterm():
             proc.kill()
             proc.wait()
         proc.stdout.close()
+
+
+def test_no_unauthenticated_drafter_beyond_loopback(monkeypatch, capsys):
+    monkeypatch.delenv("SPECDEC_INTERNAL_TOKEN", raising=False)
+    monkeypatch.delenv("SPECDEC_ALLOW_UNAUTHENTICATED", raising=False)
+    monkeypatch.delenv("SPECDEC_PUBLISHED_HOST", raising=False)
+    assert main(["--method", "ngram", "--host", "0.0.0.0", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "specdec-drafter: refusing to serve on 0.0.0.0 without authentication" in err
+    assert "SPECDEC_INTERNAL_TOKEN" in err

@@ -128,7 +128,7 @@ def test_gateway_process_over_real_services(smollm2_dir, tmp_path):
 
 
 def test_no_unauthenticated_gateway_beyond_loopback():
-    from gateway.__main__ import is_loopback
+    from specdec.server import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
@@ -138,5 +138,10 @@ def test_no_unauthenticated_gateway_beyond_loopback():
     out = subprocess.run([sys.executable, "-m", "gateway", "--host", "0.0.0.0", "--port", "0"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert "refusing to serve on 0.0.0.0 without an API key" in out.stderr
-    assert "--allow-unauthenticated" in out.stderr
+    assert "refusing to serve on 0.0.0.0 without authentication" in out.stderr
+    assert "--api-key" in out.stderr and "--allow-unauthenticated" in out.stderr
+    # Behind a container port: the address the host publishes it on is what counts.
+    out = subprocess.run([sys.executable, "-m", "gateway", "--host", "127.0.0.1", "--port", "0",
+                          "--published-host", "10.0.0.5"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "refusing to serve on 10.0.0.5" in out.stderr

@@ -252,6 +252,15 @@ BAD = [
         "name": "x", "schema": {"type": "object"}, "strict": False}}), "strict"),
     (_chat(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]),
      "over this server's limit of 128"),
+    # Lone surrogate escapes (valid JSON, no text): the tokenizer and the 404's own
+    # message raised on them (bench/fuzz.py found both as 500s).
+    (_chat(model="\ud800"), "model: not Unicode text"),
+    (json.dumps({"messages": [{"role": "user", "content": "a\udc00b"}]}),
+     "messages[0].content: not Unicode text"),
+    # A grammar and allowed_token_ids with no token in common: found where the engine
+    # samples (bench/fuzz.py found it as a 500).
+    (_chat(response_format={"type": "json_object"}, allowed_token_ids=[938, 9645],
+           max_tokens=4), "allow no token at output position 0"),
 ]
 
 

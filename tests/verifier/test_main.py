@@ -61,3 +61,15 @@ def test_device_on_vllm_names_its_platform():
         with pytest.raises(SystemExit, match=f"--device {device}: vLLM here runs on "
                                              f"'{platform}'"):
             check_device(device, platform)
+
+
+def test_no_unauthenticated_verifier_beyond_loopback(monkeypatch, capsys):
+    from verifier.__main__ import main
+
+    monkeypatch.delenv("SPECDEC_INTERNAL_TOKEN", raising=False)
+    monkeypatch.delenv("SPECDEC_ALLOW_UNAUTHENTICATED", raising=False)
+    monkeypatch.delenv("SPECDEC_PUBLISHED_HOST", raising=False)
+    assert main(["--host", "0.0.0.0", "--port", "0"]) == 2  # before any model loads
+    err = capsys.readouterr().err
+    assert "specdec-verifier: refusing to serve on 0.0.0.0 without authentication" in err
+    assert "SPECDEC_INTERNAL_TOKEN" in err and "--allow-unauthenticated" in err

@@ -223,3 +223,36 @@ def test_free_drafts_on_the_real_model_cut_the_steps(smollm2_dir, grammars, toke
     assert free == plain
     json.loads(tokenizer.decode([t for t in plain if t not in eos]))
     assert free_steps < 0.75 * plain_steps, (free_steps, plain_steps)
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_constraints_that_allow_no_token_end_only_their_request(model, grammars, tokenizer, k):
+    """A grammar and allowed_token_ids that leave no token between them: the request ends
+    with NoTokenAllowed, the client's error naming its position, where it sampled a token
+    its grammar refuses and failed as the engine's own error; its neighbour runs on."""
+    from specdec.processors import LogitsProcessors
+    from verifier.engine import NoTokenAllowed
+
+    structured = CASES["regex"]  # [a-c]{3}-[0-9]{2,4}: no "x", no "9" first
+    eos = tokenizer.eos_token_ids
+    prompt = tokenizer.encode("Go:")
+    ref = reference(model, grammars, structured, prompt, 12, eos)
+    bad = Request("bad", prompt, 12, SamplingParams(temperature=0.0), num_speculative_tokens=k,
+                  grammar=grammars.matcher(grammars.compile(structured)),
+                  processors=LogitsProcessors(allowed_token_ids=tuple(
+                      tokenizer.encode("x") + tokenizer.encode("9"))))
+    good = request(grammars, structured, prompt, 12, k=k, rid="good")
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=256,
+                                        max_num_speculative_tokens=8),
+                    ScriptedProposer({0: prompt + ref, 1: prompt + ref}, 0.0) if k else None, eos)
+    engine.add_request(bad)
+    engine.add_request(good)
+    got, errors = {"bad": [], "good": []}, {}
+    while engine.has_work():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+            if o.error is not None:
+                errors[o.request_id] = o.error
+    assert isinstance(errors.get("bad"), NoTokenAllowed), errors
+    assert "output position 0" in str(errors["bad"]) and got["bad"] == []
+    assert got["good"] == ref and "good" not in errors

@@ -3,6 +3,7 @@
 from verifier.engine.engine import (
     Engine,
     EngineConfig,
+    NoTokenAllowed,
     StepFailed,
     StepOutput,
     StepTimes,
@@ -11,5 +12,5 @@ from verifier.engine.engine import (
 from verifier.engine.proposer import Outcome, Proposal, Proposer
 from verifier.engine.sequence import FinishReason, Request
 
-__all__ = ["Engine", "EngineConfig", "FinishReason", "Outcome", "Proposal", "Proposer", "Request",
-           "StepFailed", "StepOutput", "StepTimes", "TokenLogprob"]
+__all__ = ["Engine", "EngineConfig", "FinishReason", "NoTokenAllowed", "Outcome", "Proposal",
+           "Proposer", "Request", "StepFailed", "StepOutput", "StepTimes", "TokenLogprob"]

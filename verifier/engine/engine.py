@@ -144,6 +144,13 @@ class StepOutput:
     error: Exception | None = None
 
 
+class NoTokenAllowed(ValueError):
+    """The request's own constraints (its grammar with allowed_token_ids, bad_words,
+    min_tokens, logit_bias) leave no token at a position it reached: the client's error,
+    which plain decoding meets at the same position. The request ends with it; the others
+    go on."""
+
+
 class StepFailed(Exception):
     """A step raised before it committed anything (the cause is __cause__). Its
     sequences are as they were before it: the KV it appended is rolled back, the
@@ -182,6 +189,9 @@ class Engine:
         self._lazy_features = proposer is not None and proposer.bind_feature_reader(
             self._read_features)
         self.controller = SpeculationController() if config.speculation_controller else None
+        # seq_id -> the first row of its block this step whose processed logits allow no
+        # token (_processed), for the sequences that have one.
+        self._dead_rows: dict[int, int] = {}
 
     # -- requests ----------------------------------------------------------
 
@@ -424,6 +434,7 @@ class Engine:
         them, row j of a sequence's block seeing its drafts 1..j as output: the target
         distribution plain decoding would sample from, at every position verified. The
         raw rows stay in chains.logits for logprobs."""
+        self._dead_rows = {}
         if all(s.request.grammar is None and s.request.processors is None for s in seqs):
             return chains.logits
         logits = chains.logits.clone()
@@ -445,6 +456,14 @@ class Engine:
         if bitmask is not None:
             allowed = allowed_tokens(bitmask, logits.shape[-1]).to(logits.device)  # [N, V]
             logits.masked_fill_(~allowed, float("-inf"))
+        dead = (logits == float("-inf")).all(dim=-1).nonzero().flatten().tolist()  # rows
+        if dead:
+            row = 0
+            for seq, chain in zip(seqs, chains.drafts, strict=True):
+                first = next((r - row for r in dead if row <= r <= row + len(chain)), None)
+                if first is not None:
+                    self._dead_rows[seq.seq_id] = first
+                row += len(chain) + 1
         return logits
 
     def _postprocess(self, out: RunnerOutput, chains: Chains, token_ids: list[list[int]],
@@ -474,6 +493,12 @@ class Engine:
         """new: the accepted drafts and the sampled token; path: the accepted tree
         indices of a tree block; logits: [len(chain) + 1, V], the rows the sampler read."""
         seq = item.seq
+        dead = self._dead_rows.get(seq.seq_id)
+        if dead is not None and dead <= accepted:  # the token sampled at a row with none allowed
+            raise NoTokenAllowed(
+                f"sampling: the request's constraints allow no token at output position "
+                f"{seq.num_output + dead}: its grammar, allowed_token_ids, bad_words, "
+                f"min_tokens and logit_bias together leave none")
         start_pos = seq.num_computed if not item.is_prefill else seq.num_computed - item.num_tokens
         if not item.is_prefill:
             self._keep_accepted_kv(seq, path, accepted)

@@ -227,23 +227,21 @@ class RemoteProposer:
                 seq = self._tracked[req_id] = self._track(req_id, state.sampling_params)
                 if seq.drafter is not None:
                     self._start(req_id, seq, token_ids_cpu[row, :num_tokens])
-            elif seq.drafter is None:
-                plain.append(Row(-2 - row, 0))
-                continue
-            elif seq.num_tokens + len(sampled) == num_tokens:
-                num_accepted = len(sampled) - 1
-                self.pool.advance(seq.seq_id, Outcome(
-                    num_drafted=max(seq.num_drafted, num_accepted), num_accepted=num_accepted,
-                    new_token_ids=[int(t) for t in sampled]))
-                if seq.num_wanted:
-                    outcomes[seq.seq_id] = (seq.num_drafted, num_accepted)
-                seq.num_tokens = num_tokens
-            else:  # its context changed otherwise (re-prefilled after a preemption)
-                prefill = True
-                self.pool.free(seq.seq_id)
-                self._start(req_id, seq, token_ids_cpu[row, :num_tokens])
-            seq.num_drafted = seq.num_wanted = 0
-            if seq.drafter is None:
+            elif seq.drafter is not None:
+                if seq.num_tokens + len(sampled) == num_tokens:
+                    num_accepted = len(sampled) - 1
+                    self.pool.advance(seq.seq_id, Outcome(
+                        num_drafted=max(seq.num_drafted, num_accepted),
+                        num_accepted=num_accepted, new_token_ids=[int(t) for t in sampled]))
+                    if seq.num_wanted:
+                        outcomes[seq.seq_id] = (seq.num_drafted, num_accepted)
+                    seq.num_tokens = num_tokens
+                else:  # its context changed otherwise (re-prefilled after a preemption)
+                    prefill = True
+                    self.pool.free(seq.seq_id)
+                    self._start(req_id, seq, token_ids_cpu[row, :num_tokens])
+                seq.num_drafted = seq.num_wanted = 0
+            if seq.drafter is None:  # drafts nothing, new or known
                 plain.append(Row(-2 - row, 0))
                 continue
             k = self._k.get(seq.key) if seq.key is not None else None
