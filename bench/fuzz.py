@@ -56,8 +56,8 @@ class RestCase:
     body: bytes
 
     def describe(self) -> str:
-        text = self.body[:300].decode("utf-8", "backslashreplace")
-        return f"POST {self.path} {text}{'...' if len(self.body) > 300 else ''}"
+        text = self.body[:1500].decode("utf-8", "backslashreplace")
+        return f"POST {self.path} {text}{'...' if len(self.body) > 1500 else ''}"
 
 
 class Raw:
@@ -284,7 +284,7 @@ class GrpcCase:
     def describe(self) -> str:
         cls = REQUESTS[self.method]
         try:
-            text = str(cls.FromString(self.payload)).replace("\n", " ")[:300]
+            text = str(cls.FromString(self.payload)).replace("\n", " ")[:1500]
         except Exception:  # noqa: BLE001 - the payload is meant to be unparsable at times
             text = f"unparsable bytes {self.payload[:60]!r}"
         return f"{self.method} {text}"
@@ -581,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=2000, help="cases per API (REST, gRPC)")
+    ap.add_argument("--apis", default="rest,grpc", help="which to fuzz: rest, grpc or both")
     ap.add_argument("--timeout-s", type=float, default=60.0, help="a case's answer, at most")
     ap.add_argument("--max-tokens", type=int, default=16,
                     help="the gateway's --max-tokens-limit for the run")
@@ -611,11 +612,14 @@ def main(argv: list[str] | None = None) -> int:
             reference = reference_reply(client, root + "/v1", model)
             before = {n: rss_kb(p.pid) for n, p in stack.procs.items()}
             tally = Tally()
-            fuzz(rest_cases(model), lambda c: check_rest(client, root, c, args.timeout_s),
-                 args.cases, tally, "rest")
-            with grpc.insecure_channel(f"127.0.0.1:{ports[50050]}") as channel:
-                fuzz(grpc_cases(model), lambda c: check_grpc(channel, c, args.timeout_s),
-                     args.cases, tally, "grpc")
+            apis = args.apis.split(",")
+            if "rest" in apis:
+                fuzz(rest_cases(model), lambda c: check_rest(client, root, c, args.timeout_s),
+                     args.cases, tally, "rest")
+            if "grpc" in apis:
+                with grpc.insecure_channel(f"127.0.0.1:{ports[50050]}") as channel:
+                    fuzz(grpc_cases(model), lambda c: check_grpc(channel, c, args.timeout_s),
+                         args.cases, tally, "grpc")
             after = {n: rss_kb(p.pid) for n, p in stack.procs.items()}
             identical = reference_reply(client, root + "/v1", model) == reference
     finally:

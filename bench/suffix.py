@@ -146,7 +146,8 @@ def main() -> None:
             assert r["outputs"] == plain["outputs"], f"{name}: output differs from plain greedy"
             del r["outputs"]
             if isinstance(method, SuffixMethod):
-                r["tree_nodes"] = method.global_tree.num_nodes
+                shared = method.shared_tree()
+                r["tree_nodes"] = shared.num_nodes if shared is not None else 0
                 r["tree_bytes"] = tree_bytes(method)
             entry["drafters"][name] = r
             print(f"{set_name} / {name}: AL {r['acceptance_length']:.3f}, "

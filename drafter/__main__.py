@@ -43,6 +43,7 @@ _METHOD_OPTIONS = {
     "cuda_graphs": "cuda_graphs",
     "suffix_max_depth": "max_depth",
     "suffix_max_cached_requests": "max_cached_requests",
+    "suffix_max_cached_nodes": "max_cached_nodes",
     "suffix_max_spec_factor": "max_spec_factor",
     "suffix_max_spec_offset": "max_spec_offset",
     "suffix_min_token_prob": "min_token_prob",
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--suffix-max-cached-requests", type=int, metavar="N",
                         help="suffix: past replies kept in the global tree (default 100; 0 = "
                              "the request's own context only)")
+    parser.add_argument("--suffix-max-cached-nodes", type=int, metavar="N",
+                        help="suffix: nodes of every tenant's tree of past replies at most, "
+                             "oldest replies out first (about 270 bytes a node; default "
+                             "250000, about 64 MiB)")
     parser.add_argument("--suffix-max-spec-factor", type=float, metavar="F",
                         help="suffix: at most F x match length draft tokens (default 1.0)")
     parser.add_argument("--suffix-max-spec-offset", type=float, metavar="N",

@@ -97,6 +97,14 @@ class DraftMethod(ABC):
               sampling: SamplingParams, max_num_speculative_tokens: int) -> None:
         """Begin tracking a sequence whose context is prompt_ids + output_ids."""
 
+    def scope(self, key: Hashable, tenant: str) -> None:
+        """The tenant of a started sequence (DraftEntry.Start.tenant, its request's
+        cache_salt): a method that learns across sequences lends a sequence only what it
+        learned from its own tenant's, so one caller's acceptance cannot tell what
+        another's replies held. A method that learns nothing across sequences has no
+        use for it."""
+        return
+
     @abstractmethod
     def advance(self, key: Hashable, num_drafted: int, num_accepted: int, new_token_ids: list[int],
                 num_rollback_tokens: int, hidden_states: torch.Tensor | None,

@@ -206,6 +206,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         try:
             self._method.start(key, list(start.prompt_token_ids), list(start.output_token_ids),
                                sampling, max_num_speculative_tokens)
+            if start.tenant:
+                self._method.scope(key, start.tenant)
         except ValueError as e:
             raise InvalidRequest(f"{where}.start: {e}") from None
         return start.num_speculative_tokens

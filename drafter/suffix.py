@@ -2,9 +2,12 @@
 
 As in SuffixDecoding (Oliaro et al. 2024) and Arctic Inference's suffix drafter, which
 vLLM and SGLang offer. Two trees of token counts: one per request over its prompt and
-output so far, and one shared by every request over the replies of the last
-`max_cached_requests` finished ones (agents and repeated tasks produce the same text
-again). Each tree holds every run of at most `max_depth` tokens with how often it
+output so far, and one shared by the requests of a tenant over the replies of its
+finished ones (agents and repeated tasks produce the same text again): the last
+`max_cached_requests` replies of every tenant together, oldest out first, within
+`max_cached_nodes` nodes in all. A tenant is a request's cache_salt (vLLM's field,
+DraftEntry.Start.tenant; none: the shared default), so one tenant's acceptance never
+tells whether a guessed continuation appeared in another's reply. Each tree holds every run of at most `max_depth` tokens with how often it
 occurred (a suffix trie with its depth capped, so a tree of N tokens has at most
 N * max_depth nodes).
 
@@ -144,6 +147,7 @@ class _Request:
     tokens: list[int]  # prompt + output
     num_prompt: int
     tree: SuffixTree
+    tenant: str = ""  # whose past replies it drafts from (SuffixMethod.scope)
 
 
 @register
@@ -151,17 +155,23 @@ class SuffixMethod(DraftMethod):
     name = "suffix"
 
     def __init__(self, max_num_speculative_tokens: int = 8, max_depth: int = 24,
-                 max_cached_requests: int = 100, max_spec_factor: float = 1.0,
+                 max_cached_requests: int = 100, max_cached_nodes: int = 250_000,
+                 max_spec_factor: float = 1.0,
                  max_spec_offset: float = 2.0, min_token_prob: float = 0.3,
                  vocab_size: int = 0, tokenizer_hash: str = ""):
         if max_cached_requests < 0:
             raise ValueError(f"max_cached_requests must be >= 0, got {max_cached_requests}")
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        if max_cached_nodes < 0:
+            raise ValueError(f"max_cached_nodes must be >= 0, got {max_cached_nodes}")
         if max_spec_factor < 0:
             raise ValueError(f"max_spec_factor must be >= 0, got {max_spec_factor}")
         if not 0.0 <= min_token_prob <= 1.0:
             raise ValueError(f"min_token_prob must be in [0, 1], got {min_token_prob}")
         self.max_depth = max_depth
         self.max_cached_requests = max_cached_requests
+        self.max_cached_nodes = max_cached_nodes
         self.max_spec_factor = max_spec_factor
         self.max_spec_offset = max_spec_offset
         self.min_token_prob = min_token_prob
@@ -172,8 +182,12 @@ class SuffixMethod(DraftMethod):
             tokenizer_hash=tokenizer_hash,
             max_num_speculative_tokens=max_num_speculative_tokens,
         )
-        self.global_tree = SuffixTree(max_depth)
-        self._replies: deque[list[int]] = deque()  # in the global tree, oldest first
+        # Past replies, one tree per tenant (a request's cache_salt; "" = the shared
+        # default): a request drafts only from its own tenant's, so the acceptance it sees
+        # cannot tell whether a guess appeared in another tenant's reply.
+        self._shared: dict[str, SuffixTree] = {}
+        self._replies: deque[tuple[str, list[int]]] = deque()  # counted now, oldest first
+        self._shared_nodes = 0  # nodes of every tenant's tree
         self._requests: dict[Hashable, _Request] = {}
 
     def info(self) -> DrafterInfo:
@@ -181,15 +195,18 @@ class SuffixMethod(DraftMethod):
 
     @property
     def cached_replies(self) -> tuple[list[int], ...]:
-        """The replies the global tree counts now, oldest first."""
-        return tuple(self._replies)
+        """The replies the tenants' trees count now, oldest first."""
+        return tuple(reply for _, reply in self._replies)
+
+    def shared_tree(self, tenant: str = "") -> SuffixTree | None:
+        """The tree of a tenant's past replies (None: it has none)."""
+        return self._shared.get(tenant)
 
     @property
     def num_nodes(self) -> int:
         """Nodes of every tree held now: the memory this method uses, about 270 bytes a
         node (bench/results/suffix.md measures it)."""
-        return self.global_tree.num_nodes + sum(r.tree.num_nodes
-                                                for r in self._requests.values())
+        return self._shared_nodes + sum(r.tree.num_nodes for r in self._requests.values())
 
     def start(self, key: Hashable, prompt_ids: list[int], output_ids: list[int],
               sampling: SamplingParams, max_num_speculative_tokens: int) -> None:
@@ -197,6 +214,9 @@ class SuffixMethod(DraftMethod):
         tree = SuffixTree(self.max_depth)
         tree.extend(tokens)
         self._requests[key] = _Request(tokens, len(prompt_ids), tree)
+
+    def scope(self, key: Hashable, tenant: str) -> None:
+        self._requests[key].tenant = tenant
 
     def advance(self, key: Hashable, num_drafted: int, num_accepted: int, new_token_ids: list[int],
                 num_rollback_tokens: int, hidden_states: torch.Tensor | None,
@@ -218,10 +238,12 @@ class SuffixMethod(DraftMethod):
         drafts: dict[Hashable, Draft] = {}
         cap = self._info.max_num_speculative_tokens
         for key, k in wanted.items():
-            context = self._requests[key].tokens
+            request = self._requests[key]
+            context = request.tokens
             best: list[int] = []
             best_score = 0.0
-            for tree in (self._requests[key].tree, self.global_tree):
+            shared = self._shared.get(request.tenant)
+            for tree in (request.tree, shared) if shared is not None else (request.tree,):
                 tokens, score = tree.draft(context, min(k, cap), self.max_spec_factor,
                                            self.max_spec_offset, self.min_token_prob)
                 if score > best_score:
@@ -237,10 +259,22 @@ class SuffixMethod(DraftMethod):
         reply = request.tokens[request.num_prompt:]
         if not reply:
             return
-        self.global_tree.add(reply)
-        self._replies.append(reply)
-        while len(self._replies) > self.max_cached_requests:
-            self.global_tree.remove(self._replies.popleft())
+        self._count(request.tenant, reply, add=True)
+        self._replies.append((request.tenant, reply))
+        # Oldest out first, whatever their tenant: a reply count and a memory budget.
+        while self._replies and (len(self._replies) > self.max_cached_requests
+                                 or self._shared_nodes > self.max_cached_nodes):
+            self._count(*self._replies.popleft(), add=False)
+
+    def _count(self, tenant: str, reply: list[int], add: bool) -> None:
+        tree = self._shared.get(tenant)
+        if tree is None:
+            tree = self._shared[tenant] = SuffixTree(self.max_depth)
+        before = tree.num_nodes
+        (tree.add if add else tree.remove)(reply)
+        self._shared_nodes += tree.num_nodes - before
+        if not tree.num_nodes:
+            del self._shared[tenant]
 
     def has(self, key: Hashable) -> bool:
         return key in self._requests

@@ -116,7 +116,8 @@ class Generation:
         self.enabled = reason == common_pb2.DISABLED_REASON_NONE and d.num_speculative_tokens > 0
         return verifier_pb2.GenerateRequest(start=verifier_pb2.GenerateRequest.Start(
             request_id=self.request_id, prompt_token_ids=p.prompt + p.generated,
-            sampling=sampling, speculation=speculation, disabled_reason=reason))
+            sampling=sampling, speculation=speculation, disabled_reason=reason,
+            cache_salt=self.req.cache_salt))
 
     async def deltas(self) -> AsyncIterator[Delta]:
         metrics = self.metrics

@@ -13,6 +13,7 @@ from gateway.choices import MAX_CHOICES, choice_requests, merged
 from gateway.core import Delta, Gateway, GatewayError, GenerationRequest, InvalidRequest
 from gateway.policy.request import SpeculativeRequest
 from gateway.tools import ToolCall, ToolCallParser, ToolError, ToolRequest
+from specdec.cache_salt import check_cache_salt
 from specdec.json_depth import parse_json
 from specdec.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specdec.speculation import method_name
@@ -45,9 +46,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _requests(self, model: str, prompt: list[int], sampling: common_pb2.SamplingParams,
                   stop, speculation: common_pb2.SpeculationPolicy, request_id: str,
                   prompt_field: str, n: int, tool_request: ToolRequest | None = None,
-                  timeout_s: float | None = None) -> list[GenerationRequest]:
+                  timeout_s: float | None = None, cache_salt: str = ""
+                  ) -> list[GenerationRequest]:
         """The request's choices, checked. timeout_s: the call's deadline, if it has one."""
         self.gw.check_model(model)
+        try:
+            check_cache_salt(cache_salt)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
         limit = self.gw.config.limits.max_tokens
         if limit and sampling.max_tokens > limit:
             raise InvalidRequest(f"sampling.max_tokens: {sampling.max_tokens} is over this "
@@ -71,7 +77,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         req = GenerationRequest(tuple(prompt), sampling, tuple(stop),
                                 speculative_from_proto(speculation), request_id,
                                 prompt_field=prompt_field, structured_field=structured_field,
-                                timeout_s=timeout_s)
+                                timeout_s=timeout_s, cache_salt=cache_salt)
         return choice_requests([req], max(n, 1))
 
     async def _run(self, reqs: list[GenerationRequest], stream: bool, context, make,
@@ -148,7 +154,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise InvalidRequest("prompt: set text or token_ids")
             reqs = self._requests(request.model, prompt, request.sampling, request.stop,
                                   request.speculation, request.request_id, kind or "prompt",
-                                  request.n, timeout_s=context.time_remaining())
+                                  request.n, timeout_s=context.time_remaining(),
+                                  cache_salt=request.cache_salt)
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
 
@@ -177,7 +184,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prompt = await asyncio.to_thread(self.gw.chat_prompt, messages, tool_request)
             reqs = self._requests(request.model, prompt, request.sampling, request.stop,
                                   request.speculation, request.request_id, "messages",
-                                  request.n, tool_request, timeout_s=context.time_remaining())
+                                  request.n, tool_request, timeout_s=context.time_remaining(),
+                                  cache_salt=request.cache_salt)
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
 

@@ -36,6 +36,7 @@ from gateway.policy.request import SpeculativeRequest
 from gateway.structured import StructuredOutputError, from_openai
 from gateway.tools import ToolCall, ToolCallParser, ToolError, ToolRequest
 from gateway.types import SpecDecodeSummary
+from specdec.cache_salt import MAX_CACHE_SALT_CHARS
 from specdec.json_depth import parse_json
 from specdec.pb import common_pb2
 from specdec.processors import LogitsProcessors
@@ -57,10 +58,9 @@ _NOT_IMPLEMENTED: dict[str, object] = {
     "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
     "chat_template_kwargs": None, "documents": None, "prediction": None,
     "min_completion_tokens": None,
-    # vLLM's: a salt scoping the prefix cache; tokens in logprobs as "token_id:<id>"; a
-    # queue priority (vLLM too refuses one other than 0 without priority scheduling);
-    # chat's echo of the last message.
-    "cache_salt": None, "return_tokens_as_token_ids": False, "priority": 0, "echo": False,
+    # vLLM's: a queue priority (vLLM too refuses one other than 0 without priority
+    # scheduling); chat's echo of the last message.
+    "priority": 0, "echo": False,
 }
 # Values that mean "off" besides the one above (an empty list or object, ...).
 _OFF_TOO = ([], {}, {"type": "text"}, "none")
@@ -98,6 +98,12 @@ class _Body(BaseModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     speculative: dict[str, Any] | None = None
+    # vLLM's: scopes the prefix cache and what drafters learn across requests
+    # (specdec/cache_salt.py).
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM's: logprobs name their tokens "token_id:<id>" (for tokens that are no text
+    # of their own, such as a byte of a multi-byte character).
+    return_tokens_as_token_ids: bool = False
 
 
 class _Message(BaseModel):
@@ -313,7 +319,7 @@ class OpenAIFrontend:
         return GenerationRequest(tuple(prompt), sampling, stop, spec, prompt_field="messages",
                                  structured_field=structured_field,
                                  request_id=f"chatcmpl-{uuid.uuid4().hex}",
-                                 timeout_s=body.timeout)
+                                 timeout_s=body.timeout, cache_salt=body.cache_salt or "")
 
     def _chat_prompt(self, messages: list[_Message], tool_request: ToolRequest | None
                      ) -> list[int]:
@@ -355,32 +361,39 @@ class OpenAIFrontend:
                 tuple(ids), sampling, stop, spec,
                 prompt_field="prompt" if len(prompts) == 1 else f"prompt[{i}]",
                 structured_field=self._structured(body, sampling),
-                request_id=rid if len(prompts) == 1 else f"{rid}-p{i}", timeout_s=body.timeout))
+                request_id=rid if len(prompts) == 1 else f"{rid}-p{i}", timeout_s=body.timeout,
+                cache_salt=body.cache_salt or ""))
         return choice_requests(reqs, body.n)
 
     # -- rendering ----------------------------------------------------------------
 
-    def chat_logprobs(self, logprobs: list[common_pb2.TokenLogprob], top: int) -> dict:
+    def _token(self, token_id: int, as_id: bool) -> str:
+        """A token as logprobs name it: its text, or "token_id:<id>" (vLLM's
+        return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if as_id else self.gw.token_text(token_id)
+
+    def chat_logprobs(self, logprobs: list[common_pb2.TokenLogprob], top: int,
+                      as_ids: bool = False) -> dict:
         content = []
         for lp in logprobs:
-            tok = self.gw.token_text(lp.token_id)
+            tok = self._token(lp.token_id, as_ids)
             content.append({
                 "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
                 "top_logprobs": [
-                    {"token": (t := self.gw.token_text(a.token_id)), "logprob": a.logprob,
+                    {"token": (t := self._token(a.token_id, as_ids)), "logprob": a.logprob,
                      "bytes": list(t.encode())} for a in lp.top_logprobs[:top]]})
         return {"content": content}
 
     def completion_logprobs(self, logprobs: list[common_pb2.TokenLogprob], top: int,
-                            offset: int) -> dict:
+                            offset: int, as_ids: bool = False) -> dict:
         tokens, values, tops, offsets = [], [], [], []
         for lp in logprobs:
-            tok = self.gw.token_text(lp.token_id)
-            tokens.append(tok)
+            tokens.append(self._token(lp.token_id, as_ids))
             values.append(lp.logprob)
-            tops.append({self.gw.token_text(a.token_id): a.logprob for a in lp.top_logprobs[:top]})
-            offsets.append(offset)
-            offset += len(tok)
+            tops.append({self._token(a.token_id, as_ids): a.logprob
+                         for a in lp.top_logprobs[:top]})
+            offsets.append(offset)  # into the text, whatever the tokens are called
+            offset += len(self.gw.token_text(lp.token_id))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
@@ -427,7 +440,7 @@ class OpenAIFrontend:
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return _sse(self._chat_chunks(generations, rid, body.logprobs, top, include_usage,
-                                          names))
+                                          names, body.return_tokens_as_token_ids))
         try:
             wholes = await _collect(request, [g.deltas() for g in generations])
         except GatewayError as e:
@@ -447,7 +460,8 @@ class OpenAIFrontend:
                     finish = tools.finish_reason(finish, len(calls))
             choices.append({
                 "index": i, "message": message,
-                "logprobs": self.chat_logprobs(logprobs, top) if body.logprobs else None,
+                "logprobs": (self.chat_logprobs(logprobs, top, body.return_tokens_as_token_ids)
+                             if body.logprobs else None),
                 "finish_reason": finish})
             if len(wholes) > 1:
                 choices[-1]["spec_decode"] = last.spec_decode.to_json()
@@ -458,7 +472,7 @@ class OpenAIFrontend:
 
     async def _chat_chunks(self, generations: list, rid: str, want_logprobs: bool,
                            top: int, include_usage: bool,
-                           names: Collection[str] | None) -> AsyncIterator[dict]:
+                           names: Collection[str] | None, as_ids: bool) -> AsyncIterator[dict]:
         """Chunks as OpenAI streams them; with `names`, the output's tool calls as
         tool-call deltas (a call's id, type and name, then its arguments), the text a call
         might start held back until it is known (gateway/tools.py)."""
@@ -477,7 +491,7 @@ class OpenAIFrontend:
             yield chunk(i, {"role": "assistant", "content": ""})
         finals: list[Delta | None] = [None] * n
         async for i, delta in merged([g.deltas() for g in generations]):
-            lp = self.chat_logprobs(delta.logprobs, top) if want_logprobs else None
+            lp = self.chat_logprobs(delta.logprobs, top, as_ids) if want_logprobs else None
             parser = parsers[i]
             if parser is None:
                 events: list[str | ToolCall] = [delta.text] if delta.text else []
@@ -515,7 +529,8 @@ class OpenAIFrontend:
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return _sse(self._completion_chunks(generations, rid, want_logprobs, top,
-                                                include_usage, echo, prompts))
+                                                include_usage, echo, prompts,
+                                                body.return_tokens_as_token_ids))
         try:
             wholes = await _collect(request, [g.deltas() for g in generations])
         except GatewayError as e:
@@ -527,7 +542,8 @@ class OpenAIFrontend:
         for i, (text, logprobs, last) in enumerate(wholes):
             choices.append({
                 "index": i, "text": echo[i] + "".join(text),
-                "logprobs": (self.completion_logprobs(logprobs, top, 0)
+                "logprobs": (self.completion_logprobs(logprobs, top, 0,
+                                                      body.return_tokens_as_token_ids)
                              if want_logprobs else None),
                 "finish_reason": last.finish_reason})
             if len(wholes) > 1:
@@ -542,7 +558,7 @@ class OpenAIFrontend:
 
     async def _completion_chunks(self, generations: list, rid: str, want_logprobs: bool,
                                  top: int, include_usage: bool, echo: list[str],
-                                 prompts: int) -> AsyncIterator[dict]:
+                                 prompts: int, as_ids: bool) -> AsyncIterator[dict]:
         created = int(time.time())
         n = len(generations)
         offsets = [0] * n
@@ -560,7 +576,7 @@ class OpenAIFrontend:
         async for i, delta in merged([g.deltas() for g in generations]):
             if not (delta.text or delta.finish or (want_logprobs and delta.logprobs)):
                 continue
-            lp = (self.completion_logprobs(delta.logprobs, top, offsets[i])
+            lp = (self.completion_logprobs(delta.logprobs, top, offsets[i], as_ids)
                   if want_logprobs else None)
             out = chunk(i, delta.text, lp, delta.finish_reason)
             offsets[i] += len(delta.text)

@@ -81,6 +81,8 @@ class GenerationRequest:
     structured_field: str | None = None
     # Seconds from admission to the last token; None = the server's default.
     timeout_s: float | None = None
+    # vLLM's cache_salt (specdec/cache_salt.py); "" = none.
+    cache_salt: str = ""
 
 
 @dataclass

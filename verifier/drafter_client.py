@@ -117,6 +117,7 @@ class _Seq:
     prompt: list[int]
     sampling: SamplingParams
     max_num_speculative_tokens: int
+    tenant: str = ""
     output: list[int] = field(default_factory=list)
     round: int = 0
     generation: int = -1  # stream generation its Start went out on; -1 = not yet
@@ -251,9 +252,12 @@ class DrafterClient:
         prompt: list[int],
         sampling: SamplingParams,
         max_num_speculative_tokens: int,
+        tenant: str = "",
     ) -> None:
+        """tenant: the request's cache_salt (DraftEntry.Start.tenant)."""
         with self._lock:
-            self._seqs[seq_id] = _Seq(list(prompt), sampling, max_num_speculative_tokens)
+            self._seqs[seq_id] = _Seq(list(prompt), sampling, max_num_speculative_tokens,
+                                      tenant=tenant)
 
     def record(self, seq_id: int, outcome: Outcome) -> None:
         with self._lock:
@@ -370,6 +374,7 @@ class DrafterClient:
                                 max_num_speculative_tokens=seq.max_num_speculative_tokens,
                                 output_token_ids=seq.output,
                                 num_speculative_tokens=k,
+                                tenant=seq.tenant,
                             ),
                         )
                     )

@@ -66,9 +66,8 @@ class DrafterPool(Proposer):
         if client is None:
             return
         self._owner[seq_id] = client
-        client.track(
-            seq_id, request.prompt_token_ids, request.sampling, self.max_num_speculative_tokens
-        )
+        client.track(seq_id, request.prompt_token_ids, request.sampling,
+                     self.max_num_speculative_tokens, tenant=request.cache_salt)
 
     def propose(self, wanted: dict[int, int], tokens: dict[int, list[int]]) -> dict[int, Proposal]:
         self._step += 1

@@ -30,6 +30,7 @@ from typing import Protocol
 import grpc
 from opentelemetry import trace
 
+from specdec.cache_salt import check_cache_salt
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingParams
@@ -222,7 +223,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(s.stop_token_ids),
             ignore_eos=s.ignore_eos, num_speculative_tokens=policy.effective_k,
             drafter=policy.drafter, auto_k=policy.auto_k, num_logprobs=s.logprobs,
-            processors=self._processors(s))
+            processors=self._processors(s), cache_salt=check_cache_salt(start.cache_salt, "start.cache_salt"))
         try:
             self.engine.validate(request)
         except ValueError as e:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdec.models.prefix_cache import ROOT_HASH, BlockPool, chain_hash
+from specdec.models.prefix_cache import BlockPool, chain_hash, root_hash
 
 
 class KVCacheFull(RuntimeError):
@@ -40,6 +40,7 @@ class _Sequence:
     # Its drafter's features (the target's hidden-state rows) are kept for every one of
     # its positions from 0 on, so the blocks it registers carry them for later hits.
     features_ok: bool = False
+    root: bytes = b""  # its first block's parent: prefix_cache.root_hash(its cache_salt)
 
 
 @dataclass(slots=True)
@@ -168,22 +169,24 @@ class PagedKVCache:
     def can_append(self, seq_id: int, num_new: int) -> bool:
         return self.blocks_needed(seq_id, num_new) <= self.pool.num_free
 
-    def add(self, seq_id: int, tokens: Sequence[int] = (), features: bool = False) -> int:
+    def add(self, seq_id: int, tokens: Sequence[int] = (), features: bool = False,
+            cache_salt: str = "") -> int:
         """Start a sequence whose first tokens are `tokens`; with prefix caching, it
         takes over the KV of their longest cached chain of full blocks, but never of
         the last token: one must run through the model to give logits to sample from.
         features: the sequence keeps its features (keep_features) and takes only blocks
-        that carry them. Returns the number of leading tokens whose KV is there (a
-        multiple of the block size; 0 without prefix caching)."""
+        that carry them. cache_salt: it shares blocks only with sequences of the same
+        salt. Returns the number of leading tokens whose KV is there (a multiple of the
+        block size; 0 without prefix caching)."""
         if seq_id in self._seqs:
             raise KeyError(f"sequence {seq_id} already in the KV cache")
         if features and self.features is None:
             raise ValueError("features: keep_features was not called")
-        seq = self._seqs[seq_id] = _Sequence(features_ok=features)
+        seq = self._seqs[seq_id] = _Sequence(features_ok=features, root=root_hash(cache_salt))
         if not self.pool.enable_caching:
             return 0
         bs = self.block_size
-        parent = ROOT_HASH
+        parent = seq.root
         for i in range((len(tokens) - 1) // bs):
             h = chain_hash(parent, tokens[i * bs: (i + 1) * bs])
             block = self.pool.lookup(h)
@@ -208,7 +211,7 @@ class PagedKVCache:
                              f"{seq.length}")
         bs = self.block_size
         for i in range(len(seq.hashes), num_committed // bs):
-            h = chain_hash(seq.hashes[-1] if seq.hashes else ROOT_HASH,
+            h = chain_hash(seq.hashes[-1] if seq.hashes else seq.root,
                            tokens[i * bs: (i + 1) * bs])
             seq.hashes.append(h)
             held = self.pool.lookup(h)

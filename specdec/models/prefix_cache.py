@@ -32,6 +32,15 @@ from dataclasses import dataclass
 ROOT_HASH = b""  # the parent of a sequence's first block
 
 
+def root_hash(cache_salt: str = "") -> bytes:
+    """The parent of the first block of a sequence with this cache_salt (vLLM's request
+    field): ROOT_HASH without one, else a key of the salt, so that sequences of another
+    salt (another tenant) never find its blocks, whatever their tokens."""
+    if not cache_salt:
+        return ROOT_HASH
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
+
+
 def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The key of a full block: its parent's key and its token ids, SHA-256."""
     return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()

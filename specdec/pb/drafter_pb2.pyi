@@ -18,18 +18,20 @@ class DraftRequest(_message.Message):
 class DraftEntry(_message.Message):
     __slots__ = ("seq_id", "round", "start", "advance", "free")
     class Start(_message.Message):
-        __slots__ = ("prompt_token_ids", "sampling", "max_num_speculative_tokens", "output_token_ids", "num_speculative_tokens")
+        __slots__ = ("prompt_token_ids", "sampling", "max_num_speculative_tokens", "output_token_ids", "num_speculative_tokens", "tenant")
         PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         MAX_NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
         OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        TENANT_FIELD_NUMBER: _ClassVar[int]
         prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
         sampling: _common_pb2.SamplingParams
         max_num_speculative_tokens: int
         output_token_ids: _containers.RepeatedScalarFieldContainer[int]
         num_speculative_tokens: int
-        def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_num_speculative_tokens: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+        tenant: str
+        def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_num_speculative_tokens: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
     class Advance(_message.Message):
         __slots__ = ("num_drafted", "num_accepted", "new_token_ids", "num_rollback_tokens", "hidden_states", "num_speculative_tokens")
         NUM_DRAFTED_FIELD_NUMBER: _ClassVar[int]

@@ -108,7 +108,7 @@ def test_past_replies_draft_for_new_requests_and_memory_is_bounded():
     assert "d" not in method.propose({"d": 8})
     only_c = SuffixTree(method.max_depth)
     only_c.add([60, 61, 62, 63])
-    assert method.global_tree.num_nodes == only_c.num_nodes
+    assert method.shared_tree().num_nodes == only_c.num_nodes
     assert method.num_nodes == only_c.num_nodes + method._requests["d"].tree.num_nodes
 
 
@@ -134,6 +134,7 @@ def test_registered_with_its_info_and_checks():
     assert len(method.propose({"a": 8})["a"].token_ids) == 5  # the method's cap
     for kwargs, field in (({"max_depth": 1}, "max_depth"),
                           ({"max_cached_requests": -1}, "max_cached_requests"),
+                          ({"max_cached_nodes": -1}, "max_cached_nodes"),
                           ({"max_spec_factor": -1.0}, "max_spec_factor"),
                           ({"min_token_prob": 1.5}, "min_token_prob")):
         with pytest.raises(ValueError, match=field):
@@ -146,3 +147,37 @@ def test_with_the_verifier_output_equals_plain_greedy(batch):
         "suffix", lambda vocab: SuffixMethod(vocab_size=vocab), batch, seed=40 + batch)
     assert outputs == expected
     assert sum(r.spec_decode.num_accepted_tokens for r in last) > 0
+
+
+def test_past_replies_draft_only_for_their_own_tenant():
+    """A reply learned from tenant a's request drafts for a's next request only: b's
+    (and the default tenant's) acceptance cannot tell what a's replies held."""
+    method = SuffixMethod()
+    method.start("a1", [1, 2, 3], [50, 51, 52, 53, 54, 55], GREEDY, 8)
+    method.scope("a1", "tenant-a")
+    method.free("a1")
+    for key, tenant in (("a2", "tenant-a"), ("b", "tenant-b"), ("default", "")):
+        method.start(key, [9, 9, 50, 51, 52], [], GREEDY, 8)
+        if tenant:
+            method.scope(key, tenant)
+    drafts = method.propose({"a2": 8, "b": 8, "default": 8})
+    assert drafts["a2"].token_ids == [53, 54, 55]
+    assert "b" not in drafts and "default" not in drafts
+    assert method.shared_tree("tenant-b") is None and method.shared_tree() is None
+
+
+def test_past_replies_stay_within_a_node_budget():
+    """Replies over max_cached_nodes leave oldest first, whatever their tenant, and a
+    tenant whose replies all left holds no tree."""
+    reply = list(range(100, 130))
+    one = SuffixTree(24)
+    one.add(reply)
+    method = SuffixMethod(max_cached_nodes=2 * one.num_nodes)
+    for i, tenant in enumerate(["x", "y", "z"]):
+        key = f"r{i}"
+        method.start(key, [1], [t + 100 * i for t in reply], GREEDY, 8)
+        method.scope(key, tenant)
+        method.free(key)
+    assert method.cached_replies == ([t + 100 for t in reply], [t + 200 for t in reply])
+    assert method.shared_tree("x") is None
+    assert method.num_nodes == 2 * one.num_nodes

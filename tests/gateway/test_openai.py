@@ -108,6 +108,29 @@ def test_token_id_prompt_and_logprobs(stack, client):
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    # vLLM's return_tokens_as_token_ids: the same logprobs, tokens named by their ids,
+    # streamed or not; text offsets still count characters of the text.
+    for stream in (False, True):
+        named = client.completions.create(
+            model=MODEL_NAME, prompt=ids, temperature=0, max_tokens=8, logprobs=3,
+            stream=stream, extra_body={"return_tokens_as_token_ids": True})
+        chunks = list(named) if stream else [named]
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+                  for t in c.choices[0].logprobs.tokens]
+        assert tokens == [f"token_id:{t}" for t in out]
+        if not stream:
+            assert named.choices[0].logprobs.text_offset == lp.text_offset
+            assert named.choices[0].logprobs.token_logprobs == lp.token_logprobs
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], temperature=0,
+        max_tokens=5, logprobs=True, top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True})
+    named = chat.choices[0].logprobs.content
+    assert [c.logprob for c in named] == [c.logprob for c in content]
+    assert all(re.fullmatch(r"token_id:\d+", t.token) for c in named
+               for t in [c, *c.top_logprobs])
+    reply_ids = [int(c.token.removeprefix("token_id:")) for c in named]
+    assert stack.tokenizer.decode(reply_ids) == chat.choices[0].message.content
 
 
 def test_stop_strings_and_seeded_sampling(stack, client):
@@ -195,8 +218,6 @@ NOT_IMPLEMENTED = [
     ("structured_outputs", {"regex": "a+", "whitespace_pattern": " *"}),
     ("skip_special_tokens", False),
     ("include_stop_str_in_output", True),
-    ("cache_salt", "tenant-a"),
-    ("return_tokens_as_token_ids", True),
     ("priority", 1),
     ("echo", True),
     ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
@@ -396,6 +417,49 @@ def test_the_verifier_decides_for_every_gateways_requests(loop, smollm2_dir, sta
         assert last["disabled_reason"] == "queue_size" and last["num_drafts"] == 0
         for stream in streams[:3]:
             _spec_report(stream)
+    finally:
+        s.close()
+
+
+def test_cache_salt_scopes_the_prefix_cache_and_the_suffix_drafters_replies(
+        loop, smollm2_dir, stack):
+    """vLLM's cache_salt, REST and gRPC: a prompt's cached KV serves only requests of
+    the same salt, and the suffix drafter learns each reply for its own salt alone."""
+    from drafter.suffix import SuffixMethod
+    from specdec.client import Client, InvalidRequestError
+
+    suffix = SuffixMethod(vocab_size=stack.model.config.vocab_size)
+    s = GatewayStack(loop, stack.model, smollm2_dir, drafters={"suffix": suffix},
+                     default_method="suffix")
+    try:
+        client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
+        engine = s.replicas[0].servicer.engine
+        content = "Repeat these words back: " + " ".join(f"w{i}" for i in range(40))
+
+        def hits(salt: str | None) -> int:
+            before = engine.scheduler.prefix_cache_stats.hits
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": content}],
+                temperature=0, max_tokens=8,
+                extra_body={"cache_salt": salt} if salt is not None else {})
+            return engine.scheduler.prefix_cache_stats.hits - before
+
+        assert hits("tenant-a") == 0
+        assert hits("tenant-b") == 0 and hits(None) == 0
+        assert hits("tenant-a") > 0 and hits(None) > 0
+        assert suffix.shared_tree("tenant-a") is not None
+        assert suffix.shared_tree("tenant-c") is None
+        r = httpx2.post(s.base_url + "/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "cache_salt": "s" * 257})
+        assert r.status_code == 400 and "cache_salt" in r.json()["error"]["message"]
+        # gRPC, through the SDK: a salt runs; one too long is the client's error.
+        sdk = Client(s.grpc_address, max_retries=0)
+        assert sdk.chat([{"role": "user", "content": "hi"}], max_tokens=2, temperature=0,
+                        cache_salt="tenant-d").usage.completion_tokens == 2
+        hits(None)  # a drafter learns a reply at its Free, sent with a later step's message
+        assert suffix.shared_tree("tenant-d") is not None
+        with pytest.raises(InvalidRequestError, match="cache_salt"):
+            sdk.generate("x", max_tokens=2, cache_salt="s" * 257)
     finally:
         s.close()
 

@@ -17,10 +17,10 @@ def make(num_blocks=8) -> PagedKVCache:
                         block_size=BS, enable_prefix_caching=True)
 
 
-def prefill(cache: PagedKVCache, seq_id: int, tokens: list[int]) -> int:
+def prefill(cache: PagedKVCache, seq_id: int, tokens: list[int], cache_salt: str = "") -> int:
     """Add a sequence, 'compute' the KV of its uncached tokens (each slot's K and V
     hold its token id and position), commit them. Returns the cached token count."""
-    hit = cache.add(seq_id, tokens)
+    hit = cache.add(seq_id, tokens, cache_salt=cache_salt)
     meta = cache.plan([(seq_id, len(tokens) - hit)])
     kv = torch.tensor([[t, p] for t, p in zip(tokens[hit:], meta.positions.tolist(),
                                               strict=True)], dtype=torch.float32)[:, None]
@@ -197,3 +197,16 @@ def test_a_copy_with_features_takes_the_prefix_over():
     assert torch.equal(cache.read_features(2, 8), rows[:8])
     assert cache.add(3, tokens) == 8  # a sequence without features hits the same blocks
     assert cache.blocks(3)[:2] == cache.blocks(2)[:2]
+
+
+def test_a_cache_salt_shares_only_with_its_own_salt():
+    """vLLM's cache_salt: the same prompt under another salt (or none) finds nothing;
+    under the same salt, every full block but the last token's."""
+    cache = make(16)
+    prompt = list(range(10, 20))
+    assert prefill(cache, 0, prompt, "tenant-a") == 0
+    assert prefill(cache, 1, prompt) == 0
+    assert prefill(cache, 2, prompt, "tenant-b") == 0
+    assert prefill(cache, 3, prompt, "tenant-a") == 8
+    assert prefill(cache, 4, prompt) == 8  # no salt shares with no salt
+    assert cache.blocks(3)[:2] == cache.blocks(0)[:2] != cache.blocks(2)[:2]

@@ -93,7 +93,8 @@ class Scheduler:
             # Cached blocks are taken now (an evictable one stops being free); given
             # back below if the rest does not fit.
             cached = self.cache.add(seq.seq_id, seq.tokens if seq.use_prefix_cache else (),
-                                    features=seq.wants_features)
+                                    features=seq.wants_features,
+                                    cache_salt=seq.request.cache_salt)
             n = min(len(seq.tokens) - cached, budget)
             need = self.cache.blocks_needed(seq.seq_id, n)
             if need > self.cache.num_free_blocks - reserved:

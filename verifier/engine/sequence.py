@@ -33,6 +33,9 @@ class Request:
     grammar: object | None = None
     # Logits processors (specdec.processors.LogitsProcessors); None when none is active.
     processors: object | None = None
+    # vLLM's cache_salt: the request shares cached KV (and its drafter's learned replies)
+    # only with requests of the same salt; "" = the shared default.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.cache_salt import check_cache_salt
 from specdec.speculation import METHODS
 
 KEY_METHOD = "specdec_method"  # "none", "ngram", ...; absent = the deployment's default
@@ -28,6 +29,9 @@ KEY_REQUEST_ID = "specdec_request_id"  # the name policy updates use; absent = v
 # true: K is a bound, and the proposer's speculation controller chooses each step's K
 # within it (ProposerConfig.speculation_controller); absent = the deployment's default.
 KEY_AUTO_K = "specdec_auto_k"
+# The request's cache_salt, for its drafter (DraftEntry.Start.tenant); vLLM's own prefix
+# cache reads the prompt's cache_salt.
+KEY_CACHE_SALT = "specdec_cache_salt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,7 @@ class RequestPolicy:
     num_speculative_tokens: int | None = None
     request_id: str | None = None
     auto_k: bool | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in METHODS:
@@ -49,6 +54,10 @@ class RequestPolicy:
             raise ValueError(f"{KEY_NUM_SPECULATIVE_TOKENS}: must be an int >= 0, got {k!r}")
         if self.auto_k is not None and not isinstance(self.auto_k, bool):
             raise ValueError(f"{KEY_AUTO_K}: must be true or false, got {self.auto_k!r}")
+        if self.cache_salt is not None:
+            if not isinstance(self.cache_salt, str):
+                raise ValueError(f"{KEY_CACHE_SALT}: must be a string, got {self.cache_salt!r}")
+            check_cache_salt(self.cache_salt, KEY_CACHE_SALT)
 
     @classmethod
     def from_extra_args(cls, extra_args: Mapping[str, Any] | None) -> RequestPolicy:
@@ -60,10 +69,11 @@ class RequestPolicy:
             k = int(k)
         return cls(method=args.get(KEY_METHOD), drafter=args.get(KEY_DRAFTER) or None,
                    num_speculative_tokens=k, request_id=args.get(KEY_REQUEST_ID),
-                   auto_k=args.get(KEY_AUTO_K))
+                   auto_k=args.get(KEY_AUTO_K), cache_salt=args.get(KEY_CACHE_SALT) or None)
 
     def to_extra_args(self) -> dict[str, Any]:
         values = {KEY_METHOD: self.method, KEY_DRAFTER: self.drafter,
                   KEY_NUM_SPECULATIVE_TOKENS: self.num_speculative_tokens,
-                  KEY_REQUEST_ID: self.request_id, KEY_AUTO_K: self.auto_k}
+                  KEY_REQUEST_ID: self.request_id, KEY_AUTO_K: self.auto_k,
+                  KEY_CACHE_SALT: self.cache_salt}
         return {key: value for key, value in values.items() if value is not None}

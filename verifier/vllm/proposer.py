@@ -321,7 +321,8 @@ class RemoteProposer:
         self.pool.start(seq.seq_id, Request(
             request_id=req_id, prompt_token_ids=tokens,
             max_tokens=max(self.max_model_len - len(tokens), 1),
-            sampling=SamplingParams(temperature=0.0), drafter=seq.drafter))
+            sampling=SamplingParams(temperature=0.0), drafter=seq.drafter,
+            cache_salt=seq.policy.cache_salt or ""))
 
     def _forget(self, req_id: str) -> None:
         seq = self._tracked.pop(req_id)

@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from specdec.cache_salt import check_cache_salt
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.server import ADMITTED
@@ -218,7 +219,8 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
         rides = RequestPolicy(
             method=policy.method if policy.drafter is not None else "none",
             drafter=policy.drafter, num_speculative_tokens=policy.effective_k,
-            request_id=request_id, auto_k=policy.auto_k)
+            request_id=request_id, auto_k=policy.auto_k,
+            cache_salt=check_cache_salt(start.cache_salt, "start.cache_salt") or None)
         params = sampling.to_vllm(s, max_tokens=max_tokens, vocab_size=self.target.vocab_size,
                                   extra_args=rides.to_extra_args(),
                                   speculative=bool(self.drafters))
@@ -323,7 +325,10 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
                        stop_token_ids=frozenset(first.start.sampling.stop_token_ids))
         finished = False
         try:
-            async for out in self.engine.generate({"prompt_token_ids": prompt}, params, rid):
+            # vLLM scopes its own prefix cache by the prompt's cache_salt.
+            salt = {"cache_salt": first.start.cache_salt} if first.start.cache_salt else {}
+            async for out in self.engine.generate({"prompt_token_ids": prompt, **salt}, params,
+                                                  rid):
                 finished = out.finished
                 if finished and errors:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(errors[0]))
