@@ -30,6 +30,7 @@ import platform
 import random
 import signal
 import statistics
+import sys
 import threading
 import time
 from datetime import UTC, datetime
@@ -38,7 +39,7 @@ from pathlib import Path
 import openai
 
 from bench.drafters import device_name
-from bench.serving import SERVED_NAME, _wait_drafters, percentile, prompts_by_name
+from bench.serving import SERVED_NAME, _wait_drafters, percentile, prompts_by_name, rss_kb
 from specdec.launch import EAGLE3_HEAD, LocalStack, local_services, on_free_ports
 from specdec.models.prepare import cache_dir, prepare_default_model
 
@@ -103,6 +104,8 @@ async def chaos(base: str, stack: LocalStack, seconds: float, concurrency: int, 
         reference = [(await one(client, m, tokens, {"method": "none"}))["text"]
                      for m in prompts]
         faults: list[dict] = []
+        pids = {name: proc.pid for name, proc in stack.procs.items()}
+        rss_before = {name: rss_kb(pid) for name, pid in pids.items()}
         stop = time.monotonic() + seconds
 
         async def inject() -> None:
@@ -129,6 +132,10 @@ async def chaos(base: str, stack: LocalStack, seconds: float, concurrency: int, 
                 results.append(r)
 
         await asyncio.gather(inject(), *(slot() for _ in range(concurrency)))
+        # RSS after, per service; one killed and restarted meanwhile is a new process.
+        rss = {name: {"before_kb": rss_before[name], "after_kb": rss_kb(proc.pid),
+                      "restarted": proc.pid != pids[name]}
+               for name, proc in stack.procs.items()}
     lost = [r for r in results if r["status"] != 200]
     corrupted = [r for r in results if r["status"] == 200
                  and r["text"] != reference[r["prompt"]]]
@@ -137,7 +144,8 @@ async def chaos(base: str, stack: LocalStack, seconds: float, concurrency: int, 
             "faults": faults, "faults_by_service": by_service, "requests": len(results),
             "lost": len(lost), "corrupted": len(corrupted),
             "lost_statuses": sorted({str(r["status"]) for r in lost}),
-            "mean_s": statistics.mean(r["seconds"] for r in results) if results else None}
+            "mean_s": statistics.mean(r["seconds"] for r in results) if results else None,
+            "rss": rss}
 
 
 def render(result: dict) -> str:
@@ -146,15 +154,22 @@ def render(result: dict) -> str:
         f"Reliability of `make run` ({result['device_name']}, {result['timestamp'][:10]}): "
         f"compose.yaml's local stack, supervised (a killed service is restarted).",
         "",
-        f"Overload: {o['requests']} streamed greedy requests of up to {o['max_tokens']} tokens "
-        f"sent at once, no client retries ({o['wall_s']:.0f} s in all).",
-        "",
-        "| responses | served | served within 90 s | served p50 / p90 s | 5xx | hung or broken |",
-        "|---|---|---|---|---|---|",
-        f"| {', '.join(f'{k}: {v}' for k, v in sorted(o['statuses'].items()))} | {o['served']} | "
-        f"{100 * o['served_within_90s']:.0f} % | {o['served_s_p50'] or 0:.1f} / "
-        f"{o['served_s_p90'] or 0:.1f} | {o['server_errors']} | {o['client_errors']} |",
-        "",
+    ]
+    if o is not None:
+        lines += [
+            f"Overload: {o['requests']} streamed greedy requests of up to {o['max_tokens']} "
+            f"tokens sent at once, no client retries ({o['wall_s']:.0f} s in all).",
+            "",
+            "| responses | served | served within 90 s | served p50 / p90 s | 5xx "
+            "| hung or broken |",
+            "|---|---|---|---|---|---|",
+            f"| {', '.join(f'{k}: {v}' for k, v in sorted(o['statuses'].items()))} | "
+            f"{o['served']} | {100 * o['served_within_90s']:.0f} % | "
+            f"{o['served_s_p50'] or 0:.1f} / {o['served_s_p90'] or 0:.1f} | "
+            f"{o['server_errors']} | {o['client_errors']} |",
+            "",
+        ]
+    lines += [
         f"Chaos: {c['seconds']:.0f} s of {c['concurrency']} greedy streams at a time (plain, "
         f"ngram, eagle3, dynamic K in turn, up to {c['max_tokens']} tokens) while a random "
         "service is killed with SIGKILL; every reply compared with the same request's reply "
@@ -167,13 +182,21 @@ def render(result: dict) -> str:
     ]
     if c["lost_statuses"]:
         lines += ["", "Lost requests ended with: " + "; ".join(c["lost_statuses"])]
+    if c.get("rss"):
+        lines += ["", "| service | RSS before (MiB) | after (MiB) | growth |", "|---|---|---|---|"]
+        for name, r in sorted(c["rss"].items()):
+            growth = ("restarted (a fault killed it)" if r["restarted"] else
+                      f"{(r['after_kb'] - r['before_kb']) / max(r['before_kb'], 1):+.1%}")
+            lines.append(f"| {name} | {r['before_kb'] / 1024:.0f} | {r['after_kb'] / 1024:.0f}"
+                         f" | {growth} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--burst", type=int, default=512)
+    ap.add_argument("--burst", type=int, default=512,
+                    help="requests of the overload phase (0: no overload phase, a soak)")
     ap.add_argument("--burst-tokens", type=int, default=64)
     ap.add_argument("--chaos-s", type=float, default=180.0)
     ap.add_argument("--concurrency", type=int, default=8)
@@ -196,9 +219,11 @@ def main(argv: list[str] | None = None) -> None:
         _wait_drafters(f"127.0.0.1:{ports[50051]}",
                        {s.name for s in services if s.name not in ("verifier", "gateway")})
         base = f"http://127.0.0.1:{ports[8000]}/v1"
-        print("overload ...", flush=True)
-        over = asyncio.run(overload(base, args.burst, args.burst_tokens, timeout_s=600))
-        print(f"  {over}", flush=True)
+        over = None
+        if args.burst:
+            print("overload ...", flush=True)
+            over = asyncio.run(overload(base, args.burst, args.burst_tokens, timeout_s=600))
+            print(f"  {over}", flush=True)
         print("chaos ...", flush=True)
         kaos = asyncio.run(chaos(base, stack, args.chaos_s, args.concurrency, args.tokens,
                                  args.fault_every_s, args.seed))
@@ -208,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         stack.stop()
     result = {"bench": "chaos", "device_name": device_name(), "machine": platform.machine(),
               "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
-              "command": "python -m bench.chaos", "args": {k: str(v) for k, v in vars(args).items()},
+              "command": "python -m bench.chaos " + " ".join(sys.argv[1:] if argv is None else argv), "args": {k: str(v) for k, v in vars(args).items()},
               "overload": over, "chaos": kaos}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

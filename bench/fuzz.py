@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -528,21 +529,6 @@ def fuzz(strategy: st.SearchStrategy, check, num_cases: int, tally: Tally, api: 
     one()
 
 
-def rss_kb(pid: int) -> int:
-    """Resident memory of the process and its children in the same group, in KiB."""
-    from bench.serving import _group_pids
-
-    total = 0
-    for p in _group_pids(os.getpgid(pid)):
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total
-
-
 def reference_reply(client: httpx2.Client, base: str, model: str) -> str:
     r = client.post(base + "/chat/completions", timeout=120, json={
         "model": model, "messages": [{"role": "user", "content": "Name three colours."}],
@@ -575,7 +561,7 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.serving import _wait_drafters
+    from bench.serving import _wait_drafters, rss_kb
     from specdec.launch import EAGLE3_HEAD, LocalStack, local_services, on_free_ports
     from specdec.models.prepare import default_model_dir
 
@@ -625,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop.set()
         stack.stop()
-    result = {"command": "python -m bench.fuzz " + " ".join(argv or []), "model": model_dir.name,
+    result = {"command": "python -m bench.fuzz " + " ".join(sys.argv[1:] if argv is None else argv), "model": model_dir.name,
               "cases_per_api": args.cases, "max_tokens": args.max_tokens, "seconds": time.perf_counter() - t0,
               "cases": dict(tally.cases), "statuses": dict(tally.statuses),
               "failures": tally.failures,

@@ -294,6 +294,14 @@ SECTIONS = [
      "round trip is most of the step) and the redraft rule that keeps that wait from "
      "switching a drafter off for good",
      "python -m bench.ablation (the ablation configurations of that run; see the file)"),
+    ("fuzz.md",
+     "Hostile input: hypothesis-drawn REST bodies (fields valid, missing or hostile, raw "
+     "bytes) and gRPC messages (drawn from the proto descriptors, or bytes the parser "
+     "refuses) against `make run`'s stack, every service's RSS and a reference reply before "
+     "and after (AMD EPYC, 2026-12-06). Earlier runs of the same session found three causes "
+     "of 5xx, each fixed with a test: bytes the protobuf parser refuses (UNKNOWN), "
+     "constraints that leave no token (a 500), lone surrogate escapes (a 500)",
+     "python -m bench.fuzz --cases 3000"),
     ("serving_vllm_dynamic_sd.md",
      "The anchor: vLLM's own dynamic SD (its ngram with `num_speculative_tokens_per_batch_"
      "size` [[1, 1, 4], [2, 4, 3], [5, 8, 2], [9, 1024, 1]]) beside its plain and ngram K=4, "

@@ -290,6 +290,24 @@ def _proc_cpu_s(pid: int) -> tuple[str, float] | None:
     return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def rss_kb(pid: int) -> int:
+    """Resident memory of the process and the others of its process group, in KiB (0 for
+    one that is gone)."""
+    try:
+        group = os.getpgid(pid)
+    except ProcessLookupError:
+        return 0
+    total = 0
+    for p in _group_pids(group):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
+
+
 def _group_pids(pgid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():

@@ -117,7 +117,7 @@ class Generation:
         return verifier_pb2.GenerateRequest(start=verifier_pb2.GenerateRequest.Start(
             request_id=self.request_id, prompt_token_ids=p.prompt + p.generated,
             sampling=sampling, speculation=speculation, disabled_reason=reason,
-            cache_salt=self.req.cache_salt))
+            cache_salt=self.req.cache_salt, priority=self.req.priority))
 
     async def deltas(self) -> AsyncIterator[Delta]:
         metrics = self.metrics

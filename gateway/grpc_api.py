@@ -46,7 +46,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _requests(self, model: str, prompt: list[int], sampling: common_pb2.SamplingParams,
                   stop, speculation: common_pb2.SpeculationPolicy, request_id: str,
                   prompt_field: str, n: int, tool_request: ToolRequest | None = None,
-                  timeout_s: float | None = None, cache_salt: str = ""
+                  timeout_s: float | None = None, cache_salt: str = "", priority: int = 0
                   ) -> list[GenerationRequest]:
         """The request's choices, checked. timeout_s: the call's deadline, if it has one."""
         self.gw.check_model(model)
@@ -77,7 +77,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         req = GenerationRequest(tuple(prompt), sampling, tuple(stop),
                                 speculative_from_proto(speculation), request_id,
                                 prompt_field=prompt_field, structured_field=structured_field,
-                                timeout_s=timeout_s, cache_salt=cache_salt)
+                                timeout_s=timeout_s, cache_salt=cache_salt, priority=priority)
         return choice_requests([req], max(n, 1))
 
     async def _run(self, reqs: list[GenerationRequest], stream: bool, context, make,
@@ -155,7 +155,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             reqs = self._requests(request.model, prompt, request.sampling, request.stop,
                                   request.speculation, request.request_id, kind or "prompt",
                                   request.n, timeout_s=context.time_remaining(),
-                                  cache_salt=request.cache_salt)
+                                  cache_salt=request.cache_salt, priority=request.priority)
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
 
@@ -185,7 +185,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             reqs = self._requests(request.model, prompt, request.sampling, request.stop,
                                   request.speculation, request.request_id, "messages",
                                   request.n, tool_request, timeout_s=context.time_remaining(),
-                                  cache_salt=request.cache_salt)
+                                  cache_salt=request.cache_salt, priority=request.priority)
         except GatewayError as e:
             await context.abort(e.grpc_code, e.message)
 

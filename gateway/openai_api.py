@@ -58,9 +58,8 @@ _NOT_IMPLEMENTED: dict[str, object] = {
     "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
     "chat_template_kwargs": None, "documents": None, "prediction": None,
     "min_completion_tokens": None,
-    # vLLM's: a queue priority (vLLM too refuses one other than 0 without priority
-    # scheduling); chat's echo of the last message.
-    "priority": 0, "echo": False,
+    # vLLM's chat echo of the last message.
+    "echo": False,
 }
 # Values that mean "off" besides the one above (an empty list or object, ...).
 _OFF_TOO = ([], {}, {"type": "text"}, "none")
@@ -104,6 +103,8 @@ class _Body(BaseModel):
     # vLLM's: logprobs name their tokens "token_id:<id>" (for tokens that are no text
     # of their own, such as a byte of a multi-byte character).
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the verifier admits waiting requests lowest value first.
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
 
 
 class _Message(BaseModel):
@@ -283,10 +284,6 @@ class OpenAIFrontend:
                 raise InvalidRequest(f"{name}: not supported by this server yet (it would "
                                      f"change the output, so it is refused rather than "
                                      f"ignored)", param=name)
-        if (body.stream_options or {}).get("continuous_usage_stats"):
-            raise InvalidRequest("stream_options.continuous_usage_stats: not supported by this "
-                                 "server yet (usage comes in the last chunk with "
-                                 "include_usage)", param="stream_options")
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         try:
             spec = SpeculativeRequest.from_json(body.speculative)
@@ -319,7 +316,8 @@ class OpenAIFrontend:
         return GenerationRequest(tuple(prompt), sampling, stop, spec, prompt_field="messages",
                                  structured_field=structured_field,
                                  request_id=f"chatcmpl-{uuid.uuid4().hex}",
-                                 timeout_s=body.timeout, cache_salt=body.cache_salt or "")
+                                 timeout_s=body.timeout, cache_salt=body.cache_salt or "",
+                                 priority=body.priority)
 
     def _chat_prompt(self, messages: list[_Message], tool_request: ToolRequest | None
                      ) -> list[int]:
@@ -362,7 +360,7 @@ class OpenAIFrontend:
                 prompt_field="prompt" if len(prompts) == 1 else f"prompt[{i}]",
                 structured_field=self._structured(body, sampling),
                 request_id=rid if len(prompts) == 1 else f"{rid}-p{i}", timeout_s=body.timeout,
-                cache_salt=body.cache_salt or ""))
+                cache_salt=body.cache_salt or "", priority=body.priority))
         return choice_requests(reqs, body.n)
 
     # -- rendering ----------------------------------------------------------------
@@ -439,8 +437,9 @@ class OpenAIFrontend:
         names = body._tools.names if body._tools is not None and body._tools.parses else None
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return _sse(self._chat_chunks(generations, rid, body.logprobs, top, include_usage,
-                                          names, body.return_tokens_as_token_ids))
+            return _sse(_usage_as_it_goes(
+                self._chat_chunks(generations, rid, body.logprobs, top, include_usage, names,
+                                  body.return_tokens_as_token_ids), body, generations, 1))
         try:
             wholes = await _collect(request, [g.deltas() for g in generations])
         except GatewayError as e:
@@ -528,9 +527,10 @@ class OpenAIFrontend:
         echo = [self._prompt_text(g) if body.echo else "" for g in generations]
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return _sse(self._completion_chunks(generations, rid, want_logprobs, top,
-                                                include_usage, echo, prompts,
-                                                body.return_tokens_as_token_ids))
+            return _sse(_usage_as_it_goes(
+                self._completion_chunks(generations, rid, want_logprobs, top, include_usage,
+                                        echo, prompts, body.return_tokens_as_token_ids),
+                body, generations, prompts))
         try:
             wholes = await _collect(request, [g.deltas() for g in generations])
         except GatewayError as e:
@@ -837,6 +837,27 @@ def _spec_decode(summaries: list) -> dict:
         total.num_draft_tokens += s.num_draft_tokens
         total.num_accepted_tokens += s.num_accepted_tokens
     return total.to_json()
+
+
+async def _usage_as_it_goes(chunks: AsyncIterator[dict], body: _Body, generations: list,
+                            prompts: int) -> AsyncIterator[dict]:
+    """The chunks, each with the usage so far when the request asks for it (vLLM's
+    stream_options.continuous_usage_stats, with include_usage): prompt tokens once per
+    prompt, completion tokens received so far over every choice."""
+    options = body.stream_options or {}
+    if not (options.get("include_usage") and options.get("continuous_usage_stats")):
+        async for c in chunks:
+            yield c
+        return
+    per_prompt = len(generations) // prompts
+    prompt_tokens = sum(len(generations[i * per_prompt].req.prompt_token_ids)
+                        for i in range(prompts))
+    async for c in chunks:
+        if c.get("choices"):
+            done = sum(len(g.progress.generated) for g in generations)
+            c["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                          "total_tokens": prompt_tokens + done}
+        yield c
 
 
 def _usage(finals: list[Delta], prompts: int) -> dict:

@@ -83,6 +83,8 @@ class GenerationRequest:
     timeout_s: float | None = None
     # vLLM's cache_salt (specdec/cache_salt.py); "" = none.
     cache_salt: str = ""
+    # vLLM's priority: the verifier admits waiting requests lowest value first.
+    priority: int = 0
 
 
 @dataclass

@@ -276,14 +276,15 @@ def _check_n(n: Any) -> int:
 
 def generate_request(prompt: str | Sequence[int], *, model: str = "", stop: Sequence[str] = (),
                      speculative: Mapping[str, Any] | None = None, stream: bool = False,
-                     request_id: str = "", n: int = 1, cache_salt: str = "",
+                     request_id: str = "", n: int = 1, cache_salt: str = "", priority: int = 0,
                      **sampling: Any) -> gateway_pb2.GatewayGenerateRequest:
     """cache_salt: vLLM's: the request shares cached prefixes, and what drafters learn
-    across requests, only with requests of the same salt."""
+    across requests, only with requests of the same salt. priority: vLLM's: waiting
+    requests are admitted lowest value first."""
     req = gateway_pb2.GatewayGenerateRequest(
         model=model, sampling=_sampling(**sampling), stop=list(stop),
         speculation=_speculation(speculative), stream=stream, request_id=request_id,
-        n=_check_n(n), cache_salt=cache_salt)
+        n=_check_n(n), cache_salt=cache_salt, priority=priority)
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -294,7 +295,7 @@ def generate_request(prompt: str | Sequence[int], *, model: str = "", stop: Sequ
 def chat_request(messages: Sequence[Mapping[str, Any]], *, model: str = "",
                  stop: Sequence[str] = (), speculative: Mapping[str, Any] | None = None,
                  stream: bool = False, request_id: str = "", n: int = 1, cache_salt: str = "",
-                 tools: Sequence[Mapping[str, Any]] | None = None,
+                 priority: int = 0, tools: Sequence[Mapping[str, Any]] | None = None,
                  tool_choice: str | Mapping[str, Any] | None = None,
                  parallel_tool_calls: bool | None = None, **sampling: Any
                  ) -> gateway_pb2.ChatRequest:
@@ -302,11 +303,13 @@ def chat_request(messages: Sequence[Mapping[str, Any]], *, model: str = "",
     dicts or ToolCall), a tool message's "tool_call_id". tools as OpenAI's
     ({"type": "function", "function": {"name", "description", "parameters"}});
     tool_choice "none", "auto", "required", a function's name in
-    {"type": "function", "function": {"name": ...}}. cache_salt as generate_request's."""
+    {"type": "function", "function": {"name": ...}}. cache_salt and priority as
+    generate_request's."""
     req = gateway_pb2.ChatRequest(
         model=model, messages=[_message(m, i) for i, m in enumerate(messages)],
         sampling=_sampling(**sampling), stop=list(stop), speculation=_speculation(speculative),
-        stream=stream, request_id=request_id, n=_check_n(n), cache_salt=cache_salt)
+        stream=stream, request_id=request_id, n=_check_n(n), cache_salt=cache_salt,
+        priority=priority)
     for i, tool in enumerate(tools or ()):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(fn, Mapping) or tool.get("type") != "function":

@@ -223,7 +223,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             max_tokens=max_tokens, sampling=sampling, stop_token_ids=frozenset(s.stop_token_ids),
             ignore_eos=s.ignore_eos, num_speculative_tokens=policy.effective_k,
             drafter=policy.drafter, auto_k=policy.auto_k, num_logprobs=s.logprobs,
-            processors=self._processors(s), cache_salt=check_cache_salt(start.cache_salt, "start.cache_salt"))
+            processors=self._processors(s), cache_salt=check_cache_salt(start.cache_salt, "start.cache_salt"),
+            priority=start.priority)
         try:
             self.engine.validate(request)
         except ValueError as e:

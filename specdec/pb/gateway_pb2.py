@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.pb import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/gateway.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x9f\x02\n\x16GatewayGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\t\n\x01n\x18\t \x01(\r\x12\x12\n\ncache_salt\x18\n \x01(\tB\x08\n\x06prompt\"\x9d\x02\n\x17GatewayGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x30\n\x0bspec_decode\x18\x07 \x01(\x0b\x32\x1b.specdec.v1.SpecDecodeStats\x12\r\n\x05model\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\r\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.specdec.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"F\n\x08\x46unction\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x86\x03\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\r\x12#\n\x05tools\x18\t \x03(\x0b\x32\x14.specdec.v1.Function\x12+\n\x0btool_choice\x18\n \x01(\x0b\x32\x16.specdec.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0c \x01(\tB\x16\n\x14_parallel_tool_calls\"\xbf\x02\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x30\n\x0bspec_decode\x18\x07 \x01(\x0b\x32\x1b.specdec.v1.SpecDecodeStats\x12\r\n\x05model\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\r\x12(\n\ntool_calls\x18\n \x03(\x0b\x32\x14.specdec.v1.ToolCall2\x9d\x01\n\x07Gateway\x12U\n\x08Generate\x12\".specdec.v1.GatewayGenerateRequest\x1a#.specdec.v1.GatewayGenerateResponse0\x01\x12;\n\x04\x43hat\x12\x17.specdec.v1.ChatRequest\x1a\x18.specdec.v1.ChatResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/gateway.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xb1\x02\n\x16GatewayGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\t\n\x01n\x18\t \x01(\r\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x10\n\x08priority\x18\x0b \x01(\x05\x42\x08\n\x06prompt\"\x9d\x02\n\x17GatewayGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x30\n\x0bspec_decode\x18\x07 \x01(\x0b\x32\x1b.specdec.v1.SpecDecodeStats\x12\r\n\x05model\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\r\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.specdec.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"F\n\x08\x46unction\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x98\x03\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12\x0e\n\x06stream\x18\x06 \x01(\x08\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\r\x12#\n\x05tools\x18\t \x03(\x0b\x32\x14.specdec.v1.Function\x12+\n\x0btool_choice\x18\n \x01(\x0b\x32\x16.specdec.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x10\n\x08priority\x18\r \x01(\x05\x42\x16\n\x14_parallel_tool_calls\"\xbf\x02\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x30\n\x0bspec_decode\x18\x07 \x01(\x0b\x32\x1b.specdec.v1.SpecDecodeStats\x12\r\n\x05model\x18\x08 \x01(\t\x12\r\n\x05index\x18\t \x01(\r\x12(\n\ntool_calls\x18\n \x03(\x0b\x32\x14.specdec.v1.ToolCall2\x9d\x01\n\x07Gateway\x12U\n\x08Generate\x12\".specdec.v1.GatewayGenerateRequest\x1a#.specdec.v1.GatewayGenerateResponse0\x01\x12;\n\x04\x43hat\x12\x17.specdec.v1.ChatRequest\x1a\x18.specdec.v1.ChatResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.gateway_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GATEWAYGENERATEREQUEST']._serialized_start=66
-  _globals['_GATEWAYGENERATEREQUEST']._serialized_end=353
-  _globals['_GATEWAYGENERATERESPONSE']._serialized_start=356
-  _globals['_GATEWAYGENERATERESPONSE']._serialized_end=641
-  _globals['_CHATMESSAGE']._serialized_start=643
-  _globals['_CHATMESSAGE']._serialized_end=751
-  _globals['_FUNCTION']._serialized_start=753
-  _globals['_FUNCTION']._serialized_end=823
-  _globals['_TOOLCHOICE']._serialized_start=825
-  _globals['_TOOLCHOICE']._serialized_end=883
-  _globals['_TOOLCALL']._serialized_start=885
-  _globals['_TOOLCALL']._serialized_end=940
-  _globals['_CHATREQUEST']._serialized_start=943
-  _globals['_CHATREQUEST']._serialized_end=1333
-  _globals['_CHATRESPONSE']._serialized_start=1336
-  _globals['_CHATRESPONSE']._serialized_end=1655
-  _globals['_GATEWAY']._serialized_start=1658
-  _globals['_GATEWAY']._serialized_end=1815
+  _globals['_GATEWAYGENERATEREQUEST']._serialized_end=371
+  _globals['_GATEWAYGENERATERESPONSE']._serialized_start=374
+  _globals['_GATEWAYGENERATERESPONSE']._serialized_end=659
+  _globals['_CHATMESSAGE']._serialized_start=661
+  _globals['_CHATMESSAGE']._serialized_end=769
+  _globals['_FUNCTION']._serialized_start=771
+  _globals['_FUNCTION']._serialized_end=841
+  _globals['_TOOLCHOICE']._serialized_start=843
+  _globals['_TOOLCHOICE']._serialized_end=901
+  _globals['_TOOLCALL']._serialized_start=903
+  _globals['_TOOLCALL']._serialized_end=958
+  _globals['_CHATREQUEST']._serialized_start=961
+  _globals['_CHATREQUEST']._serialized_end=1369
+  _globals['_CHATRESPONSE']._serialized_start=1372
+  _globals['_CHATRESPONSE']._serialized_end=1691
+  _globals['_GATEWAY']._serialized_start=1694
+  _globals['_GATEWAY']._serialized_end=1851
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GatewayGenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "token_ids", "sampling", "stop", "speculation", "stream", "request_id", "n", "cache_salt")
+    __slots__ = ("model", "text", "token_ids", "sampling", "stop", "speculation", "stream", "request_id", "n", "cache_salt", "priority")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class GatewayGenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     token_ids: _common_pb2.TokenIds
@@ -29,7 +30,8 @@ class GatewayGenerateRequest(_message.Message):
     request_id: str
     n: int
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., stream: _Optional[bool] = ..., request_id: _Optional[str] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., stream: _Optional[bool] = ..., request_id: _Optional[str] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class GatewayGenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage", "spec_decode", "model", "index")
@@ -94,7 +96,7 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "sampling", "stop", "speculation", "stream", "request_id", "n", "tools", "tool_choice", "parallel_tool_calls", "cache_salt")
+    __slots__ = ("model", "messages", "sampling", "stop", "speculation", "stream", "request_id", "n", "tools", "tool_choice", "parallel_tool_calls", "cache_salt", "priority")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,7 @@ class ChatRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: _common_pb2.SamplingParams
@@ -119,7 +122,8 @@ class ChatRequest(_message.Message):
     tool_choice: ToolChoice
     parallel_tool_calls: bool
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., stream: _Optional[bool] = ..., request_id: _Optional[str] = ..., n: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Function, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., stream: _Optional[bool] = ..., request_id: _Optional[str] = ..., n: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Function, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ChatResponse(_message.Message):
     __slots__ = ("request_id", "content", "token_ids", "logprobs", "finish_reason", "usage", "spec_decode", "model", "index", "tool_calls")

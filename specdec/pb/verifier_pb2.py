@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.pb import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x81\x05\n\x0fGenerateRequest\x12\x32\n\x05start\x18\x01 \x01(\x0b\x32!.specdec.v1.GenerateRequest.StartH\x00\x12\x41\n\rpolicy_update\x18\x02 \x01(\x0b\x32(.specdec.v1.GenerateRequest.PolicyUpdateH\x00\x12\x34\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\".specdec.v1.GenerateRequest.CancelH\x00\x1a\xe0\x01\n\x05Start\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12\x33\n\x0f\x64isabled_reason\x18\x05 \x01(\x0e\x32\x1a.specdec.v1.DisabledReason\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x1a\xcb\x01\n\x0cPolicyUpdate\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07\x65nabled\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12\x33\n\x0f\x64isabled_reason\x18\x03 \x01(\x0e\x32\x1a.specdec.v1.DisabledReason\x12\x13\n\x06\x61uto_k\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x19\n\x17_num_speculative_tokensB\n\n\x08_enabledB\t\n\x07_auto_kJ\x04\x08\x05\x10\x06\x1a\x08\n\x06\x43\x61ncelB\x06\n\x04kind\"\x95\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12)\n\nstep_stats\x18\x04 \x01(\x0b\x32\x15.specdec.v1.StepStats\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x30\n\x0bspec_decode\x18\x07 \x01(\x0b\x32\x1b.specdec.v1.SpecDecodeStats\"\r\n\x0bLoadRequest\"\xd4\x04\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x03 \x01(\x04\x12\x15\n\rkv_block_size\x18\x04 \x01(\r\x12\x1a\n\x12num_free_kv_tokens\x18\x05 \x01(\x04\x12\x1b\n\x13num_total_kv_tokens\x18\x06 \x01(\x04\x12\x18\n\x10step_time_ema_ms\x18\x07 \x01(\x02\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12/\n\x08\x64rafters\x18\n \x03(\x0b\x32\x1d.specdec.v1.ConfiguredDrafter\x12\"\n\x1amax_num_speculative_tokens\x18\x0b \x01(\r\x12\x12\n\nmodel_name\x18\x0c \x01(\t\x12\x33\n\ttokenizer\x18\r \x01(\x0b\x32 .specdec.v1.TokenizerFingerprint\x12\x1e\n\x16prefix_caching_enabled\x18\x0e \x01(\x08\x12\x1c\n\x14prefix_cache_queries\x18\x0f \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x10 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x11 \x01(\x02\x12-\n\x0c\x65ngine_times\x18\x12 \x01(\x0b\x32\x17.specdec.v1.EngineTimes\x12\x1e\n\x16speculation_controller\x18\x14 \x01(\x08J\x04\x08\x13\x10\x14\"\xe0\x01\n\x0b\x45ngineTimes\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x13\n\x0bschedule_ms\x18\x03 \x01(\x01\x12\x15\n\rdraft_wait_ms\x18\x04 \x01(\x01\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x11\n\tsample_ms\x18\x06 \x01(\x01\x12\x16\n\x0epostprocess_ms\x18\x07 \x01(\x01\x12\x12\n\ndeliver_ms\x18\x08 \x01(\x01\x12\x11\n\tsequences\x18\t \x01(\x04\x12\x0c\n\x04rows\x18\n \x01(\x04\x12\x12\n\ndrafter_ms\x18\x0b \x01(\x01\"\x80\x01\n\x11\x43onfiguredDrafter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\x06method\x18\x02 \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\x11\n\tavailable\x18\x03 \x01(\x08\x12\"\n\x1amax_num_speculative_tokens\x18\x04 \x01(\r2\x8e\x01\n\x08Verifier\x12I\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse(\x01\x30\x01\x12\x37\n\x04Load\x12\x17.specdec.v1.LoadRequest\x1a\x16.specdec.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x93\x05\n\x0fGenerateRequest\x12\x32\n\x05start\x18\x01 \x01(\x0b\x32!.specdec.v1.GenerateRequest.StartH\x00\x12\x41\n\rpolicy_update\x18\x02 \x01(\x0b\x32(.specdec.v1.GenerateRequest.PolicyUpdateH\x00\x12\x34\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\".specdec.v1.GenerateRequest.CancelH\x00\x1a\xf2\x01\n\x05Start\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1d.specdec.v1.SpeculationPolicy\x12\x33\n\x0f\x64isabled_reason\x18\x05 \x01(\x0e\x32\x1a.specdec.v1.DisabledReason\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x1a\xcb\x01\n\x0cPolicyUpdate\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07\x65nabled\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12\x33\n\x0f\x64isabled_reason\x18\x03 \x01(\x0e\x32\x1a.specdec.v1.DisabledReason\x12\x13\n\x06\x61uto_k\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x19\n\x17_num_speculative_tokensB\n\n\x08_enabledB\t\n\x07_auto_kJ\x04\x08\x05\x10\x06\x1a\x08\n\x06\x43\x61ncelB\x06\n\x04kind\"\x95\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\x12)\n\nstep_stats\x18\x04 \x01(\x0b\x32\x15.specdec.v1.StepStats\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x30\n\x0bspec_decode\x18\x07 \x01(\x0b\x32\x1b.specdec.v1.SpecDecodeStats\"\r\n\x0bLoadRequest\"\xd4\x04\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x03 \x01(\x04\x12\x15\n\rkv_block_size\x18\x04 \x01(\r\x12\x1a\n\x12num_free_kv_tokens\x18\x05 \x01(\x04\x12\x1b\n\x13num_total_kv_tokens\x18\x06 \x01(\x04\x12\x18\n\x10step_time_ema_ms\x18\x07 \x01(\x02\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12/\n\x08\x64rafters\x18\n \x03(\x0b\x32\x1d.specdec.v1.ConfiguredDrafter\x12\"\n\x1amax_num_speculative_tokens\x18\x0b \x01(\r\x12\x12\n\nmodel_name\x18\x0c \x01(\t\x12\x33\n\ttokenizer\x18\r \x01(\x0b\x32 .specdec.v1.TokenizerFingerprint\x12\x1e\n\x16prefix_caching_enabled\x18\x0e \x01(\x08\x12\x1c\n\x14prefix_cache_queries\x18\x0f \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x10 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x11 \x01(\x02\x12-\n\x0c\x65ngine_times\x18\x12 \x01(\x0b\x32\x17.specdec.v1.EngineTimes\x12\x1e\n\x16speculation_controller\x18\x14 \x01(\x08J\x04\x08\x13\x10\x14\"\xe0\x01\n\x0b\x45ngineTimes\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x13\n\x0bschedule_ms\x18\x03 \x01(\x01\x12\x15\n\rdraft_wait_ms\x18\x04 \x01(\x01\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x11\n\tsample_ms\x18\x06 \x01(\x01\x12\x16\n\x0epostprocess_ms\x18\x07 \x01(\x01\x12\x12\n\ndeliver_ms\x18\x08 \x01(\x01\x12\x11\n\tsequences\x18\t \x01(\x04\x12\x0c\n\x04rows\x18\n \x01(\x04\x12\x12\n\ndrafter_ms\x18\x0b \x01(\x01\"\x80\x01\n\x11\x43onfiguredDrafter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12&\n\x06method\x18\x02 \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\x11\n\tavailable\x18\x03 \x01(\x08\x12\"\n\x1amax_num_speculative_tokens\x18\x04 \x01(\r2\x8e\x01\n\x08Verifier\x12I\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse(\x01\x30\x01\x12\x37\n\x04Load\x12\x17.specdec.v1.LoadRequest\x1a\x16.specdec.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.verifier_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=67
-  _globals['_GENERATEREQUEST']._serialized_end=708
+  _globals['_GENERATEREQUEST']._serialized_end=726
   _globals['_GENERATEREQUEST_START']._serialized_start=260
-  _globals['_GENERATEREQUEST_START']._serialized_end=484
-  _globals['_GENERATEREQUEST_POLICYUPDATE']._serialized_start=487
-  _globals['_GENERATEREQUEST_POLICYUPDATE']._serialized_end=690
-  _globals['_GENERATEREQUEST_CANCEL']._serialized_start=692
-  _globals['_GENERATEREQUEST_CANCEL']._serialized_end=700
-  _globals['_GENERATERESPONSE']._serialized_start=711
-  _globals['_GENERATERESPONSE']._serialized_end=988
-  _globals['_LOADREQUEST']._serialized_start=990
-  _globals['_LOADREQUEST']._serialized_end=1003
-  _globals['_LOADREPORT']._serialized_start=1006
-  _globals['_LOADREPORT']._serialized_end=1602
-  _globals['_ENGINETIMES']._serialized_start=1605
-  _globals['_ENGINETIMES']._serialized_end=1829
-  _globals['_CONFIGUREDDRAFTER']._serialized_start=1832
-  _globals['_CONFIGUREDDRAFTER']._serialized_end=1960
-  _globals['_VERIFIER']._serialized_start=1963
-  _globals['_VERIFIER']._serialized_end=2105
+  _globals['_GENERATEREQUEST_START']._serialized_end=502
+  _globals['_GENERATEREQUEST_POLICYUPDATE']._serialized_start=505
+  _globals['_GENERATEREQUEST_POLICYUPDATE']._serialized_end=708
+  _globals['_GENERATEREQUEST_CANCEL']._serialized_start=710
+  _globals['_GENERATEREQUEST_CANCEL']._serialized_end=718
+  _globals['_GENERATERESPONSE']._serialized_start=729
+  _globals['_GENERATERESPONSE']._serialized_end=1006
+  _globals['_LOADREQUEST']._serialized_start=1008
+  _globals['_LOADREQUEST']._serialized_end=1021
+  _globals['_LOADREPORT']._serialized_start=1024
+  _globals['_LOADREPORT']._serialized_end=1620
+  _globals['_ENGINETIMES']._serialized_start=1623
+  _globals['_ENGINETIMES']._serialized_end=1847
+  _globals['_CONFIGUREDDRAFTER']._serialized_start=1850
+  _globals['_CONFIGUREDDRAFTER']._serialized_end=1978
+  _globals['_VERIFIER']._serialized_start=1981
+  _globals['_VERIFIER']._serialized_end=2123
 # @@protoc_insertion_point(module_scope)

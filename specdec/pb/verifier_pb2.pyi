@@ -10,20 +10,22 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class GenerateRequest(_message.Message):
     __slots__ = ("start", "policy_update", "cancel")
     class Start(_message.Message):
-        __slots__ = ("request_id", "prompt_token_ids", "sampling", "speculation", "disabled_reason", "cache_salt")
+        __slots__ = ("request_id", "prompt_token_ids", "sampling", "speculation", "disabled_reason", "cache_salt", "priority")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         SPECULATION_FIELD_NUMBER: _ClassVar[int]
         DISABLED_REASON_FIELD_NUMBER: _ClassVar[int]
         CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+        PRIORITY_FIELD_NUMBER: _ClassVar[int]
         request_id: str
         prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
         sampling: _common_pb2.SamplingParams
         speculation: _common_pb2.SpeculationPolicy
         disabled_reason: _common_pb2.DisabledReason
         cache_salt: str
-        def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., disabled_reason: _Optional[_Union[_common_pb2.DisabledReason, str]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+        priority: int
+        def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPolicy, _Mapping]] = ..., disabled_reason: _Optional[_Union[_common_pb2.DisabledReason, str]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
     class PolicyUpdate(_message.Message):
         __slots__ = ("num_speculative_tokens", "enabled", "disabled_reason", "auto_k")
         NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,16 @@ def test_chat_stream_with_usage(stack, client, spec):
     assert len(finals) == 1 and finals[0].model_extra["spec_decode"]["method"] == spec["method"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
     assert chunks[-1].model_extra["spec_decode"] == finals[0].model_extra["spec_decode"]
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+    running = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": content}], temperature=0,
+        max_tokens=30, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"speculative": spec}))
+    assert "".join(c.choices[0].delta.content or "" for c in running if c.choices) == want
+    done = [c.usage.completion_tokens for c in running if c.choices]
+    assert done[0] == 0 and done == sorted(done) and done[-1] == len(ids)
+    assert {c.usage.prompt_tokens for c in running} == {len(stack.chat_ids(content))}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -218,9 +228,7 @@ NOT_IMPLEMENTED = [
     ("structured_outputs", {"regex": "a+", "whitespace_pattern": " *"}),
     ("skip_special_tokens", False),
     ("include_stop_str_in_output", True),
-    ("priority", 1),
     ("echo", True),
-    ("stream_options", {"include_usage": True, "continuous_usage_stats": True}),
 ]
 
 BAD = [
@@ -229,6 +237,7 @@ BAD = [
     (_chat(max_tokens=2**40), "max_tokens"),
     (_chat(max_completion_tokens=2**40), "max_completion_tokens"),
     (_chat(top_k=2**40), "top_k"),
+    (_chat(priority=2**31), "priority"),
     (_chat(speculative={"method": "eagle3"}), "runs no eagle3 drafter"),
     (json.dumps({"messages": "hello"}), "messages"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}),
@@ -317,7 +326,7 @@ def test_bad_requests_get_400_and_others_keep_running(stack, client):
                                        logit_bias={}, min_tokens=0, repetition_penalty=1.0,
                                        best_of=1, skip_special_tokens=True,
                                        response_format={"type": "text"}, user="u",
-                                       metadata={"k": "v"}),
+                                       metadata={"k": "v"}, priority=-2),
                     headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
     t.join(60)

@@ -172,6 +172,47 @@ def test_no_drafter_and_small_cache_still_exact(model):
     assert engine.cache.num_free_blocks == 24
 
 
+def test_waiting_requests_are_admitted_lowest_priority_value_first(model):
+    """vLLM's priority: with room for one sequence, the waiting requests run lowest
+    value first, arrival order among equals; the output stays plain decoding's."""
+    prompts = {name: [3 + i, 9, 27] for i, name in enumerate(["first", "low", "urgent", "mid",
+                                                             "urgent2"])}
+    plain = dict(zip(prompts, greedy_generate(model, list(prompts.values()), 6), strict=True))
+    engine = Engine(model, EngineConfig(max_num_seqs=1, max_model_len=64, block_size=4,
+                                        num_kv_blocks=64))
+    order: list[str] = []
+    out: dict[str, list[int]] = {name: [] for name in prompts}
+    engine.add_request(Request("first", prompts["first"], 6, GREEDY, priority=0))
+    out["first"] += engine.step()[0].new_token_ids  # admitted before the others arrive
+    for name, priority in (("low", 5), ("urgent", -3), ("mid", 1), ("urgent2", -3)):
+        engine.add_request(Request(name, prompts[name], 6, GREEDY, priority=priority))
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            if o.finish_reason is not None:
+                order.append(o.request_id)
+    assert order == ["first", "urgent", "urgent2", "mid", "low"]
+    assert out == plain
+
+
+def test_preemption_takes_the_highest_priority_value(model):
+    """A cache too small for both: the sequence preempted is the one whose priority
+    value is highest, though it was admitted first."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    plain = greedy_generate(model, prompts, 20)
+    engine = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=32, block_size=4,
+                                        num_kv_blocks=9, max_num_batched_tokens=64))
+    preempted: list[str] = []
+    preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (preempted.append(seq.request.request_id),
+                                             preempt(seq))
+    reqs = [Request("background", prompts[0], 20, GREEDY, priority=9),
+            Request("interactive", prompts[1], 20, GREEDY, priority=0)]
+    out = run(engine, reqs)
+    assert preempted and set(preempted) == {"background"}
+    assert [out["background"], out["interactive"]] == plain
+
+
 def test_cancel_frees_kv_and_drafter(model):
     refs = {0: [1] * 200}
     proposer = ScriptedProposer(refs, 1.0)

@@ -1,10 +1,12 @@
 """Which sequences run in the next step, with how many tokens each.
 
 Running sequences come first (in admission order), then waiting ones are
-admitted while the KV cache and the token budget allow. A decoding sequence
+admitted while the KV cache and the token budget allow: the lowest `priority`
+value first (vLLM's meaning), in arrival order among equals. A decoding sequence
 asks for 1 + K tokens; when the cache is short it drops to K = 0, and if
 even one token does not fit, the most recently admitted sequence is
-preempted (its KV freed, to be recomputed later). Requests wait, never
+preempted (its KV freed, to be recomputed later), of those with the highest
+priority value. Requests wait, never
 fail, when the cache is full.
 
 With prefix caching, an admitted sequence starts after the KV the cache already
@@ -89,7 +91,7 @@ class Scheduler:
             reserved += self.cache.blocks_needed(seq.seq_id, item.num_tokens)
         while (only is None and self.waiting and len(self.running) < self.max_num_seqs
                and budget > 0):
-            seq = self.waiting[0]
+            seq = min(self.waiting, key=lambda s: s.request.priority)  # the first of equals
             # Cached blocks are taken now (an evictable one stops being free); given
             # back below if the rest does not fit.
             cached = self.cache.add(seq.seq_id, seq.tokens if seq.use_prefix_cache else (),
@@ -100,7 +102,7 @@ class Scheduler:
             if need > self.cache.num_free_blocks - reserved:
                 self.cache.free(seq.seq_id)
                 break  # wait for room; never fail
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             if self.cache.enable_prefix_caching:
                 self.prefix_cache_stats.record(len(seq.tokens), cached)
             seq.num_computed = cached
@@ -125,7 +127,8 @@ class Scheduler:
             victims = [s for s in self.running if s is not seq and s.seq_id not in in_batch]
             if not victims:
                 return False
-            self._preempt(victims[-1])
+            # The newest of those whose priority value is highest.
+            self._preempt(max(reversed(victims), key=lambda s: s.request.priority))
         return True
 
     def _preempt(self, seq: Sequence) -> None:

@@ -36,6 +36,8 @@ class Request:
     # vLLM's cache_salt: the request shares cached KV (and its drafter's learned replies)
     # only with requests of the same salt; "" = the shared default.
     cache_salt: str = ""
+    # vLLM's priority: waiting requests are admitted lowest value first (the scheduler).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

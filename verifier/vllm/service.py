@@ -215,6 +215,11 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
             # (its own ngram method's drafts neither: tests/verifier/test_vllm_engine.py
             # measured it); such a request decodes plainly, which vLLM samples exactly.
             policy = SpeculationPolicy(policy.method, 0, False, "engine_sampling")
+        if start.priority:
+            # vLLM honours a priority only under its priority scheduling policy, which this
+            # verifier does not configure: refused, never ignored.
+            raise ValueError("start.priority: not supported with --engine vllm (vLLM's "
+                             "first-come scheduling); send 0")
         request_id = start.request_id or uuid.uuid4().hex
         rides = RequestPolicy(
             method=policy.method if policy.drafter is not None else "none",
