@@ -17,8 +17,7 @@ from specdec import tls
 from specdec.server import (
     INTERNAL_TOKEN_ENV,
     add_open_access_argument,
-    internal_callers_authenticated,
-    open_access_refusal,
+    internal_open_access_refusal,
     serve_until_signal,
 )
 
@@ -189,10 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"specdec-drafter: error: {e}", file=sys.stderr)
         return 2
-    refusal = open_access_refusal(
-        "specdec-drafter", args, internal_callers_authenticated(server_tls),
-        f"Set {INTERNAL_TOKEN_ENV} (the verifiers present it) or mutual TLS")
-    if refusal is not None:
+    if (refusal := internal_open_access_refusal("specdec-drafter", args, server_tls,
+                                                "verifiers")) is not None:
         print(refusal, file=sys.stderr)
         return 2
     try:

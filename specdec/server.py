@@ -223,6 +223,15 @@ def internal_callers_authenticated(server_tls: TlsConfig | None) -> bool:
         server_tls is not None and server_tls.require_client_cert)
 
 
+def internal_open_access_refusal(program: str, args: argparse.Namespace,
+                                 server_tls: TlsConfig | None, callers: str) -> str | None:
+    """open_access_refusal for an internal service (verifier, drafter), whose callers
+    (`callers`, who present the token) authenticate by the shared token or mutual TLS."""
+    return open_access_refusal(program, args, internal_callers_authenticated(server_tls),
+                               f"Set {INTERNAL_TOKEN_ENV} (the {callers} present it) or "
+                               f"mutual TLS")
+
+
 def open_access_refusal(program: str, args: argparse.Namespace, authenticated: bool,
                         how: str) -> str | None:
     """Why `program` must not start: it would serve beyond loopback (its --host, or the

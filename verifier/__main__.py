@@ -15,8 +15,7 @@ from specdec.server import (
     INTERNAL_TOKEN_ENV,
     add_open_access_argument,
     host_port,
-    internal_callers_authenticated,
-    open_access_refusal,
+    internal_open_access_refusal,
     serve_until_signal,
 )
 
@@ -203,10 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"specdec-verifier: {e}", file=sys.stderr)
         return 2
-    refusal = open_access_refusal(
-        "specdec-verifier", args, internal_callers_authenticated(server_tls),
-        f"Set {INTERNAL_TOKEN_ENV} (the gateways present it) or mutual TLS")
-    if refusal is not None:
+    if (refusal := internal_open_access_refusal("specdec-verifier", args, server_tls,
+                                                "gateways")) is not None:
         print(refusal, file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
