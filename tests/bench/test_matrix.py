@@ -18,7 +18,8 @@ def built(tmp_path_factory) -> matrix.Matrix:
     return matrix.build_matrix(tmp_path_factory.mktemp("matrix"), settings)
 
 
-def accept_all(logits, draft_ids, draft_probs, num_drafts, metadata, position_keys=None):
+def accept_all(logits, draft_ids, draft_probs, num_drafts, metadata, position_keys=None,
+               target_argmax=None):
     """A broken rejection sampler: every draft is accepted. The token after the drafts
     is still sampled correctly from p (a seeded request's at its position), so only the
     acceptance rule is wrong."""

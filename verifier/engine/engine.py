@@ -426,7 +426,9 @@ class Engine:
         keys = [(p.seed, len(s.tokens)) if p.seed is not None else None
                 for p, s in zip(params, seqs, strict=True)]
         logits = self._processed(chains, seqs)
-        out_ids, num_accepted = rejection_sample(logits, draft_ids, q, num_drafts, metadata, keys)
+        out_ids, num_accepted = rejection_sample(
+            logits, draft_ids, q, num_drafts, metadata, keys,
+            argmax if logits is chains.logits else None)
         return out_ids.tolist(), num_accepted.tolist()
 
     def _processed(self, chains: Chains, seqs: list[Sequence]) -> torch.Tensor:

@@ -71,6 +71,7 @@ def rejection_sample(
     num_draft_tokens: torch.Tensor,  # [B] int64
     metadata: SamplingMetadata,
     position_keys: Sequence[tuple[int, int] | None] | None = None,  # [B]
+    target_argmax: torch.Tensor | None = None,  # [sum(K_i + 1)] int64, where already taken
 ) -> tuple[torch.Tensor, torch.Tensor]:  # output_token_ids [B, max_K + 1], num_accepted [B]
     """One verifier step's rejection sampling; the Triton kernel runs it on CUDA when present,
     and a batch of greedy requests only reads the argmaxes (greedy_accept).
@@ -78,7 +79,8 @@ def rejection_sample(
     position_keys[i]: (seed, position of its first row's token) for a seeded sampled
     request, whose tokens then come from position-keyed noise (see the module's
     docstring) and are verified as greedy tokens are; None for the others."""
-    target_argmax = target_logits.argmax(dim=-1)  # greedy reads the raw logits
+    if target_argmax is None:  # a CUDA graph's step took it (runner.py)
+        target_argmax = target_logits.argmax(dim=-1)
     if metadata.all_greedy:
         return greedy_accept(target_argmax, draft_token_ids, num_draft_tokens)
     target_probs = apply_sampling(target_logits, metadata, num_draft_tokens + 1)
