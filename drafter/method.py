@@ -119,6 +119,13 @@ class DraftMethod(ABC):
         """Drafts continuing each sequence's context, at most K tokens each, for the
         whole batch at once. A key may be missing from the result (nothing to propose)."""
 
+    def propose_after(self, key: Hashable, extra: list[int], k: int) -> list[int] | None:
+        """One-hot chain drafts (at most k) continuing the sequence's context as if
+        `extra` followed it, leaving the state unchanged: a bet on the verifier's
+        outcome (docs/design.md section 2, "Bets"). None: the method places no bets
+        (its drafts need the target's hidden states, or carry probabilities)."""
+        return None
+
     @abstractmethod
     def free(self, key: Hashable) -> None:
         """Forget a sequence; unknown keys are ignored."""

@@ -129,6 +129,12 @@ class NgramMethod(DraftMethod):
                 drafts[key] = Draft(token_ids=tokens.tolist())
         return drafts
 
+    def propose_after(self, key: Hashable, extra: list[int], k: int) -> list[int] | None:
+        context = self._contexts[key].view()
+        tokens = np.concatenate([context, np.asarray(extra, dtype=context.dtype)])
+        return find_continuation(tokens, self.min_n, self.max_n,
+                                 min(k, self._info.max_num_speculative_tokens)).tolist()
+
     def free(self, key: Hashable) -> None:
         self._contexts.pop(key, None)
 

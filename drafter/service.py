@@ -58,10 +58,13 @@ class _Stream:
     ready: dict[int, Draft] = field(default_factory=dict)
     wanted: dict[int, int] = field(default_factory=dict)  # seq_id -> K of the last request
     predraft: asyncio.Future | None = None
+    # Bets placed (DraftBet): seq_id -> (round of the Advance they answer, outcome -> drafts).
+    bets: dict[int, tuple[int, dict[tuple[int, ...], list[int]]]] = field(default_factory=dict)
 
     def forget(self, seq_id: int) -> None:
         self.guesses.pop(seq_id, None)
         self.ready.pop(seq_id, None)
+        self.bets.pop(seq_id, None)
 
 
 def info_to_proto(info: DrafterInfo) -> drafter_pb2.InfoResponse:
@@ -90,6 +93,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._lock = threading.Lock()
         self.pipelining = self._info.supports_pipelining
         self.pipeline_stats = PipelineStats()
+        # Bets on the verifier's outcomes (DraftBet), from methods that can draft for a
+        # context they do not hold yet (DraftMethod.propose_after).
+        self.betting = type(method).propose_after is not DraftMethod.propose_after
+        self.bets_placed = 0
+        self.bets_ms = 0.0  # spent placing them, after the proposals went out
         self._stream_numbers = itertools.count()
         self._entry_handlers: dict[str, Callable[..., int | None]] = {
             "start": self._start, "advance": self._advance, "free": self._free,
@@ -117,8 +125,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                 else await asyncio.to_thread(self._handle, stream, request))
                 except InvalidRequest as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                response.bets_follow = self.betting and any(
+                    not p.HasField("probs") and not p.parents for p in response.proposals)
                 response.draft_time_ms = (time.perf_counter() - received) * 1e3
                 yield response
+                if response.bets_follow:
+                    yield (self._place_bets(stream, response) if self._method.light
+                           else await asyncio.to_thread(self._place_bets, stream, response))
                 if self.pipelining and self.pipeline_stats.worth_it():
                     bets = {(stream.number, p.seq_id): (p.round, list(p.token_ids),
                                                         stream.wanted[p.seq_id])
@@ -128,6 +141,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         stream.predraft = asyncio.ensure_future(
                             asyncio.to_thread(self._predraft, stream, bets))
         finally:
+            if self.betting:
+                log.info("bets so far: %d placed in %.0f ms", self.bets_placed, self.bets_ms)
             if self.pipelining:
                 st = self.pipeline_stats
                 log.info("pipelining so far: %d hits, %d misses (hit rate %.2f), %.0f ms drafted "
@@ -146,6 +161,39 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 return
             guesses = predraft(self._method, bets, self.pipeline_stats)
             stream.guesses.update({key[1]: g for key, g in guesses.items()})
+
+    def _place_bets(self, stream: _Stream,
+                    response: drafter_pb2.DraftResponse) -> drafter_pb2.DraftResponse:
+        """Bets on the outcomes of the response's proposals, as a followup message.
+
+        One bet a proposal d, on the outcome users see most on the text drafters copy:
+        every draft accepted and the target's next token the method's own next guess g.
+        Its drafts continue the context after d + [g]. Any other outcome finds no bet,
+        and the verifier waits for the proposal answering its Advance, as without bets."""
+        t0 = time.perf_counter()
+        followup = drafter_pb2.DraftResponse(step=response.step, followup=True)
+        with self._lock:
+            if stream.closed:
+                return followup
+            for p in response.proposals:
+                key = (stream.number, p.seq_id)
+                if p.HasField("probs") or p.parents or not self._method.has(key):
+                    continue
+                drafts = list(p.token_ids)
+                bonus = self._method.propose_after(key, drafts, 1)
+                if not bonus:
+                    continue
+                outcome = [*drafts, bonus[0]]
+                block = self._method.propose_after(
+                    key, outcome, stream.wanted.get(p.seq_id, len(drafts)))
+                if not block:
+                    continue
+                followup.bets.add(seq_id=p.seq_id, round=p.round + 1, new_token_ids=outcome,
+                                  token_ids=block)
+                stream.bets[p.seq_id] = (p.round + 1, {tuple(outcome): block})
+            self.bets_placed += len(followup.bets)
+            self.bets_ms += (time.perf_counter() - t0) * 1e3
+        return followup
 
     def _close(self, stream: _Stream) -> None:
         with self._lock:
@@ -226,6 +274,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return None
         guess = stream.guesses.pop(entry.seq_id, None)
         stream.ready.pop(entry.seq_id, None)
+        bets = stream.bets.pop(entry.seq_id, None)
         if guess is not None and self._method.has(key):
             ready = resolve(self._method, key, guess, entry.round, list(adv.new_token_ids),
                             adv.num_rollback_tokens, self.pipeline_stats)
@@ -246,6 +295,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                  adv.hidden_states.start_position)
         except ValueError as e:
             raise InvalidRequest(f"{where}.advance: {e}") from None
+        if bets is not None and bets[0] == entry.round and not adv.num_rollback_tokens:
+            block = bets[1].get(tuple(adv.new_token_ids))
+            if block is not None:
+                # The verifier may have taken this bet: answer with the same drafts, so
+                # the bets placed on them are bets on what it verifies.
+                stream.ready[entry.seq_id] = Draft(block)
         return adv.num_speculative_tokens
 
     def _free(self, stream: _Stream, entry: drafter_pb2.DraftEntry, where: str) -> int | None:

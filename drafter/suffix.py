@@ -236,21 +236,31 @@ class SuffixMethod(DraftMethod):
 
     def propose(self, wanted: dict[Hashable, int]) -> dict[Hashable, Draft]:
         drafts: dict[Hashable, Draft] = {}
-        cap = self._info.max_num_speculative_tokens
         for key, k in wanted.items():
             request = self._requests[key]
-            context = request.tokens
-            best: list[int] = []
-            best_score = 0.0
-            shared = self._shared.get(request.tenant)
-            for tree in (request.tree, shared) if shared is not None else (request.tree,):
-                tokens, score = tree.draft(context, min(k, cap), self.max_spec_factor,
-                                           self.max_spec_offset, self.min_token_prob)
-                if score > best_score:
-                    best, best_score = tokens, score
-            if best:
+            if best := self._draft(request, request.tokens, k):
                 drafts[key] = Draft(token_ids=best)
         return drafts
+
+    def propose_after(self, key: Hashable, extra: list[int], k: int) -> list[int] | None:
+        # The request's tree does not count `extra` yet: a bet drafts from the runs it
+        # knows, a few tokens short of what the real Advance will count.
+        # The trees read no more than the context's last max_depth - 1 tokens.
+        request = self._requests[key]
+        return self._draft(request, [*request.tokens[-self.max_depth:], *extra], k)
+
+    def _draft(self, request: _Request, context: list[int], k: int) -> list[int]:
+        """The draft of whichever tree expects more accepted tokens."""
+        best: list[int] = []
+        best_score = 0.0
+        shared = self._shared.get(request.tenant)
+        for tree in (request.tree, shared) if shared is not None else (request.tree,):
+            tokens, score = tree.draft(context, min(k, self._info.max_num_speculative_tokens),
+                                       self.max_spec_factor, self.max_spec_offset,
+                                       self.min_token_prob)
+            if score > best_score:
+                best, best_score = tokens, score
+        return best
 
     def free(self, key: Hashable) -> None:
         request = self._requests.pop(key, None)

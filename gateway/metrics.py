@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from specdec.pb import verifier_pb2
+from specdec.speculation import method_name
 
 # Latency buckets (seconds) wide enough for a CPU deployment and a GPU one.
 _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
@@ -21,10 +22,11 @@ _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
 _AL = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 10.0)
 
 
-class VerifierPrefixCache(Collector):
-    """Each verifier's prefix-cache counts as its last Load report gave them (the
-    verifier counts, the gateway exports): vLLM's prefix_cache_queries / _hits, in
-    tokens, as counters, and the hit rate since the verifier started."""
+class VerifierCounters(Collector):
+    """Each verifier's cumulative counts as its last Load report gave them (the verifier
+    counts, the gateway exports): vLLM's prefix_cache_queries / _hits, in tokens, with
+    the hit rate since the verifier started; and per drafter, the bets on outcomes
+    looked up and hit (DraftBet)."""
 
     def __init__(self) -> None:
         self.reports: dict[str, verifier_pb2.LoadReport] = {}  # address -> last report
@@ -46,6 +48,22 @@ class VerifierPrefixCache(Collector):
                 hits.add_metric([address], report.prefix_cache_hits)
                 rate.add_metric([address], report.prefix_cache_hit_rate)
         yield from (queries, hits, rate)
+        labels = ["verifier", "drafter", "method"]
+        lookups = CounterMetricFamily(
+            "specdec_verifier_draft_bet_lookups",
+            "Sequences asked for drafts right after a step that drafted for them, on "
+            "drafters that place bets on outcomes", labels=labels)
+        bet_hits = CounterMetricFamily(
+            "specdec_verifier_draft_bet_hits",
+            "Of those, sequences whose drafts came from a bet, without waiting for the "
+            "drafter", labels=labels)
+        for address, report in self.reports.items():
+            for d in report.drafters:
+                if d.bet_lookups:
+                    names = [address, d.name, method_name(d.method) or ""]
+                    lookups.add_metric(names, d.bet_lookups)
+                    bet_hits.add_metric(names, d.bet_hits)
+        yield from (lookups, bet_hits)
 
 
 class GatewayMetrics:
@@ -103,14 +121,14 @@ class GatewayMetrics:
         self.held = Counter("specdec_requests_held",
                             "Requests held while no verifier replica served, to resume",
                             registry=r)
-        self.verifier_prefix_cache = VerifierPrefixCache()
-        r.register(self.verifier_prefix_cache)
+        self.verifier_counters = VerifierCounters()
+        r.register(self.verifier_counters)
 
     def observe_verifier(self, address: str, report: verifier_pb2.LoadReport) -> None:
         """The series a verifier's Load report carries."""
         self.verifier_running.labels(address).set(report.num_running)
         self.verifier_waiting.labels(address).set(report.num_waiting)
-        self.verifier_prefix_cache.reports[address] = report
+        self.verifier_counters.reports[address] = report
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

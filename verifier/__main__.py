@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-waiting", type=int, default=256,
                    help="requests queued beyond the running batch; past it new ones are "
                    "refused with RESOURCE_EXHAUSTED (the gateway's 429); 0 = no limit")
+    p.add_argument("--draft-bets", action=argparse.BooleanOptionalAction, default=True,
+                   help="take a drafter's bet on a step's outcome as the next step's drafts "
+                   "without waiting for its answer (DraftBet; --no-draft-bets always waits)")
     p.add_argument("--drafter-liveness-s", type=float, default=10.0,
                    help="a drafter that answers no proposal request for this long is cut off "
                    "and reconnected (its sequences run with K=0 meanwhile)")
@@ -138,7 +141,7 @@ def drafter_pool(args: argparse.Namespace, target, token: str | None,
     from verifier.drafting import DrafterPool
 
     return DrafterPool([DrafterClient(name, addr, target, liveness_s=args.drafter_liveness_s,
-                                      token=token, tls=drafter_tls)
+                                      token=token, tls=drafter_tls, use_bets=args.draft_bets)
                         for name, addr in args.drafter],
                        args.max_num_speculative_tokens, args.draft_deadline_ms)
 

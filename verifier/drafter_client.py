@@ -131,6 +131,10 @@ class _Seq:
     held_start: int = 0
     held_rows: int = 0
     host_rows: int = 0  # of held_rows, those held as tensors
+    # The drafter's bets (DraftBet) on the outcome its last proposal will have: the new
+    # tokens bet on -> the drafts after them, for the Advance of round bet_round.
+    bets: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    bet_round: int = -1
 
     def hold(self, outcome: Outcome) -> None:
         """Merge a K = 0 step's outcome into those held."""
@@ -174,7 +178,8 @@ class DrafterClient:
     def __init__(self, name: str, address: str, target: TargetInfo, *,
                  backoff_s: tuple[float, float] = (0.1, 5.0), rpc_timeout_s: float = 5.0,
                  liveness_s: float = LIVENESS_S, max_queued: int = MAX_QUEUED,
-                 token: str | None = None, tls: TlsConfig | None = None):
+                 token: str | None = None, tls: TlsConfig | None = None,
+                 use_bets: bool = True):
         self.name = name
         self.address = address
         self.target = target
@@ -205,6 +210,15 @@ class DrafterClient:
         self.draft_time_ms = 0.0  # what the drafter reported for the last collected answer
         # The engine's reader of held rows in its feature store (DrafterPool binds it).
         self.read_features: FeatureReader | None = None
+        # Bets (DraftBet, docs/design.md section 2): a sequence whose outcome the drafter
+        # bet on right gets the bet's drafts at once, without waiting for its answer.
+        self.use_bets = use_bets
+        self._betting = False  # the drafter has placed a bet on this client
+        self.bet_lookups = 0  # sequences asked for drafts after a step that drafted
+        self.bet_hits = 0  # of those, answered by a bet
+        self._hits: dict[int, Proposal] = {}  # this step's, from send() to collect()
+        self._unwaited: int | None = None  # a step asked whose answer nobody waited for
+        self._bets_due: int | None = None  # a step answered whose bets have not arrived
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -327,15 +341,20 @@ class DrafterClient:
                     self._last.append(last)
                 self._freed.append(seq_id)
 
-    def send(self, step: int, wanted: dict[int, int]) -> bool:
-        """Send the step's request. Returns whether a response with proposals is due."""
+    def send(self, step: int, wanted: dict[int, int], deadline: float | None = None) -> bool:
+        """Send the step's request. Returns whether a response with proposals is due, to
+        wait for in `collect`: not when every sequence asked was answered by a bet.
+        deadline (time.monotonic()): how long to wait for the answer of a step that took
+        only bets, before asking again (None: do not wait)."""
         self.misses = {}
+        self._hits = {}
         with self._lock:
             self._responses = {s: r for s, r in self._responses.items() if s >= step}
             outq = self._outq
             if outq is None:
                 for seq in self._seqs.values():
                     seq.pending = None
+                    seq.bets = {}
                     seq.release()
                 self._freed.clear()
                 self._last.clear()
@@ -346,10 +365,22 @@ class DrafterClient:
                 self._cut(hung)
                 self.misses = dict.fromkeys(wanted, "drafter_unavailable")
                 return False
+            looking = self.use_bets and any(wanted.get(s) and seq.pending is not None
+                                            for s, seq in self._seqs.items())
+
+            def settled() -> bool:
+                if self._outq is not outq:
+                    return True
+                if self._outstanding is not None and self._outstanding == self._unwaited:
+                    return False  # the last step took bets alone; its answer brings more
+                return self._bets_due is None or not looking  # bets said to follow
+
+            self._wait(settled, deadline)
+            asked = wanted
             if self._outstanding is not None:
                 # Still waiting for an older answer: outcomes only, no new proposals.
                 self.misses = dict.fromkeys(wanted, "deadline")
-                wanted = {}
+                asked = {}
             entries = self._last + [
                 drafter_pb2.DraftEntry(seq_id=s, free=drafter_pb2.DraftEntry.Free())
                 for s in self._freed]
@@ -357,6 +388,12 @@ class DrafterClient:
             self._last = []
             for seq_id, seq in self._seqs.items():
                 k = min(wanted.get(seq_id, 0), seq.max_num_speculative_tokens)
+                bet = self._bet(seq, k)
+                if bet is not None:
+                    self._hits[seq_id] = Proposal(bet[:k])
+                    self.misses.pop(seq_id, None)
+                seq.bets = {}
+                k = min(asked.get(seq_id, 0), seq.max_num_speculative_tokens)
                 goes = seq.pending is not None or k or seq.host_rows >= HOLD_HOST_ROWS
                 entry = None
                 if seq.generation == self._generation and goes and seq.held():
@@ -391,12 +428,50 @@ class DrafterClient:
                 seq.pending = None
             if not entries:
                 return False
-            due = any(wanted.values())
-            if due:
+            # Sequences a bet answered are asked all the same: the answer carries the
+            # bets on the drafts they verify now.
+            if any(asked.values()):
                 self._outstanding = step
                 self._outstanding_since = time.monotonic()
+            due = any(k for seq_id, k in asked.items() if seq_id not in self._hits)
+            self._unwaited = None if due or self._outstanding != step else step
             outq.put(drafter_pb2.DraftRequest(step=step, entries=entries))
             return due
+
+    def _bet(self, seq: _Seq, k: int) -> list[int] | None:
+        """The drafts a bet placed for the outcome the sequence's pending Advance carries,
+        or None. Under the lock."""
+        if not k or seq.pending is None or seq.generation != self._generation:
+            return None
+        if not self._betting:
+            return None  # a drafter that places no bets has no lookups to count
+        self.bet_lookups += 1
+        adv = seq.pending.advance
+        if seq.bet_round != seq.round + 1 or adv.num_rollback_tokens or not self.use_bets:
+            return None
+        bet = seq.bets.get(tuple(adv.new_token_ids))
+        if bet:
+            self.bet_hits += 1
+        return bet or None
+
+    def _wait(self, done, deadline: float | None) -> None:
+        """Wait on the lock's condition until done() or the deadline. Under the lock."""
+        while deadline is not None and not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._lock.wait(timeout=left)
+
+    def _take_bets(self, resp: drafter_pb2.DraftResponse) -> None:
+        """Keep a followup's bets on the sequences' next outcomes. Under the lock."""
+        self._betting = True
+        for bet in resp.bets:
+            seq = self._seqs.get(bet.seq_id)
+            if seq is None or bet.round != seq.round + 1:
+                continue  # freed, or its next Advance has gone out already
+            if seq.bet_round != bet.round:
+                seq.bets, seq.bet_round = {}, bet.round
+            seq.bets[tuple(bet.new_token_ids)] = list(bet.token_ids)
 
     def _hung(self, outq: queue.SimpleQueue) -> str | None:
         """Why the live stream's drafter counts as hung, or None. Under the lock."""
@@ -417,29 +492,31 @@ class DrafterClient:
                     reason)
         self._call.cancel()
 
-    def collect(self, step: int, deadline: float, wanted: dict[int, int]) -> dict[int, Proposal]:
-        """Proposals answering `step`, waiting until `deadline` (time.monotonic())."""
+    def collect(self, step: int, deadline: float, wanted: dict[int, int],
+                due: bool = True) -> dict[int, Proposal]:
+        """Proposals for `step`: the bets `send` found, and unless none is due the answer,
+        waited for until `deadline` (time.monotonic())."""
+        hits, self._hits = self._hits, {}
+        if not due:
+            self.draft_time_ms = 0.0
+            return hits
         with self._lock:
             generation = self._generation
-            while (step not in self._responses and self._generation == generation
-                   and self._outq is not None):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._lock.wait(timeout=left)
+            self._wait(lambda: (step in self._responses or self._generation != generation
+                                or self._outq is None), deadline)
             resp = self._responses.pop(step, None)
             self.draft_time_ms = 0.0 if resp is None else resp.draft_time_ms
             if resp is None:
                 reason = "deadline" if self._outq is not None else "drafter_unavailable"
-                self.misses.update(dict.fromkeys(wanted, reason))
-                return {}
+                self.misses.update({s: reason for s in wanted if s not in hits})
+                return hits
             for seq_id in resp.unknown_seq_ids:
                 if seq_id in self._seqs:
                     self._seqs[seq_id].generation = -1  # re-start it next step
             rounds = {s: seq.round for s, seq in self._seqs.items()}
-        out: dict[int, Proposal] = {}
+        out: dict[int, Proposal] = dict(hits)
         for prop in resp.proposals:
-            if prop.seq_id not in wanted:
+            if prop.seq_id not in wanted or prop.seq_id in hits:
                 continue
             if rounds.get(prop.seq_id) != prop.round:
                 # Drafted for a context the sequence has already left: as good as late.
@@ -513,7 +590,7 @@ class DrafterClient:
                             self._cut_reason = None
                             self._outq = outq
                             self._generation += 1  # every live sequence re-starts on this stream
-                            self._outstanding = None
+                            self._outstanding = self._unwaited = self._bets_due = None
                             self._freed.clear()
                             self._last.clear()
                             self._lock.notify_all()
@@ -522,7 +599,15 @@ class DrafterClient:
                         delay = self.backoff_s[0]
                         for resp in responses:
                             with self._lock:
+                                if resp.followup:
+                                    self._take_bets(resp)
+                                    if self._bets_due is not None and resp.step >= self._bets_due:
+                                        self._bets_due = None
+                                    self._lock.notify_all()
+                                    continue
                                 self._responses[resp.step] = resp
+                                if resp.bets_follow:
+                                    self._bets_due = resp.step
                                 if self._outstanding is not None and resp.step >= self._outstanding:
                                     self._outstanding = None
                                 self._lock.notify_all()
@@ -536,6 +621,7 @@ class DrafterClient:
                     was_up = self._outq is outq
                     self._outq = None
                     self._outstanding = None
+                    self._bets_due = None
                     self._call = None
                     self._lock.notify_all()
                 outq.put(_CLOSE)

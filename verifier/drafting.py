@@ -2,7 +2,8 @@
 
 Every step sends one message per drafter stream (outcomes of all its
 sequences, K = 0 ones included, and the K wanted next), then waits for the
-proposals of all streams together, up to one draft deadline.
+proposals of all streams together, up to one draft deadline, except those a
+drafter's bet on the outcome already answered (DraftBet).
 """
 
 from __future__ import annotations
@@ -79,13 +80,15 @@ class DrafterPool(Proposer):
                 self._misses[seq_id] = "drafter_unavailable"
             else:
                 per_client[owner.name][seq_id] = k
-        due = {name: c.send(self._step, per_client[name]) for name, c in self.clients.items()}
         deadline = time.monotonic() + self.deadline_s
+        due = {name: c.send(self._step, per_client[name], deadline)
+               for name, c in self.clients.items()}
         out: dict[int, Proposal] = {}
         self._drafter_ms = 0.0
         for name, c in self.clients.items():
+            # Drafts a bet placed come back at once; the rest wait for the answer.
+            out.update(c.collect(self._step, deadline, per_client[name], due[name]))
             if due[name]:
-                out.update(c.collect(self._step, deadline, per_client[name]))
                 # The drafters work at once: the step waited for the slowest.
                 self._drafter_ms = max(self._drafter_ms, c.draft_time_ms)
             self._misses.update(c.misses)

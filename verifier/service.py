@@ -392,6 +392,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 max_num_speculative_tokens=min(
                     c.max_num_speculative_tokens, cfg.max_num_speculative_tokens
                 ),
+                bet_lookups=c.bet_lookups,
+                bet_hits=c.bet_hits,
             )
         return report
 

@@ -73,16 +73,34 @@ class HiddenStates(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., layers: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("step", "proposals", "draft_time_ms", "unknown_seq_ids")
+    __slots__ = ("step", "proposals", "draft_time_ms", "unknown_seq_ids", "bets", "followup", "bets_follow")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    BETS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWUP_FIELD_NUMBER: _ClassVar[int]
+    BETS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     step: int
     proposals: _containers.RepeatedCompositeFieldContainer[DraftProposal]
     draft_time_ms: float
     unknown_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[DraftProposal, _Mapping]]] = ..., draft_time_ms: _Optional[float] = ..., unknown_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    bets: _containers.RepeatedCompositeFieldContainer[DraftBet]
+    followup: bool
+    bets_follow: bool
+    def __init__(self, step: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[DraftProposal, _Mapping]]] = ..., draft_time_ms: _Optional[float] = ..., unknown_seq_ids: _Optional[_Iterable[int]] = ..., bets: _Optional[_Iterable[_Union[DraftBet, _Mapping]]] = ..., followup: _Optional[bool] = ..., bets_follow: _Optional[bool] = ...) -> None: ...
+
+class DraftBet(_message.Message):
+    __slots__ = ("seq_id", "round", "new_token_ids", "token_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    round: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("seq_id", "round", "token_ids", "probs", "parents")

@@ -139,13 +139,17 @@ class EngineTimes(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., tokens: _Optional[int] = ..., schedule_ms: _Optional[float] = ..., draft_wait_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., postprocess_ms: _Optional[float] = ..., deliver_ms: _Optional[float] = ..., sequences: _Optional[int] = ..., rows: _Optional[int] = ..., drafter_ms: _Optional[float] = ...) -> None: ...
 
 class ConfiguredDrafter(_message.Message):
-    __slots__ = ("name", "method", "available", "max_num_speculative_tokens")
+    __slots__ = ("name", "method", "available", "max_num_speculative_tokens", "bet_lookups", "bet_hits")
     NAME_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BET_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    BET_HITS_FIELD_NUMBER: _ClassVar[int]
     name: str
     method: _common_pb2.SpecMethod
     available: bool
     max_num_speculative_tokens: int
-    def __init__(self, name: _Optional[str] = ..., method: _Optional[_Union[_common_pb2.SpecMethod, str]] = ..., available: _Optional[bool] = ..., max_num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    bet_lookups: int
+    bet_hits: int
+    def __init__(self, name: _Optional[str] = ..., method: _Optional[_Union[_common_pb2.SpecMethod, str]] = ..., available: _Optional[bool] = ..., max_num_speculative_tokens: _Optional[int] = ..., bet_lookups: _Optional[int] = ..., bet_hits: _Optional[int] = ...) -> None: ...

@@ -13,6 +13,7 @@ import torch
 from drafter.method import Draft, DrafterInfo, DraftMethod
 from drafter.ngram import NgramMethod
 from drafter.service import serve
+from drafter.suffix import SuffixMethod
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.server import GRPC_OPTIONS
@@ -90,10 +91,22 @@ def run(coro) -> None:
 
 
 async def exchange(call, step: int, *entries: drafter_pb2.DraftEntry) -> drafter_pb2.DraftResponse:
+    """The answer to the step's request; bets placed on earlier answers are passed over."""
     await call.write(drafter_pb2.DraftRequest(step=step, entries=entries))
-    response = await call.read()
-    assert response is not grpc.aio.EOF
-    return response
+    while True:
+        response = await call.read()
+        assert response is not grpc.aio.EOF
+        if not response.followup:
+            return response
+        assert response.step < step and not response.proposals
+
+
+async def ended(call) -> bool:
+    """Whether the stream ends with nothing but bets still to read."""
+    while (response := await call.read()) is not grpc.aio.EOF:
+        if not response.followup:
+            return False
+    return True
 
 
 async def wait_until(condition, timeout: float = 5.0) -> None:
@@ -175,7 +188,7 @@ def test_stream_starts_advances_and_frees_with_rounds():
             assert method.num_sequences == 1
 
             await call.done_writing()
-            assert await call.read() is grpc.aio.EOF
+            assert await ended(call)
             assert await call.code() == grpc.StatusCode.OK
             # The stream ended cleanly, after its handler freed what it held.
             assert method.num_sequences == 0
@@ -247,7 +260,7 @@ def test_streams_do_not_see_each_others_sequences():
             assert method.num_sequences == 1
             await a.done_writing()
             await b.done_writing()
-            assert await a.read() is grpc.aio.EOF and await b.read() is grpc.aio.EOF
+            assert await ended(a) and await ended(b)
 
     run(main())
 
@@ -392,5 +405,60 @@ def test_rollback_past_the_context_is_invalid():
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details().startswith("entries[0].advance: num_rollback_tokens 3")
             await wait_until(lambda: method.num_sequences == 0)
+
+    run(main())
+
+
+@pytest.mark.parametrize("make", [lambda: NgramMethod(max_num_speculative_tokens=4),
+                                  lambda: SuffixMethod(max_num_speculative_tokens=4)],
+                         ids=["ngram", "suffix"])
+def test_bets_on_a_fully_accepted_proposal_answer_its_outcome(make):
+    """After each answer the drafter bets on the outcome "every draft accepted, then its
+    own next guess" (a followup message, after the answer); the Advance carrying exactly
+    that outcome is answered with the bet's drafts, and any other outcome as usual."""
+
+    async def main():
+        async with drafter(make()) as stub:
+            call = stub.Draft()
+            prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+            answer = await exchange(call, 1, drafter_pb2.DraftEntry(seq_id=7, round=0, start=Start(
+                prompt_token_ids=prompt, sampling=GREEDY, num_speculative_tokens=3)))
+            drafts = list(answer.proposals[0].token_ids)
+            assert drafts == [3, 4, 1]
+            followup = await call.read()
+            assert followup.followup and followup.step == 1 and not followup.proposals
+            (bet,) = followup.bets
+            assert (bet.seq_id, bet.round) == (7, 1)
+            assert list(bet.new_token_ids) == [*drafts, 2]  # the guess after 3 4 1 is 2
+            assert list(bet.token_ids) == [3, 4, 1]
+
+            answer = await exchange(call, 2, drafter_pb2.DraftEntry(seq_id=7, round=1, advance=Advance(
+                num_drafted=3, num_accepted=3, new_token_ids=list(bet.new_token_ids),
+                num_speculative_tokens=2)))
+            assert [(p.round, list(p.token_ids)) for p in answer.proposals] == [
+                (1, list(bet.token_ids)[:2])]  # the bet's drafts, cut to this K
+            followup = await call.read()
+            assert followup.followup and followup.bets[0].round == 2
+
+            # An outcome nobody bet on (the first draft rejected, 9 instead) is drafted
+            # from the real context.
+            answer = await exchange(call, 3, drafter_pb2.DraftEntry(seq_id=7, round=2, advance=Advance(
+                num_drafted=2, num_accepted=0, new_token_ids=[9], num_speculative_tokens=3)))
+            assert not answer.proposals  # 9 never occurred before: nothing to copy
+            await call.done_writing()
+            assert await ended(call)
+
+    run(main())
+
+
+def test_a_method_that_needs_hidden_states_places_no_bets():
+    async def main():
+        async with drafter(RecordingMethod()) as stub:
+            call = stub.Draft()
+            answer = await exchange(call, 1, drafter_pb2.DraftEntry(seq_id=1, round=0, start=Start(
+                prompt_token_ids=[1, 2, 3], sampling=GREEDY, num_speculative_tokens=2)))
+            assert answer.proposals
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF  # no followup before the end
 
     run(main())

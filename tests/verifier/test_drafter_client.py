@@ -21,7 +21,7 @@ from specdec.sampling import SamplingParams
 from specdec.tensor_codec import decode_tensor, dtype_to_proto
 from tests.ports import free_port
 from verifier.drafter_client import HOLD_HOST_ROWS, DrafterClient, TargetInfo
-from verifier.engine.proposer import Outcome
+from verifier.engine.proposer import Outcome, Proposal
 
 TARGET = TargetInfo(vocab_size=100, tokenizer_hash="", hidden_size=16, num_layers=2)
 
@@ -312,3 +312,59 @@ def test_two_outcomes_of_one_step_reach_the_drafter_as_one():
         adv = entries[0].advance
         assert list(adv.new_token_ids) == [7] and adv.hidden_states.start_position == 0
         assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(0, 6))
+
+
+class BetsThenHolds(drafter_pb2_grpc.DrafterServicer):
+    """Answers step 1 with drafts [5, 6] and bets that the outcome 5 6 7 is followed by
+    8 9 10; answers later steps (drafts [8, 9, 10], no bets) only once `release` is set."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.requests: list[drafter_pb2.DraftRequest] = []
+
+    def Info(self, request, context):
+        return drafter_pb2.InfoResponse(
+            method=common_pb2.SPEC_METHOD_NGRAM, max_num_speculative_tokens=8,
+            tokenizer=common_pb2.TokenizerFingerprint(vocab_size=TARGET.vocab_size))
+
+    def Draft(self, request_iterator, context):
+        for req in request_iterator:
+            self.requests.append(req)
+            (entry,) = req.entries
+            if req.step == 1:
+                yield drafter_pb2.DraftResponse(step=1, bets_follow=True, proposals=[
+                    drafter_pb2.DraftProposal(seq_id=1, round=entry.round, token_ids=[5, 6])])
+                yield drafter_pb2.DraftResponse(step=1, followup=True, bets=[
+                    drafter_pb2.DraftBet(seq_id=1, round=entry.round + 1,
+                                         new_token_ids=[5, 6, 7], token_ids=[8, 9, 10])])
+                continue
+            self.release.wait(30)
+            yield drafter_pb2.DraftResponse(step=req.step, proposals=[
+                drafter_pb2.DraftProposal(seq_id=1, round=entry.round, token_ids=[8, 9, 10])])
+
+
+def test_a_step_whose_outcome_a_bet_named_does_not_wait_for_the_answer():
+    servicer = BetsThenHolds()
+    with connected(servicer) as client:
+        client.track(1, [1, 2, 3], SamplingParams(), 4)
+        assert client.send(1, {1: 2}, time.monotonic() + 10)
+        assert client.collect(1, time.monotonic() + 10, {1: 2}) == {1: Proposal([5, 6])}
+        client.record(1, Outcome(num_drafted=2, num_accepted=2, new_token_ids=[5, 6, 7]))
+        # The bet is taken while the drafter holds its answer to step 2: nothing is due.
+        assert not client.send(2, {1: 3}, time.monotonic() + 10)
+        assert client.collect(2, time.monotonic() + 10, {1: 3}, due=False) == {
+            1: Proposal([8, 9, 10])}
+        assert (client.bet_lookups, client.bet_hits, client.misses) == (1, 1, {})
+        # The drafter was still asked, with the outcome, for the bets on what follows.
+        t0 = time.monotonic()
+        while len(servicer.requests) < 2 and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        advance = servicer.requests[1].entries[0].advance
+        assert (list(advance.new_token_ids), advance.num_speculative_tokens) == ([5, 6, 7], 3)
+
+        # An outcome no bet named: the step waits for the drafter's answer.
+        client.record(1, Outcome(num_drafted=3, num_accepted=1, new_token_ids=[8, 4]))
+        servicer.release.set()
+        assert client.send(3, {1: 3}, time.monotonic() + 10)
+        assert client.collect(3, time.monotonic() + 10, {1: 3}) == {1: Proposal([8, 9, 10])}
+        assert (client.bet_lookups, client.bet_hits) == (2, 1)

@@ -100,6 +100,26 @@ class OracleMethod(ContextMethod):
         return greedy_generate(self.model, [ctx], k)[0]
 
 
+class BettingOracle(OracleMethod):
+    """The oracle, placing bets (DraftMethod.propose_after): every outcome it bets on is
+    the one that comes. Sleeps delay_s before each proposal it drafts, and before each
+    bet, so steps answered by neither wait; counts the proposals it drafted."""
+
+    def __init__(self, model, **kw):
+        super().__init__(model, **kw)
+        self.drafted = 0  # propose calls that drafted for some sequence
+
+    def propose(self, wanted):
+        if not wanted:  # every sequence asked was answered by a bet the service kept
+            return {}
+        self.drafted += 1
+        return super().propose(wanted)
+
+    def propose_after(self, key, extra, k):
+        time.sleep(self.delay_s)
+        return self.draft(self.ctx[key] + list(extra), k)
+
+
 class RandomMethod(ContextMethod):
     def __init__(self, seed: int = 0, **kw):
         super().__init__(**kw)
@@ -316,10 +336,13 @@ def test_unreachable_drafter_runs_plain(loop, model):
         stack.close()
 
 
-def test_drafter_dies_mid_request_and_is_restarted(loop, model):
-    # Random drafts with a delay pace the verifier at about one token per
-    # 10 ms while the drafter is up, so the request outlives its restart.
-    method = RandomMethod(seed=3, delay_s=0.01)
+@pytest.mark.parametrize("betting", [False, True])
+def test_drafter_dies_mid_request_and_is_restarted(loop, model, betting):
+    # Drafts with a delay pace the verifier at about one step per 10 ms while the
+    # drafter is up, so the request outlives its restart. The betting drafter's bets are
+    # all on the outcome that comes.
+    method = (BettingOracle(model, delay_s=0.01) if betting
+              else RandomMethod(seed=3, delay_s=0.01))
     stack = Stack(loop, model, {"rnd": method})
     try:
         p = prompts(1, seed=7)[0]
@@ -354,6 +377,37 @@ BAD = {
     "top_p over 1": (dict(sampling=common_pb2.SamplingParams(temperature=1.0, top_p=1.5)), "top_p"),
     "unknown drafter": (dict(drafter="nope"), "drafter"),
 }
+
+
+def test_bets_answer_steps_without_waiting_for_the_drafter(loop, model):
+    """A drafter that bets on every outcome right: after its first proposal every step
+    takes its drafts from a bet, so the drafter never drafts again (its answers to those
+    steps are the bets' drafts, kept by the service). Greedy output is plain greedy's; a
+    seeded sampled request's is the same as without speculation."""
+    method = BettingOracle(model)
+    stack = Stack(loop, model, {"oracle": method})
+    try:
+        p = prompts(1, seed=11)[0]
+        tokens, responses = generate(stack.stub, start_msg(p, 40, k=3, drafter="oracle"))
+        assert tokens == greedy_generate(model, [p], 40)[0]
+        drafting = sum(1 for r in responses if r.step_stats.num_drafted)
+        (drafter,) = stack.load().drafters
+        assert drafting >= 8 and method.drafted == 1
+        assert drafter.bet_hits == drafter.bet_lookups == drafting - 1
+
+        sampled = common_pb2.SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+        plain, _ = generate(stack.stub, start_msg(p, 40, sampling=sampled,
+                                                   method=common_pb2.SPEC_METHOD_NONE))
+        tokens, responses = generate(stack.stub, start_msg(p, 40, k=3, drafter="oracle",
+                                                            sampling=sampled))
+        assert tokens == plain
+        (after,) = stack.load().drafters
+        # Bets were looked up for it (one-hot drafts serve any sampling); the random
+        # model's flat distributions seldom take all three greedy drafts, which is the
+        # only outcome bet on.
+        assert after.bet_lookups > drafter.bet_lookups
+    finally:
+        stack.close()
 
 
 def test_bad_input_is_invalid_argument_and_others_go_on(loop, model):

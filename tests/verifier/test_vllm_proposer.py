@@ -286,8 +286,11 @@ def test_it_must_be_built_by_vllms_model_runner(tp_rank):
 
 def test_drafter_states_for_the_load_report(engine, drafters):
     states = {d["name"]: d for d in engine.proposer.drafters()}
-    assert states["ngram"] == {"name": "ngram", "method": common_pb2.SPEC_METHOD_NGRAM,
-                               "available": True, "max_num_speculative_tokens": MAX_K}
+    ngram = states["ngram"]
+    assert ngram == {"name": "ngram", "method": common_pb2.SPEC_METHOD_NGRAM,
+                     "available": True, "max_num_speculative_tokens": MAX_K,
+                     "bet_lookups": ngram["bet_lookups"], "bet_hits": ngram["bet_hits"]}
+    assert 0 <= ngram["bet_hits"] <= ngram["bet_lookups"]
     assert states["suffix"]["method"] == common_pb2.SPEC_METHOD_SUFFIX
 
 
@@ -334,3 +337,39 @@ def test_no_drafts_while_the_runner_holds_more_than_the_queue_size(tp_rank, draf
         assert engine.step({"a": [12]}) == [drafts_after(12, DEFAULT_K)]
     finally:
         engine.close()
+
+
+class BettingDrafter(FakeDrafter):
+    """FakeDrafter placing one bet on each proposal: every draft accepted and the next
+    token in its run, followed by BET (told apart from any answer's drafts)."""
+
+    BET = [7, 7, 7]
+
+    def Draft(self, request_iterator, context):
+        for answer in super().Draft(request_iterator, context):
+            answer.bets_follow = bool(answer.proposals)
+            yield answer
+            if answer.bets_follow:
+                yield drafter_pb2.DraftResponse(step=answer.step, followup=True, bets=[
+                    drafter_pb2.DraftBet(seq_id=p.seq_id, round=p.round + 1,
+                                         new_token_ids=[*p.token_ids, (p.token_ids[-1] + 1) % VOCAB],
+                                         token_ids=self.BET)
+                    for p in answer.proposals])
+
+
+def test_vllms_steps_take_the_drafters_bets(tp_rank):
+    """RemoteProposer shares the engine's drafter clients, bets included: the step after
+    the outcome bet on gets the bet's drafts; another outcome gets the drafter's answer."""
+    drafter = BettingDrafter(common_pb2.SPEC_METHOD_NGRAM, 0)
+    engine = Engine({"ngram": drafter.address})
+    try:
+        engine.add("a", [1, 2], specdec_num_speculative_tokens=2)
+        assert engine.step({"a": [10]}) == [drafts_after(10, 2)]  # 11 12
+        assert engine.step({"a": [11, 12, 13]}) == [BettingDrafter.BET[:2]]
+        # The bet's drafts 7 7: the first rejected, 50 instead. No bet named it.
+        assert engine.step({"a": [50]}) == [drafts_after(50, 2)]
+        (client,) = engine.proposer.pool.clients.values()
+        assert (client.bet_lookups, client.bet_hits) == (2, 1)
+    finally:
+        engine.close()
+        drafter.server.stop(0)

@@ -71,6 +71,7 @@ class ProposerConfig:
     # K for requests that name none; 0 = the speculative config's num_speculative_tokens.
     num_speculative_tokens: int = 0
     drafter_liveness_s: float = LIVENESS_S
+    draft_bets: bool = True  # take the drafters' bets on outcomes (DraftBet)
     # Each step's K of dynamic-K requests chosen here (verifier/engine/speculation.py);
     # requests that name no K are dynamic, within it.
     speculation_controller: bool = False
@@ -105,6 +106,7 @@ class ProposerConfig:
                              "draft_deadline_ms": self.draft_deadline_ms,
                              "num_speculative_tokens": self.num_speculative_tokens,
                              "drafter_liveness_s": self.drafter_liveness_s,
+                             "draft_bets": self.draft_bets,
                              "speculation_controller": self.speculation_controller,
                              "disable_queue_size": self.disable_queue_size}}
 
@@ -161,7 +163,8 @@ class RemoteProposer:
         token = os.environ.get(INTERNAL_TOKEN_ENV) or None
         tls = TlsConfig.from_env()
         clients = [DrafterClient(name, address, target, token=token, tls=tls,
-                                 liveness_s=self.config.drafter_liveness_s)
+                                 liveness_s=self.config.drafter_liveness_s,
+                                 use_bets=self.config.draft_bets)
                    for name, address in self.config.drafters.items()] if self.drafting else []
         self.pool = DrafterPool(clients, self.max_num_speculative_tokens,
                                 self.config.draft_deadline_ms)
@@ -347,7 +350,8 @@ class RemoteProposer:
         return [{"name": c.name, "method": c.method,
                  "available": c.available and not c.hidden_layers(),
                  "max_num_speculative_tokens": min(c.max_num_speculative_tokens,
-                                                   self.max_num_speculative_tokens)}
+                                                   self.max_num_speculative_tokens),
+                 "bet_lookups": c.bet_lookups, "bet_hits": c.bet_hits}
                 for c in self.pool.clients.values()]
 
     def close(self) -> None:

@@ -109,6 +109,7 @@ async def serve(args: argparse.Namespace, server_tls: TlsConfig | None,
     config = ProposerConfig(drafters=dict(args.drafter), draft_deadline_ms=args.draft_deadline_ms,
                             num_speculative_tokens=args.num_speculative_tokens,
                             drafter_liveness_s=args.drafter_liveness_s,
+                            draft_bets=args.draft_bets,
                             speculation_controller=True,
                             disable_queue_size=args.speculative_disable_queue_size)
     load = EngineLoad()

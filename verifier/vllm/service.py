@@ -97,6 +97,8 @@ class _Drafter:
     method: int  # SpecMethod; UNSPECIFIED until the proposer has its Info
     available: bool = False
     max_num_speculative_tokens: int = 0
+    bet_lookups: int = 0  # LoadReport's ConfiguredDrafter counts, as the proposer last gave them
+    bet_hits: int = 0
 
 
 @dataclass(slots=True)
@@ -150,6 +152,7 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     known.method = d["method"] or known.method
                     known.available = d["available"]
                     known.max_num_speculative_tokens = d["max_num_speculative_tokens"]
+                    known.bet_lookups, known.bet_hits = d["bet_lookups"], d["bet_hits"]
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -381,7 +384,8 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
         for d in self.drafters.values():
             report.drafters.add(name=d.name, method=d.method, available=d.available,
                                 max_num_speculative_tokens=min(d.max_num_speculative_tokens,
-                                                               self.max_num_speculative_tokens))
+                                                               self.max_num_speculative_tokens),
+                                bet_lookups=d.bet_lookups, bet_hits=d.bet_hits)
         return report
 
     # -- lifecycle -------------------------------------------------------------------
