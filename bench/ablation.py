@@ -67,6 +67,10 @@ ABLATIONS = {
 CONFIGS: dict[str, tuple[int | None, ControllerConfig | None]] = {
     "plain": (0, None), "K=1": (1, None), "K=2": (2, None), "K=4": (4, None),
     "controller": (None, WHOLE), **{n: (None, c) for n, c in ABLATIONS.items()}}
+# The same configurations with the drafter's bets on outcomes (DraftBet) left untaken:
+# every drafting step waits for the drafter's answer, as before bets.
+NO_BETS = {"K=2, no bets": "K=2", "controller, no bets": "controller"}
+CONFIGS.update({n: CONFIGS[base] for n, base in NO_BETS.items()})
 # The machine is too busy to measure when its 1-minute load average is above this
 # before a run starts (2 cores).
 MAX_LOAD = 0.7
@@ -126,6 +130,10 @@ class Bench:
         k, _ = CONFIGS[config]
         engine = self.engine
         engine.controller = self.controllers.get(config)
+        clients = list(self.pool.clients.values())
+        for client in clients:
+            client.use_bets = config not in NO_BETS
+        bets0 = [(cl.bet_lookups, cl.bet_hits) for cl in clients]
         pending, order, out = list(prompts), [], {}
         step_log: list[tuple[int, float, float]] = []
         times0 = dataclasses.replace(engine.times)
@@ -155,9 +163,13 @@ class Bench:
         steps, rows = tm.steps - times0.steps, tm.rows - times0.rows
         tokens = sum(len(v) for v in out.values())
         eos = self.tokenizer.eos_token_ids
+        lookups = sum(cl.bet_lookups - b[0] for cl, b in zip(clients, bets0, strict=True))
+        hits = sum(cl.bet_hits - b[1] for cl, b in zip(clients, bets0, strict=True))
         return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": steps,
                 "rows_per_step": rows / steps, "tokens_per_step": (tm.tokens - times0.tokens) / steps,
                 "draft_wait_ms": (tm.draft_wait_ms - times0.draft_wait_ms) / steps,
+                "draft_wait_median_ms": statistics.median(w for _, _, w in step_log),
+                "bet_lookups": lookups, "bet_hits": hits,
                 "replies": [_until_eos(out[r], eos) for r in order], "step_log": step_log}
 
 
@@ -206,6 +218,11 @@ def summarise(cells: dict) -> dict:
                     "priced_vs_plain": ratio(at_price, "plain"),
                     "priced_vs_controller": ratio(at_price, "controller"),
                     "tokens_per_step": statistics.median(r["tokens_per_step"] for r in reps),
+                    "draft_wait_ms": statistics.median(r["draft_wait_ms"] for r in reps),
+                    "draft_wait_median_ms": statistics.median(r["draft_wait_median_ms"]
+                                                              for r in reps),
+                    "bet_hit_rate": (sum(r["bet_hits"] for r in reps)
+                                     / max(1, sum(r["bet_lookups"] for r in reps))),
                     "rows_per_step": statistics.median(r["rows_per_step"] for r in reps),
                     "vs_plain_each": [a / b for a, b in
                                       zip(measured[name], measured["plain"], strict=False)],
@@ -250,6 +267,18 @@ def render(result: dict) -> str:
                 total = sum(int(x.split("/")[1]) for x in same)
                 lines.append(f"| {name} | " + " | ".join(row) + f" | {got}/{total} |")
             lines.append("")
+        lines += [f"Prompt set `{pset}`, the drafter's wait per step, median / mean ms, and "
+                  "the share of drafting sequences whose drafts a bet gave (DraftBet):", "",
+                  "| configuration | " + " | ".join(f"C={c}" for c in cs) + " |",
+                  "|---|" + "---|" * len(cs)]
+        for name in CONFIGS:
+            if name == "plain" or name not in by_c[cs[0]]:
+                continue
+            lines.append(f"| {name} | " + " | ".join(
+                f"{by_c[c][name]['draft_wait_median_ms']:.2f} / "
+                f"{by_c[c][name]['draft_wait_ms']:.2f}; {by_c[c][name]['bet_hit_rate']:.0%}"
+                for c in cs) + " |")
+        lines.append("")
     lines += ["Ablations: " + "; ".join(
         f"`{n}` = ControllerConfig({', '.join(f'{f.name}=False' for f in dataclasses.fields(c) if getattr(c, f.name) is False)})"
         for n, c in ABLATIONS.items()) + ".", ""]

@@ -21,7 +21,8 @@ def test_each_ablation_turns_off_one_mechanism_of_the_whole_controller():
 
 def _cell(tokens, steps, tok_s, replies):
     return {"tokens": tokens, "step_log": steps, "tok_s": tok_s, "tokens_per_step": 1.0,
-            "rows_per_step": 1.0, "replies": replies}
+            "rows_per_step": 1.0, "replies": replies, "draft_wait_ms": 0.5,
+            "draft_wait_median_ms": 0.5, "bet_lookups": 4, "bet_hits": 1}
 
 
 def test_cells_are_priced_at_the_median_step_time_of_their_row_count():
@@ -40,3 +41,4 @@ def test_cells_are_priced_at_the_median_step_time_of_their_row_count():
     assert s["plain"]["vs_plain"] == 1.0 and s["K=2"]["vs_plain"] == pytest.approx(3.2)
     assert s["controller"]["priced_vs_plain"] == pytest.approx(1.0)
     assert s["K=2"]["same"] == "1/1" and s["controller"]["same"] == "0/1"
+    assert s["K=2"]["bet_hit_rate"] == 0.25
