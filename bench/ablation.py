@@ -69,7 +69,7 @@ CONFIGS: dict[str, tuple[int | None, ControllerConfig | None]] = {
     "controller": (None, WHOLE), **{n: (None, c) for n, c in ABLATIONS.items()}}
 # The same configurations with the drafter's bets on outcomes (DraftBet) left untaken:
 # every drafting step waits for the drafter's answer, as before bets.
-NO_BETS = {"K=2, no bets": "K=2", "controller, no bets": "controller"}
+NO_BETS = {"K=2 no bets": "K=2", "controller no bets": "controller"}
 CONFIGS.update({n: CONFIGS[base] for n, base in NO_BETS.items()})
 # The machine is too busy to measure when its 1-minute load average is above this
 # before a run starts (2 cores).
