@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "for less (REST `timeout`, gRPC deadline); 0 = none")
     p.add_argument("--resume-wait-s", type=float, default=30.0,
                    help="a request whose verifier replicas all failed waits this long for one "
-                   "to serve again, then resumes from its tokens so far (0 = fail at once)")
+                   "to serve again, then resumes from its tokens so far, and a new request "
+                   "arriving while none serves waits as long (0 = fail at once)")
     add_open_access_argument(p, "an API key")
     p.add_argument("--max-prompt-tokens", type=int, default=0)
     p.add_argument("--max-tokens-limit", type=int, default=0,

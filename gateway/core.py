@@ -85,7 +85,8 @@ class GatewayConfig:
     # (REST `timeout`, the gRPC deadline); 0 = none.
     request_timeout_s: float = 600.0
     # A request whose replicas all failed mid-generation waits this long for one to
-    # serve again (the only verifier restarting), then resumes from its tokens so far.
+    # serve again (the only verifier restarting), then resumes from its tokens so far; a
+    # new request arriving while none serves waits as long for one.
     resume_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -116,6 +117,7 @@ class Gateway:
         # Requests admitted and not finished, per replica: streams start only when their
         # client reads them, so a burst would otherwise all see an idle replica.
         self.admitted: dict[str, int] = {}
+        self.holding = 0  # new requests waiting for a replica to serve (_hold)
 
     # -- request preparation ------------------------------------------------------
 
@@ -270,7 +272,7 @@ class Gateway:
             try:
                 replica = await self.replicas.choose()
             except NoReplicaError as e:
-                raise Unavailable(str(e)) from None
+                replica = await self._hold(str(e), req.timeout_s)
             max_tokens = self._validate(req, replica.report)
             if req.sampling.HasField("structured_output"):
                 field = req.structured_field or "sampling.structured_output"
@@ -297,6 +299,25 @@ class Gateway:
                           deadline=t0 + timeout if timeout else None, release=release,
                           service_times=self.service_times,
                           resume_wait_s=self.config.resume_wait_s)
+
+    async def _hold(self, error: str, timeout_s: float | None) -> Replica:
+        """No replica serves (the only verifier restarting, say): hold a new request until
+        one does, within resume_wait_s and its own timeout, as a resumed request is held.
+        Past max_num_requests held and admitted together, Unavailable at once."""
+        wait = min(t for t in (self.config.resume_wait_s, self.config.request_timeout_s,
+                               timeout_s) if t is not None and t > 0) \
+            if self.config.resume_wait_s > 0 else 0.0
+        limit = self.config.max_num_requests
+        if wait <= 0 or (limit and self.holding + sum(self.admitted.values()) >= limit):
+            raise Unavailable(error)
+        self.holding += 1
+        self.metrics.held.inc()
+        try:
+            return await self.replicas.wait_for_any(wait)
+        except NoReplicaError:
+            raise Unavailable(f"{error}; none came back within {wait:.0f} s") from None
+        finally:
+            self.holding -= 1
 
     def _admit(self, replica: Replica, max_tokens: int) -> None:
         """Overloaded (429) where this request would wait past the maximum queue time on

@@ -119,7 +119,8 @@ class GatewayMetrics:
                                "Requests moved to another verifier replica mid-generation",
                                registry=r)
         self.held = Counter("specdec_requests_held",
-                            "Requests held while no verifier replica served, to resume",
+                            "Requests held while no verifier replica served: to resume, or "
+                            "new ones, to start",
                             registry=r)
         self.verifier_counters = VerifierCounters()
         r.register(self.verifier_counters)

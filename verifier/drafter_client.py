@@ -369,8 +369,8 @@ class DrafterClient:
                                             for s, seq in self._seqs.items())
 
             def settled() -> bool:
-                if self._outq is not outq:
-                    return True
+                if self._outq is not outq or not any(wanted.values()):
+                    return True  # down, or a step that drafts nothing has nothing to wait for
                 if self._outstanding is not None and self._outstanding == self._unwaited:
                     return False  # the last step took bets alone; its answer brings more
                 return self._bets_due is None or not looking  # bets said to follow

@@ -91,10 +91,11 @@ def test_single_replica_dies_gives_prompt_error(loop, model, smollm2_dir):
         with pytest.raises(openai.APIError, match="no verifier replica came back within 1 s"):
             list(chunks)
         assert 1.0 <= time.time() - t0 < 5
-        # New requests fail fast with 503 while no replica is up.
+        # A new request is held as long for one to come up, then refused with 503.
         r = httpx2.post(s.base_url + "/chat/completions",
                         json={"messages": [{"role": "user", "content": "x"}]}, timeout=10)
-        assert r.status_code == 503 and "no verifier available" in r.json()["error"]["message"]
+        assert r.status_code == 503
+        assert "none came back within 1 s" in r.json()["error"]["message"]
         s.replicas.clear()
     finally:
         s.close()
@@ -105,7 +106,8 @@ def test_single_replica_dies_gives_prompt_error(loop, model, smollm2_dir):
 def test_the_only_replica_restarting_loses_nothing(loop, model, smollm2_dir, spec):
     """Streams in flight when the only verifier dies are held until it serves again at
     its address, then resume from their tokens so far to the same text: greedy ones,
-    and a seeded sampled one (its noise is keyed by position)."""
+    and a seeded sampled one (its noise is keyed by position). A request that arrives
+    while it is down is held too, and served once it is back."""
     from tests.gateway.stack import Replica
 
     s = GatewayStack(loop, model, smollm2_dir, replicas=1, resume_wait_s=20.0)
@@ -127,6 +129,13 @@ def test_the_only_replica_restarting_loses_nothing(loop, model, smollm2_dir, spe
         old = s.replicas[0]
         port = int(old.address.rsplit(":", 1)[1])
         old.stop(loop, 0.0)  # abrupt, as if the process died
+        late_content = "Write a long letter number 5."
+        late_want = s.reference(s.chat_ids(late_content), 40)[0]
+        late: list = []
+        arrives = threading.Thread(target=lambda: late.append(client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": late_content}],
+            temperature=0, max_tokens=40, extra_body={"speculative": spec})))
+        arrives.start()
 
         def restart() -> None:
             time.sleep(1.0)  # down for a while, then back at the same address
@@ -140,6 +149,8 @@ def test_the_only_replica_restarting_loses_nothing(loop, model, smollm2_dir, spe
         texts = ["".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
                  for pieces in got]
         assert texts == wants
+        arrives.join(30)
+        assert [r.choices[0].message.content for r in late] == [late_want]
         metrics = httpx2.get(s.base_url.removesuffix("/v1") + "/metrics").text
         assert "specdec_requests_resumed_total 4.0" in metrics
         assert "specdec_requests_held_total" in metrics
