@@ -450,6 +450,25 @@ SECTIONS = [
      "python -m bench.serving --systems ours --ours 'ngram K=2,ngram K=4,ngram auto' "
      "--concurrency 1,4,16 --requests 16 --repeats 3 "
      "--out bench/results/serving_dynamic_k_attention.json"),
+    ("speculation_bets.md",
+     "Bets on outcomes (DraftBet), taken and left untaken: our engine in process with the "
+     "ngram drafter service, as bench.ablation runs it, K = 2 and the controller, chat and "
+     "open prompts, AMD EPYC (2026-12-06), two repeats alternating cell by cell. Bets gave "
+     "34-56 % of drafting sequences their drafts on chat prompts (19 % on open ones); the "
+     "mean draft wait per step fell from 1.27 to 0.96 ms (K = 2, C = 1) and from 1.26 to "
+     "0.45 ms (controller, C = 4), but the median step still waits for a miss (1.04-1.93 "
+     "ms), and tok/s moved within the noise: on this CPU the wait is 3-5 % of a step",
+     "python -m bench.ablation --configs 'plain,K=2,K=2 no bets,controller,controller no "
+     "bets' --out bench/results/speculation_bets.json"),
+    ("serving_vllm_bets.md",
+     "`vllm serve` at its best CPU binding with our ngram and suffix drafter services as its "
+     "proposer (taking their bets), beside its own ngram, AMD EPYC (2026-12-06), repeats "
+     "not alternated: remote ngram 54.0 / 121.0 / 197.7 tok/s at C = 1 / 4 / 16 against "
+     "vLLM's own ngram 32.8 / 86.5 / 130.6 (1.65x / 1.40x / 1.51x); vLLM's own suffix "
+     "method needs Arctic Inference, which .venv-peers lacks",
+     "VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 python -m bench.serving "
+     "--systems vllm --vllm 'ngram K=4,remote ngram K=4,remote suffix K=4' --requests 12 "
+     "--repeats 2 --out bench/results/serving_vllm_bets.json"),
     ("serving_vllm_proposer.md", "`vllm serve` with our ngram drafter service as its proposer",
      "python -m bench.serving --systems vllm --repeats 2 "
      "--out bench/results/serving_vllm_proposer.json"),
