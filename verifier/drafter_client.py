@@ -438,6 +438,22 @@ class DrafterClient:
             outq.put(drafter_pb2.DraftRequest(step=step, entries=entries))
             return due
 
+    def bet_ready(self, seq_id: int) -> bool:
+        """Whether the next send will find a bet for the sequence's outcome (one that
+        arrives before then may make it so after all)."""
+        with self._lock:
+            seq = self._seqs.get(seq_id)
+            return (seq is not None and self.use_bets and self._outq is not None
+                    and seq.pending is not None and seq.generation == self._generation
+                    and self._bet_for(seq) is not None)
+
+    def _bet_for(self, seq: _Seq) -> list[int] | None:
+        """The bet on the pending Advance's outcome, or None. Under the lock."""
+        adv = seq.pending.advance
+        if seq.bet_round != seq.round + 1 or adv.num_rollback_tokens:
+            return None
+        return seq.bets.get(tuple(adv.new_token_ids)) or None
+
     def _bet(self, seq: _Seq, k: int) -> list[int] | None:
         """The drafts a bet placed for the outcome the sequence's pending Advance carries,
         or None. Under the lock."""
@@ -446,13 +462,10 @@ class DrafterClient:
         if not self._betting:
             return None  # a drafter that places no bets has no lookups to count
         self.bet_lookups += 1
-        adv = seq.pending.advance
-        if seq.bet_round != seq.round + 1 or adv.num_rollback_tokens or not self.use_bets:
-            return None
-        bet = seq.bets.get(tuple(adv.new_token_ids))
-        if bet:
+        bet = self._bet_for(seq) if self.use_bets else None
+        if bet is not None:
             self.bet_hits += 1
-        return bet or None
+        return bet
 
     def _wait(self, done, deadline: float | None) -> None:
         """Wait on the lock's condition until done() or the deadline. Under the lock."""

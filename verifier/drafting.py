@@ -97,6 +97,10 @@ class DrafterPool(Proposer):
     def drafter_ms(self) -> float:
         return self._drafter_ms
 
+    def bet_ready(self, seq_id: int) -> bool:
+        owner = self._owner.get(seq_id)
+        return owner is not None and owner.bet_ready(seq_id)
+
     def flush(self) -> None:
         self.propose({}, {})
 

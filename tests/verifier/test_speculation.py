@@ -87,6 +87,29 @@ def test_a_drafters_wait_that_a_short_step_cannot_hide_keeps_it_plain():
     assert c.choose([_row(0, 4)])[0] > 0
 
 
+def test_drafts_a_bet_holds_draft_while_those_that_would_wait_do_not():
+    """The same short step and costly round trip, two requests whose drafts land at the
+    same rate: the one whose drafts a bet already holds (Row.bet) drafts, since asking
+    for it waits for nothing, while the one that would wait for its drafter's answer
+    runs plain. Both waiting, both run plain; both held by bets, both draft."""
+    c = _trained(lambda rows: 2.0 + 0.01 * rows, {0: 0.6, 1: 0.6})
+    c.cost.wait_ms["ngram"], c.cost.plain_wait_ms = 4.0, 0.0
+    bet = Row(1, 4, "ngram", bet=True)
+    chosen = c.choose([_row(0, 4), bet])
+    assert chosen[0] == 0 and chosen[1] > 0
+    assert c.choose([_row(0, 4), _row(1, 4)]) == {0: 0, 1: 0}
+    both = c.choose([Row(0, 4, "ngram", bet=True), bet])
+    assert both[0] > 0 and both[1] > 0
+
+
+def test_a_step_whose_drafts_bets_held_is_not_the_drafters_wait():
+    c = SpeculationController()
+    for _ in range(20):
+        c.observe([Row(0, 4, "ngram", bet=True)], {0: (4, 4)}, 20.0, 0.05, 5)  # a bet's
+        c.observe([_row(0, 4)], {0: (2, 1)}, 20.0, 3.0, 3)  # waited for the answer
+    assert c.cost.draft_ms({"ngram"}) == pytest.approx(3.0 - 0.05, rel=0.01)
+
+
 def test_a_drafter_asked_for_nothing_it_had_still_costs_its_wait():
     """A step that asked the drafter waited for it whether or not drafts came back: its
     wait is the drafter's, not a plain step's (which would make asking look free)."""

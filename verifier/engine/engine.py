@@ -325,9 +325,13 @@ class Engine:
                     item.num_tokens, item.plain_reason = 1, "queue_size"
         if self.controller is None:
             return []
+        proposer = self.proposer
         rows = [Row(item.seq.seq_id, item.num_speculative_tokens,
                     item.seq.request.drafter if item.seq.request.auto_k else None,
-                    item.is_prefill) for item in batch]
+                    item.is_prefill,
+                    bet=(item.seq.request.auto_k and proposer is not None
+                         and proposer.bet_ready(item.seq.seq_id)))
+                for item in batch]
         chosen = self.controller.choose(rows)
         for item in batch:
             k = chosen.get(item.seq.seq_id)

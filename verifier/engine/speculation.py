@@ -17,7 +17,9 @@ reach_ij = a_i1 ... a_ij x q_i is the chance that request i's draft at position 
 accepted (a: its per-position acceptance rates, q: how often its drafter had drafts
 when asked), R0 the rows the step feeds without drafts, T(rows) the measured time of a
 step that feeds that many rows, D what waiting for the drafters adds to a step that
-drafts. Reach falls along a request's positions, so the best n positions are the n of
+drafts (none where every drafting request's drafts are a bet its drafter placed on the
+outcome it just had, DraftBet: they are at the verifier already, so on a short GPU step
+such requests draft while the others wait for nothing). Reach falls along a request's positions, so the best n positions are the n of
 highest reach: walking them in that order finds the best n, and each request's K is
 its number of positions taken. n = 0 is plain decoding, chosen where no n pays.
 
@@ -70,6 +72,7 @@ class Row:
     bound: int  # drafts it may have this step (its request's K, the room left); 0: none
     drafter: str | None = None  # dynamic K with this drafter; None: K stays `bound`
     prefill: bool = False  # a prompt chunk: it drafts nothing
+    bet: bool = False  # its drafts are at the verifier already (a bet hit): no wait
 
     @property
     def dynamic(self) -> bool:
@@ -228,19 +231,35 @@ class SpeculationController:
                      if not cfg.redraft
                      or self._step - self.cost.drafted_step.get(row.drafter, self._step)
                      <= cfg.redraft_after_steps}
-        best_n, best = 0, tokens / self.cost.price(base_rows)
+        plain = tokens / self.cost.price(base_rows)
+        taken, best = self._walk(positions, dynamic, tokens, base_rows, fresh, plain)
+        if any(row.bet for row in dynamic):
+            # Drafts bets hold alone: a step that waits for no drafter. The walk over all
+            # positions may pay the wait before the positions that avoid it.
+            held = [p for p in positions if dynamic[p.index].bet]
+            held_taken, held_best = self._walk(held, dynamic, tokens, base_rows, fresh, plain)
+            if held_best > best:
+                taken = held_taken
+        ks = [0] * len(dynamic)
+        for p in taken:
+            ks[p.index] += 1
+        return {row.key: k for row, k in zip(dynamic, ks, strict=True)}
+
+    def _walk(self, positions: list[_Position], dynamic: list[Row], tokens: float,
+              base_rows: int, fresh: set[str], best: float) -> tuple[list[_Position], float]:
+        """The best first n of `positions` (by reach) and their goodput, against `best`
+        for none: each drafter's wait counts once a position needs its answer."""
+        best_n = 0
         methods: set[str] = set()
         for n, p in enumerate(positions, start=1):
             tokens += p.reach
-            methods.add(p.method)
+            if not dynamic[p.index].bet:
+                methods.add(p.method)
             worth = tokens / (self.cost.price(base_rows + n)
                               + self.cost.draft_ms(methods & fresh))
             if worth > best:
                 best_n, best = n, worth
-        ks = [0] * len(dynamic)
-        for p in positions[:best_n]:
-            ks[p.index] += 1
-        return {row.key: k for row, k in zip(dynamic, ks, strict=True)}
+        return positions[:best_n], best
 
     def _reach(self, row: Row) -> list[float]:
         """[K] the chance that each of the sequence's next K drafts is accepted."""
@@ -273,9 +292,10 @@ class SpeculationController:
         the drafters' wait; fed the rows it fed the model."""
         if not any(row.prefill for row in rows):
             self.cost.observe(fed, step_ms)
-        # A step that asked a drafter waited for it whether or not drafts came.
+        # A step that asked a drafter waited for it whether or not drafts came; drafts a
+        # bet held needed no wait.
         drafting = {row.drafter for row in rows
-                    if row.drafter is not None and row.key in outcomes}
+                    if row.drafter is not None and row.key in outcomes and not row.bet}
         self.cost.observe_wait(self._step, drafting, draft_wait_ms)
         cfg = self.config
         decay = 0.5 ** (1 / cfg.half_life_steps)

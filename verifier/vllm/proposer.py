@@ -289,7 +289,8 @@ class RemoteProposer:
             self.controller.observe(ended, outcomes, (started - self._handed_at) * 1e3,
                                     self._wait_ms, fed)
         self._rows = plain + [
-            Row(seq_id, k, rows[seq_id][1].drafter if rows[seq_id][1].auto_k else None)
+            Row(seq_id, k, rows[seq_id][1].drafter if rows[seq_id][1].auto_k else None,
+                bet=self.pool.bet_ready(seq_id))
             for seq_id, k in bounds.items()]
         chosen = self.controller.choose(self._rows)
         return {seq_id: k for seq_id, k in (bounds | chosen).items() if k > 0}
