@@ -347,9 +347,13 @@ class Probe:
         snap: dict = {"cpu_s": cpu}
         if self.verifier is not None:
             with grpc.insecure_channel(self.verifier) as ch:
-                et = verifier_pb2_grpc.VerifierStub(ch).Load(verifier_pb2.LoadRequest(),
-                                                             timeout=5).engine_times
+                load = verifier_pb2_grpc.VerifierStub(ch).Load(verifier_pb2.LoadRequest(),
+                                                               timeout=5)
+            et = load.engine_times
             snap["engine"] = {f.name: getattr(et, f.name) for f in et.DESCRIPTOR.fields}
+            # Bets on outcomes (DraftBet), all drafters together.
+            snap["bets"] = (sum(d.bet_lookups for d in load.drafters),
+                            sum(d.bet_hits for d in load.drafters))
         if self.vllm_log is not None:
             snap["log_offset"] = self.vllm_log.stat().st_size
         return snap
@@ -359,6 +363,10 @@ class Probe:
         engine step the mean milliseconds of each phase."""
         out: dict = {"cpu_share": {k: round((b["cpu_s"].get(k, 0.0) - v) / wall_s, 3)
                                    for k, v in a["cpu_s"].items()}}
+        if "bets" in a:
+            lookups, hits = (y - x for x, y in zip(a["bets"], b["bets"], strict=True))
+            if lookups:
+                out["bet_hit_rate"] = hits / lookups
         if "engine" in a:
             d = {k: b["engine"][k] - a["engine"][k] for k in a["engine"]}
             steps = max(d["steps"], 1)
@@ -822,11 +830,13 @@ def render(result: dict) -> str:
               "counts context and generation requests), the query rows its forward fed (prefill "
               "chunks, and 1 + drafts per verified sequence; vLLM's context and generation "
               "tokens), tokens emitted per step, the share of the "
-              "wall time the engine was busy, and each process's CPU use in cores (CPU seconds "
+              "wall time the engine was busy, the share of sequences asked for drafts after "
+              "a drafting step whose drafts a drafter's bet held (bets; ours), and each "
+              "process's CPU use in cores (CPU seconds "
               "over wall seconds; the machine has " + str(result["cpus"]) + "):", "",
               "| system | C | steps | batch | rows/step | tokens/step | step ms | engine busy | "
-              "CPU cores by process |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "bets | CPU cores by process |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in cs:
         for name in row_names():
             x = s.get(name, {}).get(c)
@@ -845,7 +855,8 @@ def render(result: dict) -> str:
             lines.append(f"| {name} | {c} | {b.get('steps', '-')} | "
                          f"{_fmt(b.get('batch_mean'), '.1f')} | "
                          f"{_fmt(b.get('rows_per_step'), '.1f')} | {_fmt(tps, '.2f')} | "
-                         f"{phases} | {_fmt(b.get('engine_busy'), '.0%')} | {cpu} |")
+                         f"{phases} | {_fmt(b.get('engine_busy'), '.0%')} | "
+                         f"{_fmt(b.get('bet_hit_rate'), '.0%')} | {cpu} |")
     lines += ["", "Dynamic K against the same drafter's best static K, and against ours "
               "without speculation (tok/s ratios at the same C):", "",
               "| drafter | " + " | ".join(f"C={c} / best static | C={c} / plain" for c in cs)

@@ -120,9 +120,10 @@ def test_breakdown_divides_engine_time_by_steps_and_cpu_by_wall():
               "forward_ms": 30.0, "sample_ms": 4.0, "postprocess_ms": 3.0, "deliver_ms": 1.0,
               "drafter_ms": 0.5}
     a = {"cpu_s": {"verifier": 1.0, "gateway": 0.5},
-         "engine": {k: 0 for k in engine}}
-    b = {"cpu_s": {"verifier": 2.0, "gateway": 0.6}, "engine": engine}
+         "engine": {k: 0 for k in engine}, "bets": (100, 30)}
+    b = {"cpu_s": {"verifier": 2.0, "gateway": 0.6}, "engine": engine, "bets": (140, 40)}
     got = probe.breakdown(a, b, wall_s=0.5)
+    assert got["bet_hit_rate"] == 0.25  # the cell's own lookups and hits
     assert got["cpu_share"] == {"verifier": 2.0, "gateway": 0.2}
     assert got["steps"] == 10 and got["tokens_per_step"] == 2.0 and got["batch_mean"] == 4.0
     assert got["rows_per_step"] == 7.0
