@@ -110,7 +110,7 @@ class Gateway:
         self.config = config
         self.tokenizer = tokenizer
         self.replicas = replicas
-        self.metrics = metrics or GatewayMetrics()
+        self.metrics = metrics or GatewayMetrics(config.model_name)
         # Compiles a request's grammar to refuse a bad one before it reaches a verifier.
         self.grammars = Grammars(tokenizer.hf, tokenizer.vocab_size, tokenizer.eos_token_ids)
         self.service_times = ServiceTimes()  # per replica: how long a request holds a slot

@@ -301,6 +301,11 @@ class Generation:
             if self.t_last is None:
                 self.t_first = now
                 metrics.ttft.observe(now - self.t0)
+                # The step that gave the first token began its step time before this
+                # response: the prefill; the rest of the wait was queueing.
+                prefill = min(now - self.t0, resp.step_stats.step_time_ms / 1e3)
+                metrics.prefill_time.observe(prefill)
+                metrics.queue_time.observe(now - self.t0 - prefill)
             else:
                 for _ in ids:
                     metrics.itl.observe((now - self.t_last) / len(ids))
@@ -308,6 +313,8 @@ class Generation:
         self.progress.generated.extend(ids)
         self.spec = resp.spec_decode
         step = resp.step_stats
+        if ids and self.policy.method != "none":
+            metrics.k_chosen.labels(self.summary.method).observe(step.num_speculative_tokens)
         if step.disabled_reason and self.policy.method != "none":
             metrics.plain_steps.labels(reason_name(step.disabled_reason)).inc()
         if step.num_drafted:
@@ -351,6 +358,10 @@ class Generation:
         n = len(p.generated)
         if n > 1 and self.t_first is not None and self.t_last is not None:
             m.tpot.observe((self.t_last - self.t_first) / (n - 1))
+        if self.t_first is not None and self.t_last is not None:
+            m.decode_time.observe(self.t_last - self.t_first)
+        m.request_prompt_tokens.observe(len(self.req.prompt_token_ids))
+        m.request_generation_tokens.observe(n)
         m.prompt_tokens.inc(len(self.req.prompt_token_ids))
         m.generation_tokens.inc(n)
         if s.num_drafts:

@@ -545,6 +545,87 @@ def test_metrics(stack, client):
     assert queries >= hits and rate == pytest.approx(hits / queries, rel=1e-5)
 
 
+# What vLLM's own Grafana dashboard (vllm-project/vllm,
+# examples/observability/prometheus_grafana/grafana.json) queries, every query filtered
+# by model_name, plus its speculative-decoding counters.
+VLLM_DASHBOARD_SERIES = (
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count",
+    "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:kv_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum", "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+
+
+def test_vllms_dashboard_reads_our_metrics(stack, client):
+    """Every series vLLM's Grafana dashboard queries is on /metrics under the served
+    model's name, and agrees with ours."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Repeat: one two one two"}],
+        temperature=0, max_tokens=16, extra_body={"speculative": {"method": "ngram"}})
+    text = httpx2.get(stack.base_url.removesuffix("/v1") + "/metrics").text
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    theirs = {}
+    for s in samples:
+        if s.name.startswith("vllm:"):
+            assert s.labels["model_name"] == MODEL_NAME and s.labels["engine"] == "0"
+            theirs.setdefault(s.name, []).append(s)
+    missing = [name for name in VLLM_DASHBOARD_SERIES if name not in theirs]
+    assert not missing
+
+    def total(name: str, series: dict) -> float:
+        return sum(s.value for s in series[name])
+
+    ours = {}
+    for s in samples:
+        ours.setdefault(s.name, []).append(s)
+    for name in ("generation_tokens_total", "prompt_tokens_total",
+                 "spec_decode_num_accepted_tokens_total",
+                 "time_to_first_token_seconds_count"):
+        assert total(f"vllm:{name}", theirs) == total(f"specdec_{name}", ours) > 0
+    assert total("vllm:request_success_total", theirs) == total("specdec_requests_total", ours)
+    assert total("vllm:request_queue_time_seconds_count", theirs) == \
+        total("vllm:time_to_first_token_seconds_count", theirs)
+    assert 0.0 <= total("vllm:kv_cache_usage_perc", theirs) <= 1.0
+
+
+def test_our_grafana_dashboard_reads_our_metrics(stack, client):
+    """deploy/grafana/specdec.json: every series its queries name is declared on the live
+    /metrics, and the throughput, latency, acceptance and K panels have data."""
+    import json
+    import re
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Repeat: one two one two"}],
+        temperature=0, max_tokens=16, extra_body={"speculative": {"method": "ngram"}})
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy/grafana/specdec.json")
+                           .read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"specdec_[a-z_]+", target["expr"])}
+    assert len(queried) >= 15
+    text = httpx2.get(stack.base_url.removesuffix("/v1") + "/metrics").text
+    families = list(text_string_to_metric_families(text))
+    declared = {f.name + suffix for f in families
+                for suffix in ("", "_total", "_bucket", "_sum", "_count")}
+    assert sorted(queried - declared) == []
+    with_data = {s.name for f in families for s in f.samples if s.value > 0}
+    for name in ("specdec_generation_tokens_total", "specdec_time_to_first_token_seconds_count",
+                 "specdec_spec_decode_num_draft_tokens_total", "specdec_spec_decode_k_count"):
+        assert name in with_data, name
+
+
 def test_one_log_line_per_request_under_the_response_id(stack, client, caplog):
     import logging
 
