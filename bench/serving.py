@@ -40,7 +40,6 @@ if __name__ == "__main__" and not __package__:
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import math
 import os
@@ -67,7 +66,6 @@ from specdec.launch import (
     EAGLE3_HEAD,
     VLLM_PYTHON,
     VLLM_PYTHON_ENV,
-    LocalService,
     LocalStack,
     free_port,
     local_services,
@@ -128,18 +126,16 @@ VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", 
 
 @dataclass(frozen=True)
 class Stack:
-    """A `make run` topology under test: the verifier's engine (SPECDEC_ENGINE), the
-    configurations asked of it, and drafter services added to x-local's, one per method
-    (named after it), which the verifier dials too."""
+    """A `make run` topology under test: the verifier's engine (SPECDEC_ENGINE) and the
+    configurations asked of it."""
 
     engine: str
     configs: dict[str, dict | None]
-    added_drafters: tuple[str, ...] = ()
 
 
 # System name -> its stack; a row is "SYSTEM CONFIGURATION".
 STACKS = {"ours": Stack("specdec", OURS),
-          "ours-vllm": Stack("vllm", OURS_VLLM, added_drafters=("suffix",))}
+          "ours-vllm": Stack("vllm", OURS_VLLM)}
 SYSTEMS = (*STACKS, "vllm", "engine")
 
 
@@ -447,30 +443,6 @@ def _wait_drafters(verifier: str, names: set[str], timeout_s: float = 300) -> No
     raise TimeoutError(f"drafters {sorted(names)} not available at {verifier}")
 
 
-def with_drafters(services: list[LocalService], methods: tuple[str, ...]
-                  ) -> list[LocalService]:
-    """x-local's services plus a drafter service per method, each started as x-local's
-    ngram service is (same target, bind address and TLS), on a port of its own; the
-    verifier dials them too and starts once they are healthy."""
-    if not methods:
-        return services
-    template = next(s for s in services if s.name == "ngram")
-    port = template.argv[template.argv.index("--port") + 1]
-    last = max(int(s.health.rsplit(":", 1)[1]) for s in services if s.health)
-    added, dials = [], []
-    for i, method in enumerate(methods):
-        new = last + 1 + i  # past compose.yaml's ports; on_free_ports moves them all
-        argv = list(template.argv)
-        argv[argv.index("--method") + 1] = method
-        argv[argv.index("--port") + 1] = str(new)
-        added.append(dataclasses.replace(template, name=method, argv=tuple(argv),
-                                         health=template.health.replace(port, str(new))))
-        dials += ["--drafter", f"{method}=127.0.0.1:{new}"]
-    return added + [dataclasses.replace(s, argv=s.argv + tuple(dials),
-                                        depends_on=s.depends_on + methods)
-                    if s.name == "verifier" else s for s in services]
-
-
 def run_stack(args, system: str, model_dir: Path, prompts: list[Prompt], log_dir: Path,
               after=None) -> tuple[dict, float, dict[str, str]]:
     """`make run`'s stack on free ports, with STACKS[system]'s engine and drafters;
@@ -479,8 +451,7 @@ def run_stack(args, system: str, model_dir: Path, prompts: list[Prompt], log_dir
     stack_def = STACKS[system]
     env = {"SPECDEC_MODEL_ROOT": str(model_dir.parent), "SPECDEC_MODEL": model_dir.name,
            "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ, "SPECDEC_ENGINE": stack_def.engine}
-    services, ports = on_free_ports(with_drafters(local_services(environ=env),
-                                                  stack_def.added_drafters))
+    services, ports = on_free_ports(local_services(environ=env))
     configs = {n: spec for n, spec in stack_def.configs.items()
                if args.configs[system] is None or n in args.configs[system]}
     gateway = next(s for s in services if s.name == "gateway")

@@ -70,7 +70,7 @@ def running_stack(model_dir: Path, log_dir: Path,
         s.start(timeout_s=300)
         threading.Thread(target=s.supervise, args=(stop, 0.2), daemon=True).start()
         running = RunningStack(s, ports)
-        running.wait_drafters(("ngram", "eagle3"))
+        running.wait_drafters(("ngram", "suffix", "eagle3"))
         yield running
     finally:
         stop.set()

@@ -49,14 +49,15 @@ def test_interpolate():
 def test_local_services_from_compose():
     services = local_services(environ=ENV)
     names = [s.name for s in services]
-    assert set(names) == {"ngram", "eagle3", "verifier", "gateway"}
+    assert set(names) == {"ngram", "suffix", "eagle3", "verifier", "gateway"}
     # Dependencies first.
-    assert names.index("verifier") > max(names.index("ngram"), names.index("eagle3"))
+    assert names.index("verifier") > max(names.index(d) for d in ("ngram", "suffix", "eagle3"))
     assert names.index("gateway") > names.index("verifier")
     by_name = {s.name: s for s in services}
     verifier = by_name["verifier"].argv
     # Service hostnames became loopback; x-local.env replaced the GPU defaults.
     assert "ngram=127.0.0.1:50061" in verifier and "eagle3=127.0.0.1:50063" in verifier
+    assert "suffix=127.0.0.1:50064" in verifier
     assert verifier[verifier.index("--device") + 1] == "cpu"
     assert verifier[verifier.index("--model") + 1] == "/m/target"
     assert by_name["gateway"].argv[by_name["gateway"].argv.index("--verifier") + 1] == \
@@ -65,7 +66,7 @@ def test_local_services_from_compose():
     assert by_name["eagle3"].argv[by_name["eagle3"].argv.index("--lookup-min") + 1] == "2"
     assert by_name["eagle3"].argv[by_name["eagle3"].argv.index("--min-confidence") + 1] == "0.3"
     assert {s.name: s.health for s in services} == {
-        "ngram": "127.0.0.1:50061", "eagle3": "127.0.0.1:50063",
+        "ngram": "127.0.0.1:50061", "suffix": "127.0.0.1:50064", "eagle3": "127.0.0.1:50063",
         "verifier": "127.0.0.1:50051", "gateway": "127.0.0.1:50050"}
     gw = by_name["gateway"].argv
     assert gw[gw.index("--speculative-method") + 1] == "ngram"  # x-local.env's, not eagle3
@@ -120,7 +121,7 @@ def test_every_command_parses_with_its_cli(local):
         argv = [interpolate(str(a), env) for a in command[1:]]
         PARSERS[command[0]]().parse_args(argv)  # exits (SystemExit) on a bad option
         checked += 1
-    assert checked == 5
+    assert checked == 6  # ngram, suffix, eagle3, draft_model, verifier, gateway
 
 
 def test_service_flag_reads_the_local_command():

@@ -53,6 +53,9 @@ def test_chat_with_each_drafter_streaming_and_concurrent(local_stack):
         out = _chat(client, COPY_PROMPT, method)
         assert out.choices[0].message.content == plain.choices[0].message.content, method
         assert out.model_extra["spec_decode"]["num_drafts"] > 0
+    # make run's suffix drafter serves too (its drafting is the controller's choice).
+    assert _chat(client, COPY_PROMPT, "suffix").choices[0].message.content == \
+        plain.choices[0].message.content
     ngram = _chat(client, COPY_PROMPT, "ngram").model_extra["spec_decode"]
     assert ngram["acceptance_length"] > 1.5  # the reply copies the prompt
 

@@ -167,21 +167,6 @@ def test_a_vllm_engine_verifier_reports_steps_and_tokens_only():
     assert got == {"cpu_share": {}, "steps": 4, "tokens_per_step": 2.5}
 
 
-def test_added_drafters_are_started_like_ngram_and_dialled_by_the_verifier():
-    env = {"SPECDEC_MODEL_ROOT": "/models", "SPECDEC_MODEL": "M", "SPECDEC_ENGINE": "vllm"}
-    services = serving.with_drafters(serving.local_services(environ=env), ("suffix",))
-    by_name = {s.name: s for s in services}
-    suffix, verifier = by_name["suffix"], by_name["verifier"]
-    assert services[0] is suffix
-    assert suffix.argv == ("specdec-drafter", "--method", "suffix", "--target", "/models/M",
-                           "--host", "127.0.0.1", "--port", "50064")
-    assert suffix.health == "127.0.0.1:50064" and "suffix" in verifier.depends_on
-    assert verifier.argv[-2:] == ("--drafter", "suffix=127.0.0.1:50064")
-    moved, ports = serving.on_free_ports(services)
-    assert f"suffix=127.0.0.1:{ports[50064]}" in dict(
-        (s.name, s) for s in moved)["verifier"].argv
-
-
 def test_render_compares_the_two_engines_of_the_embedded_default():
     def cell(tok_s, identical=2):
         return {"tok_s": tok_s, "ttft_ms_p50": 100.0, "ttft_ms_p99": 150.0,
