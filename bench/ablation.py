@@ -11,7 +11,7 @@ alternate cell by cell (their order rotates per repeat) on one warm drafter. Eac
 controller configuration keeps its own controller, warm across its cells as a
 running verifier's is.
 
-A cell is N = max(C, --requests) greedy requests of a prompt set, C in flight at all
+A cell is N = max(3C, --requests) greedy requests of a prompt set, C in flight at all
 times, at most --max-tokens tokens each. Reported per cell: output tokens/s over the
 cell's wall time, tokens per step, and replies equal to plain decoding's; the table
 gives each configuration's median tok/s and its ratio to plain and to the whole
@@ -234,7 +234,7 @@ def render(result: dict) -> str:
     lines = [f"Speculation controller ablation: {result['model']} float32 on {result['machine']} "
              f"({result['cpus']} cores, torch {result['versions']['torch']}); our engine in process "
              f"as `make run`'s verifier runs it, with the {result['method']} drafter service; "
-             f"requests per cell max(C, {result['config']['requests']}), greedy, up to "
+             f"requests per cell max(3C, {result['config']['requests']}), greedy, up to "
              f"{result['config']['max_tokens']} tokens; median of {result['config']['repeats']} "
              f"repeats, configurations alternating; load average {result['load_before']:.2f} -> "
              f"{result['load_after']:.2f}; {result['wall_s'] / 60:.1f} min.", "",

@@ -18,7 +18,7 @@ Servers, each started on free ports, measured, and stopped before the next start
   speculator at K=4 (prompt lookup 2..4), and with our ngram or suffix drafter
   service as its proposer at K=4.
 
-A cell is one configuration at concurrency C: N = max(C, --requests) chat requests
+A cell is one configuration at concurrency C: N = max(3C, --requests) chat requests
 over the prompts below (cycled, same order for every system), streamed, greedy (or
 unseeded at --temperature, where replies are not compared), at most --max-tokens
 tokens, C of them in flight at all times (a new one starts when one ends). Reported
@@ -152,9 +152,17 @@ PROMPT_SETS = {"chat": PROMPT_NAMES,
                              if not p.copy_heavy and p.category != "long_context")}
 
 
+# Requests per cell: at least this many per slot. A cell of one wave (C requests at C
+# in flight) measures its slowest request's time, in which drafts that land for the
+# others shorten nothing; with several, a finished request is replaced as on a server
+# (at C = 16, default against plain went from 1.00-1.08 with 16 requests to 1.05-1.06
+# with 64, bench/results/serving_controller_c16_*.md).
+WAVES = 3
+
+
 def workload(prompts: list, concurrency: int, requests: int) -> list:
-    """The cell's requests: at least one per slot, prompts cycled."""
-    return [prompts[i % len(prompts)] for i in range(max(concurrency, requests))]
+    """The cell's requests: at least WAVES per slot and `requests`, prompts cycled."""
+    return [prompts[i % len(prompts)] for i in range(max(WAVES * concurrency, requests))]
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -749,7 +757,7 @@ def render(result: dict) -> str:
     lines = [
         f"`make run` against `vllm serve`: {result['model']} float32 on {result['device_name']} "
         f"x{result['cpus']} ({', '.join(f'{k} {x}' for k, x in v.items())}); "
-        f"{len(cfg['prompts'])} chat prompts, requests per cell max(C, {cfg['requests']}) with C "
+        f"{len(cfg['prompts'])} chat prompts, requests per cell max({WAVES}C, {cfg['requests']}) with C "
         f"in flight, streamed through the `openai` client, "
         + (f"sampled at temperature {cfg['temperature']} (unseeded: replies not compared)"
            if cfg.get("temperature") else "greedy")

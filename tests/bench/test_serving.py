@@ -15,7 +15,8 @@ def test_workload_and_percentiles():
     prompts = serving.prompts_by_name()
     assert [p.name for p in prompts] == list(serving.PROMPT_NAMES)
     assert serving.workload(prompts, 1, 8) == [prompts[i % 6] for i in range(8)]
-    assert len(serving.workload(prompts, 16, 8)) == 16
+    assert len(serving.workload(prompts, 16, 8)) == 48  # three waves of 16
+    assert len(serving.workload(prompts, 4, 16)) == 16
     xs = [float(i) for i in range(1, 101)]
     assert serving.percentile(xs, 50) == 50.0 and serving.percentile(xs, 99) == 99.0
     assert serving.percentile([3.0], 99) == 3.0 and serving.percentile([], 50) is None
