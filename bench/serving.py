@@ -160,9 +160,16 @@ PROMPT_SETS = {"chat": PROMPT_NAMES,
 WAVES = 3
 
 
-def workload(prompts: list, concurrency: int, requests: int) -> list:
-    """The cell's requests: at least WAVES per slot and `requests`, prompts cycled."""
-    return [prompts[i % len(prompts)] for i in range(max(WAVES * concurrency, requests))]
+def _waves(cfg: dict) -> str:
+    """The waves factor as the table's header writes it ("" for one: results before
+    --waves had one)."""
+    waves = cfg.get("waves", 1)
+    return str(waves) if waves > 1 else ""
+
+
+def workload(prompts: list, concurrency: int, requests: int, waves: int = WAVES) -> list:
+    """The cell's requests: at least `waves` per slot and `requests`, prompts cycled."""
+    return [prompts[i % len(prompts)] for i in range(max(waves * concurrency, requests))]
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -265,7 +272,7 @@ async def drive(base: str, configs: dict[str, dict | None], prompts: list[Prompt
                 shift = (rep + ci) % len(names)
                 for name in names[shift:] + names[:shift]:
                     before = probe.snapshot()
-                    cell = await run_cell(client, workload(prompts, c, args.requests), c,
+                    cell = await run_cell(client, workload(prompts, c, args.requests, args.waves), c,
                                           args.max_tokens, _body(configs[name]),
                                           args.temperature)
                     cell["breakdown"] = probe.breakdown(before, probe.snapshot(), cell["wall_s"])
@@ -620,7 +627,7 @@ class InProcessEngine:
         self._cell(prompts[:1], 1)  # warm-up
 
     def measure(self, c: int) -> None:
-        got = self._cell(workload(self.prompts, c, self.args.requests), c)
+        got = self._cell(workload(self.prompts, c, self.args.requests, self.args.waves), c)
         self.cells.setdefault(str(c), []).append(got)
         print(f"  engine plain     C={c:3d} {got['tok_s']:7.1f} tok/s  step p50 "
               f"{got['step_ms_p50']:.1f} ms", flush=True)
@@ -757,7 +764,7 @@ def render(result: dict) -> str:
     lines = [
         f"`make run` against `vllm serve`: {result['model']} float32 on {result['device_name']} "
         f"x{result['cpus']} ({', '.join(f'{k} {x}' for k, x in v.items())}); "
-        f"{len(cfg['prompts'])} chat prompts, requests per cell max({WAVES}C, {cfg['requests']}) with C "
+        f"{len(cfg['prompts'])} chat prompts, requests per cell max({_waves(cfg)}C, {cfg['requests']}) with C "
         f"in flight, streamed through the `openai` client, "
         + (f"sampled at temperature {cfg['temperature']} (unseeded: replies not compared)"
            if cfg.get("temperature") else "greedy")
@@ -1001,6 +1008,8 @@ def main(argv: list[str] | None = None) -> None:
     # 16: with 8 a cell at one request in flight lasted 7-12 s, and ratios of two
     # configurations moved 5-7 % between runs.
     ap.add_argument("--requests", type=int, default=16, help="requests per cell at least")
+    ap.add_argument("--waves", type=int, default=WAVES,
+                    help="requests per cell at least this many times C")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0 (default): greedy, replies compared with ours plain; above: "
@@ -1017,7 +1026,8 @@ def main(argv: list[str] | None = None) -> None:
                          f"${VLLM_PYTHON_ENV}, default {VLLM_PYTHON})")
     ap.add_argument("--vllm-timeout-s", type=float, default=600.0, help="per server start")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: concurrency 1 and 4, 2 requests, 8 tokens, one repeat")
+                    help="smoke run: concurrency 1 and 4, 2 requests (one wave), 8 tokens, "
+                         "one repeat")
     ap.add_argument("--prompt-set", choices=list(PROMPT_SETS), default="chat",
                     help="chat: six chat prompts, one per kind of task (default); open: "
                          "prompts whose answers are new text, which drafters cannot copy")
@@ -1028,6 +1038,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.quick:
         args.concurrency, args.requests, args.max_tokens, args.repeats = [1, 4], 2, 8, 1
+        args.waves = 1
     systems = set(args.systems.split(","))
     if systems - set(SYSTEMS):
         ap.error(f"--systems: unknown system(s) {', '.join(sorted(systems - set(SYSTEMS)))}")
@@ -1111,6 +1122,7 @@ def main(argv: list[str] | None = None) -> None:
         "wall_s": round(time.perf_counter() - t_start, 1), "startup_s": startup,
         "load_average_1min": [load0, round(os.getloadavg()[0], 2)],
         "config": {"concurrency": args.concurrency, "requests": args.requests,
+                   "waves": args.waves,
                    "max_tokens": args.max_tokens, "repeats": args.repeats,
                    "temperature": args.temperature,
                    "prompts": [p.name for p in prompts], "ours": OURS, "ours_vllm": OURS_VLLM,
