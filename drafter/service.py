@@ -85,6 +85,12 @@ def info_to_proto(info: DrafterInfo) -> drafter_pb2.InfoResponse:
     )
 
 
+def _chain(p: drafter_pb2.DraftProposal) -> bool:
+    """A proposal of one-hot drafts in a chain (no draft probabilities, no tree): what
+    bets and drafting ahead can follow."""
+    return not p.HasField("probs") and not p.parents
+
+
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, method: DraftMethod):
         self._method = method
@@ -125,8 +131,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                 else await asyncio.to_thread(self._handle, stream, request))
                 except InvalidRequest as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                response.bets_follow = self.betting and any(
-                    not p.HasField("probs") and not p.parents for p in response.proposals)
+                response.bets_follow = self.betting and any(map(_chain, response.proposals))
                 response.draft_time_ms = (time.perf_counter() - received) * 1e3
                 yield response
                 if response.bets_follow:
@@ -135,8 +140,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 if self.pipelining and self.pipeline_stats.worth_it():
                     bets = {(stream.number, p.seq_id): (p.round, list(p.token_ids),
                                                         stream.wanted[p.seq_id])
-                            for p in response.proposals
-                            if not p.HasField("probs") and not p.parents}
+                            for p in response.proposals if _chain(p)}
                     if bets:
                         stream.predraft = asyncio.ensure_future(
                             asyncio.to_thread(self._predraft, stream, bets))
@@ -177,7 +181,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 return followup
             for p in response.proposals:
                 key = (stream.number, p.seq_id)
-                if p.HasField("probs") or p.parents or not self._method.has(key):
+                if not _chain(p) or not self._method.has(key):
                     continue
                 drafts = list(p.token_ids)
                 bonus = self._method.propose_after(key, drafts, 1)

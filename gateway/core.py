@@ -268,11 +268,14 @@ class Gateway:
         so every error a client can cause is raised here, before any output."""
         t0 = time.perf_counter()
         request_id = req.request_id or f"req-{uuid.uuid4().hex}"
+        # The shorter of the server's limit and the request's own (0 / None: none).
+        timeout = min((t for t in (self.config.request_timeout_s, req.timeout_s) if t),
+                      default=None)
         try:
             try:
                 replica = await self.replicas.choose()
             except NoReplicaError as e:
-                replica = await self._hold(str(e), req.timeout_s)
+                replica = await self._hold(str(e), timeout)
             max_tokens = self._validate(req, replica.report)
             if req.sampling.HasField("structured_output"):
                 field = req.structured_field or "sampling.structured_output"
@@ -291,31 +294,25 @@ class Gateway:
         def release() -> None:
             self.admitted[address] -= 1
 
-        # The shorter of the server's limit and the request's own (0 / None: none).
-        timeout = min((t for t in (self.config.request_timeout_s, req.timeout_s) if t),
-                      default=None)
         return Generation(req, request_id, policy, max_tokens, t0, replica, self.replicas,
                           self.tokenizer, self.metrics,
                           deadline=t0 + timeout if timeout else None, release=release,
                           service_times=self.service_times,
                           resume_wait_s=self.config.resume_wait_s)
 
-    async def _hold(self, error: str, timeout_s: float | None) -> Replica:
-        """No replica serves (the only verifier restarting, say): hold a new request until
-        one does, within resume_wait_s and its own timeout, as a resumed request is held.
-        Past max_num_requests held and admitted together, Unavailable at once."""
-        wait = min(t for t in (self.config.resume_wait_s, self.config.request_timeout_s,
-                               timeout_s) if t is not None and t > 0) \
-            if self.config.resume_wait_s > 0 else 0.0
+    async def _hold(self, error: str, timeout: float | None) -> Replica:
+        """No replica serves: hold a new request as a resumed one is held, within
+        resume_wait_s and its timeout. Past max_num_requests held and admitted
+        together, Unavailable at once."""
+        wait = self.config.resume_wait_s
+        if timeout and wait > 0:
+            wait = min(wait, timeout)
         limit = self.config.max_num_requests
-        if wait <= 0 or (limit and self.holding + sum(self.admitted.values()) >= limit):
+        if limit and self.holding + sum(self.admitted.values()) >= limit:
             raise Unavailable(error)
         self.holding += 1
-        self.metrics.held.inc()
         try:
-            return await self.replicas.wait_for_any(wait)
-        except NoReplicaError:
-            raise Unavailable(f"{error}; none came back within {wait:.0f} s") from None
+            return await self.replicas.hold(error, wait, self.metrics.held)
         finally:
             self.holding -= 1
 

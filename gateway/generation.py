@@ -380,12 +380,7 @@ class Generation:
             wait = min(wait, self.deadline - time.perf_counter())
         if wait <= 0 or failures > len(self.replicas.replicas) + MAX_EXTRA_RESUMES:
             raise Unavailable(f"{error}; no other verifier replica to resume on")
-        self.metrics.held.inc()
-        try:
-            return await self.replicas.wait_for_any(wait)
-        except NoReplicaError:
-            raise Unavailable(f"{error}; no verifier replica came back within "
-                              f"{wait:.0f} s") from None
+        return await self.replicas.hold(error, wait, self.metrics.held)
 
     def _timeout_message(self) -> str:
         limit = (self.deadline or self.t0) - self.t0

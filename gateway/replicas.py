@@ -26,6 +26,7 @@ from collections.abc import Iterable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.types import Unavailable
 from specdec.pb import verifier_pb2, verifier_pb2_grpc
 from specdec.server import GRPC_OPTIONS, token_metadata
 from specdec.speculation import drafter_method
@@ -201,6 +202,19 @@ class ReplicaPool:
                 if left <= 0:
                     raise
                 await asyncio.sleep(min(self.poll_interval_s, left))
+
+    async def hold(self, error: str, wait_s: float, held) -> Replica:
+        """A request no replica can take now (the only verifier restarting, say) held
+        until one serves, up to wait_s, and counted in `held`: Unavailable naming
+        `error` when none came."""
+        if wait_s <= 0:
+            raise Unavailable(error)
+        held.inc()
+        try:
+            return await self.wait_for_any(wait_s)
+        except NoReplicaError:
+            raise Unavailable(f"{error}; no verifier replica came back within "
+                              f"{wait_s:.0f} s") from None
 
     def reference(self) -> verifier_pb2.LoadReport | None:
         """A healthy replica's report, for limits shared by the deployment (max model len)."""

@@ -95,7 +95,7 @@ def test_single_replica_dies_gives_prompt_error(loop, model, smollm2_dir):
         r = httpx2.post(s.base_url + "/chat/completions",
                         json={"messages": [{"role": "user", "content": "x"}]}, timeout=10)
         assert r.status_code == 503
-        assert "none came back within 1 s" in r.json()["error"]["message"]
+        assert "no verifier replica came back within 1 s" in r.json()["error"]["message"]
         s.replicas.clear()
     finally:
         s.close()
