@@ -56,6 +56,9 @@ class ControllerConfig:
     redraft_after_steps: int = 32
     # The acceptance of a method nothing has been measured for.
     default_rate: float = 0.5
+    # More rows priced at least as dear as fewer (the most of any count measured up
+    # to theirs): off, since a price too dear is never re-measured (bench/ablation.py).
+    monotone_price: bool = False
     # Each mechanism above can be turned off, for the ablation that keeps it
     # (bench/ablation.py): a request's own rates around its method's, pricing the
     # drafters' wait, redrafting a drafter kept off by its wait.
@@ -118,6 +121,7 @@ class StepCost:
     """Time of a step without prefill by the rows it feeds, and the drafters' wait."""
 
     weight: float
+    monotone: bool = False  # ControllerConfig.monotone_price
     ms: dict[int, float] = field(default_factory=dict)  # rows -> smoothed step ms
     wait_ms: dict[str, float] = field(default_factory=dict)  # drafter -> wait of its steps
     plain_wait_ms: float = 0.0  # the same wait on steps that asked no drafter
@@ -152,9 +156,14 @@ class StepCost:
 
     def price(self, rows: int) -> float:
         """Modelled ms of a step of `rows` rows (at least one row count measured): the
-        measured times interpolated, never below what fewer rows were measured at (more
-        rows never cost less; a noisy sample would make drafts look free), and along a
-        line through them past either end."""
+        measured times interpolated, and along a line through them past either end.
+
+        Errs cheap rather than dear, as below the fewest rows: a count priced cheap is
+        chosen and so measured again, while one priced dear is never run to tell. A
+        floor of the most that fewer rows were measured at (more rows never cost less)
+        did the opposite: one slow count (2 rows, a step after plain steps, say) priced
+        every count above it at least as dear, and those were then rarely run to correct
+        it (ControllerConfig.monotone_price)."""
         known = self._known
         if self._line_slope is None:
             self._floors = list(itertools.accumulate((self.ms[r] for r in known), max))
@@ -165,10 +174,10 @@ class StepCost:
             # cheap here is safe, erring dear is not: a plain step priced cheap runs
             # and is measured, one priced dear makes drafts look free and never runs.
             return max(1e-3, self.ms[known[0]] - self._line_slope * (known[0] - rows))
-        floor = self._floors[cut - 1]
+        floor = self._floors[cut - 1] if self.monotone else 0.0
         lo = known[cut - 1]
         if lo == rows:
-            return floor
+            return max(floor, self.ms[lo])
         if cut < len(known):
             hi = known[cut]
             line = self.ms[lo] + (self.ms[hi] - self.ms[lo]) * (rows - lo) / (hi - lo)
@@ -197,7 +206,7 @@ class _Position:
 class SpeculationController:
     def __init__(self, config: ControllerConfig | None = None):
         self.config = config or ControllerConfig()
-        self.cost = StepCost(self.config.cost_weight)
+        self.cost = StepCost(self.config.cost_weight, monotone=self.config.monotone_price)
         self._counts: dict[int, _Counts] = {}  # seq_id -> its counts
         self._method_counts: dict[str, _Counts] = {}
         self._step = 0
