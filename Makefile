@@ -65,14 +65,16 @@ lint: install
 # The benchmarks of record (about 65 minutes here, plus vLLM's install the first
 # time): decode speed, verify step against decode step, and `make run` against
 # `vllm serve` over HTTP, greedy and sampled (bench/serving.py: same client, requests
-# and concurrency; latencies, exactness and a per-step breakdown); then bench.report
+# and concurrency; latencies, exactness and a per-step breakdown), the same under vLLM's
+# own load generator (bench/vllm_bench.py: `vllm bench serve`'s datasets); then bench.report
 # rebuilds docs/benchmarks.md and the README's headline table from bench/results/. The deeper
 # single-purpose benchmarks (bench.grid, bench.drafters, bench.gateway, bench.suffix,
 # bench.peers) run on their own; rerun bench.report after them.
-bench: model $(VENV)/.bench-stamp peers-venv
+bench: model $(VENV)/.bench-stamp vllm-venv
 	$(PY) bench/decode.py
 	$(PY) -m bench.verifier
 	$(PY) -m bench.serving
+	$(PY) -m bench.vllm_bench
 	$(PY) -m bench.serving --temperature 0.7 --ours 'plain,ngram K=4,default' \
 		--vllm 'plain,ngram K=4' --repeats 2 --out bench/results/serving_sampled.json
 	$(PY) -m bench.report
@@ -98,14 +100,15 @@ peers-venv:
 
 # `specdec-verifier --engine vllm` (verifier/vllm/): this project in vLLM's venv, editable and
 # without its dependencies (vLLM brings torch, grpcio, protobuf, transformers and
-# opentelemetry in versions our code runs with), plus the one it lacks. Without vLLM (its
+# opentelemetry in versions our code runs with), plus what it lacks: grpc's health
+# checking, and pandas, which `vllm bench serve` reads its custom datasets with. Without vLLM (its
 # install failed) the stamp stays away and the --engine vllm tests fail, saying so.
 VLLM_STAMP := .venv-peers/.specdec-stamp
 vllm-venv: peers-venv
 	@if [ -f .venv-peers/.installed-stamp ]; then \
 		.venv-peers/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . \
 		&& .venv-peers/bin/python -m pip install -q --disable-pip-version-check \
-			grpcio-health-checking==1.85.1 \
+			grpcio-health-checking==1.85.1 pandas==3.1.1 \
 		&& touch $(VLLM_STAMP); \
 	else echo "no vLLM in .venv-peers (see .venv-peers/install.log): --engine vllm unavailable"; fi
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from bench import fair
 from bench.drafters import device_name
 from bench.serving import (
     PROMPT_SETS,
@@ -71,10 +72,6 @@ CONFIGS: dict[str, tuple[int | None, ControllerConfig | None]] = {
 # every drafting step waits for the drafter's answer, as before bets.
 NO_BETS = {"K=2 no bets": "K=2", "controller no bets": "controller"}
 CONFIGS.update({n: CONFIGS[base] for n, base in NO_BETS.items()})
-# The machine is too busy to measure when its 1-minute load average is above this
-# before a run starts (2 cores).
-MAX_LOAD = 0.7
-
 
 class Bench:
     """One engine as the verifier runs it, with the `method` drafter service."""
@@ -296,17 +293,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS))
-    ap.add_argument("--force", action="store_true", help="measure on a busy machine")
+    ap.add_argument("--allow-busy", "--force", dest="force", action="store_true",
+                    help="measure on a busy machine")
     ap.add_argument("--out", type=Path, default=RESULTS / "speculation_ablation.json")
     args = ap.parse_args(argv)
     unknown = set(args.configs) - set(CONFIGS) | set(args.prompt_sets) - set(PROMPT_SETS)
     if unknown or "plain" not in args.configs:
         raise SystemExit(f"unknown: {sorted(unknown)} (plain is always run)" if unknown
                          else "--configs must include plain")
-    load = os.getloadavg()[0]
-    if load > MAX_LOAD and not args.force:
-        raise SystemExit(f"the machine is busy (load average {load:.2f} > {MAX_LOAD}): "
-                         "not measuring (--force to measure anyway)")
+    try:
+        load = fair.wait_until_idle()
+    except fair.Busy as e:
+        if not args.force:
+            raise SystemExit(str(e)) from None
+        load = os.getloadavg()[0]
     t_start = time.perf_counter()
     bench = Bench(args.method, Path(tempfile.mkdtemp(prefix="ablation-")))
     cells: dict = {}

@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from bench import fair
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
@@ -460,6 +462,15 @@ SECTIONS = [
      "ms), and tok/s moved within the noise: on this CPU the wait is 3-5 % of a step",
      "python -m bench.ablation --configs 'plain,K=2,K=2 no bets,controller,controller no "
      "bets' --out bench/results/speculation_bets.json"),
+    ("speculation_price.md",
+     "The controller's step prices with and without a floor at the most any fewer rows "
+     "cost (`monotone price`, since deleted), as bench.ablation runs them, AMD EPYC "
+     "(2026-12-07), two repeats alternating cell by cell. Without the floor, priced: chat "
+     "1.08 / 1.02 / 0.96 and open 1.05 / 1.06 / 1.01 of the floored controller at C = 1 / "
+     "4 / 16; the controller at 1.65 / 1.06 / 1.07 of plain on chat and 1.01 / 0.95 / 1.08 "
+     "of static K = 2",
+     "python -m bench.ablation --configs 'plain,K=2,controller,monotone price' --out "
+     "bench/results/speculation_price.json"),
     ("serving_vllm_bets.md",
      "`vllm serve` at its best CPU binding with our ngram and suffix drafter services as its "
      "proposer (taking their bets), beside its own ngram, AMD EPYC (2026-12-06), repeats "
@@ -681,6 +692,7 @@ HEADLINE_ROWS = [
     ("ours eagle3 auto", "ours, eagle3, dynamic K"),
     ("vllm plain", "`vllm serve`, no speculation"),
     ("vllm ngram K=4", "`vllm serve`, ngram K=4"),
+    ("vllm ngram dynamic", "`vllm serve`, ngram, its dynamic SD"),
 ]
 
 HEADER = """\
@@ -761,9 +773,17 @@ def render_headline(results: Path = RESULTS) -> str:
                 continue
             parts.append(f"| {label} | " + " | ".join(
                 f"{cells[c]['tok_s']:.1f}" if c in cells else "-" for c in cs) + " |")
-        parts += ["| **ours best / vLLM best** | "
-                  + " | ".join(_ratio(_best(s, "ours ", c), _best(s, "vllm ", c)) for c in cs)
-                  + " |", ""]
+        for label, ours, theirs in fair.RATIOS:
+            if not any(k.startswith(ours) for k in s) or not any(k.startswith(theirs) for k in s):
+                continue
+            if ours == "ours ":
+                label = "**ours best / vLLM best**"
+            parts.append(f"| {label} | " + " | ".join(
+                _ratio(_best(s, ours, c), _best(s, theirs, c)) for c in cs) + " |")
+        parts += ["", f"`vllm serve`'s CPU thread binding: "
+                  f"{fair.describe(run.get('vllm_binding') or {})}{fair.binding_note(run)}; "
+                  + ("servers alternated repeat by repeat." if run.get("alternated")
+                     else "each server's repeats back to back."), ""]
         for name, what in HEADLINE_LINES:
             if (results / name).is_file():
                 parts += [_ratios_line(results / name, what), ""]

@@ -40,6 +40,7 @@ if __name__ == "__main__" and not __package__:
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -59,6 +60,7 @@ import grpc
 import openai
 import torch
 
+from bench import fair
 from bench.drafters import device_name
 from bench.peers import PEERS_PYTHON, vllm_unavailable
 from bench.prompts import PROMPTS, Prompt
@@ -458,39 +460,47 @@ def _wait_drafters(verifier: str, names: set[str], timeout_s: float = 300) -> No
     raise TimeoutError(f"drafters {sorted(names)} not available at {verifier}")
 
 
-def run_stack(args, system: str, model_dir: Path, prompts: list[Prompt], log_dir: Path,
-              after=None) -> tuple[dict, float, dict[str, str]]:
-    """`make run`'s stack on free ports, with STACKS[system]'s engine and drafters;
-    (cells, seconds to healthy, the verifier's LD_PRELOAD). after(c) runs after each
-    concurrency's cells."""
-    stack_def = STACKS[system]
+@contextlib.contextmanager
+def our_stack(system: str, model_dir: Path, log_dir: Path, methods: set[str]):
+    """`make run`'s stack on free ports with STACKS[system]'s engine, serving once the
+    drafters of `methods` (and the gateway's default method) are available:
+    (base URL, the verifier's address, each service's pid, seconds to serving)."""
     env = {"SPECDEC_MODEL_ROOT": str(model_dir.parent), "SPECDEC_MODEL": model_dir.name,
-           "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ, "SPECDEC_ENGINE": stack_def.engine}
+           "EAGLE3_HEAD": str(EAGLE3_HEAD), **os.environ, "SPECDEC_ENGINE": STACKS[system].engine}
     services, ports = on_free_ports(local_services(environ=env))
-    configs = {n: spec for n, spec in stack_def.configs.items()
-               if args.configs[system] is None or n in args.configs[system]}
     gateway = next(s for s in services if s.name == "gateway")
-    # The drafters the configurations use (a verifier on vLLM's engine never has
-    # eagle3's available: no hidden states reach its proposer).
-    drafters = ({spec["method"] for spec in configs.values() if spec is not None}
-                | {gateway.argv[gateway.argv.index("--speculative-method") + 1]}) - {"none"}
+    drafters = (methods | {gateway.argv[gateway.argv.index("--speculative-method") + 1]}) \
+        - {"none"}
     t0 = time.perf_counter()
     stack = LocalStack(services, log_dir / system, log=lambda s: print("  " + s, flush=True))
     stop = threading.Event()
     try:
         stack.start(timeout_s=600)
         threading.Thread(target=stack.supervise, args=(stop,), daemon=True).start()
-        _wait_drafters(f"127.0.0.1:{ports[50051]}", drafters)
-        startup = time.perf_counter() - t0
-        base = f"http://127.0.0.1:{ports[8000]}/v1"
-        procs = {n: p.pid for n, p in stack.procs.items()}
-        probe = Probe(procs, f"127.0.0.1:{ports[50051]}")
-        preload = {"verifier": _environ(procs["verifier"]).get("LD_PRELOAD", "")}
-        cells = asyncio.run(drive(base, configs, prompts, args, system, probe, after))
-        return cells, startup, preload
+        verifier = f"127.0.0.1:{ports[50051]}"
+        _wait_drafters(verifier, drafters)
+        yield (f"http://127.0.0.1:{ports[8000]}/v1", verifier,
+               {n: p.pid for n, p in stack.procs.items()}, time.perf_counter() - t0)
     finally:
         stop.set()
         stack.stop()
+
+
+def run_stack(args, system: str, model_dir: Path, prompts: list[Prompt], log_dir: Path,
+              after=None) -> tuple[dict, float, dict[str, str]]:
+    """`make run`'s stack on free ports, with STACKS[system]'s engine and drafters;
+    (cells, seconds to healthy, the verifier's LD_PRELOAD). after(c) runs after each
+    concurrency's cells."""
+    configs = {n: spec for n, spec in STACKS[system].configs.items()
+               if args.configs[system] is None or n in args.configs[system]}
+    # The drafters the configurations use (a verifier on vLLM's engine never has
+    # eagle3's available: no hidden states reach its proposer).
+    methods = {spec["method"] for spec in configs.values() if spec is not None}
+    with our_stack(system, model_dir, log_dir, methods) as (base, verifier, procs, startup):
+        probe = Probe(procs, verifier)
+        preload = {"verifier": _environ(procs["verifier"]).get("LD_PRELOAD", "")}
+        cells = asyncio.run(drive(base, configs, prompts, args, system, probe, after))
+        return cells, startup, preload
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -542,6 +552,28 @@ def specdec_unavailable_beside_vllm(python: Path) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def vllm_server(python: Path, model_dir: Path, log: Path, spec: dict | None,
+                timeout_s: float, binding: dict[str, str],
+                drafters: dict[str, str] | None = None):
+    """`vllm serve` on a free port with --speculative-config `spec` and the CPU thread
+    binding's variables, serving: (base URL, its process, seconds to serving)."""
+    port = free_port()
+    print(f"starting `vllm serve` (log {log}) ...", flush=True)
+    t0 = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.Popen(vllm_argv(python, model_dir, port, spec, drafters),
+                                stdout=out, env=vllm_environ(python, {**os.environ, **binding}),
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        _wait_http(base, proc, timeout_s, log)
+        yield base, proc, round(time.perf_counter() - t0, 1)
+    finally:
+        _stop(proc)
+
+
 def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
              ) -> tuple[dict, dict, dict[str, str]]:
     """(cells, startup seconds per mode, why a mode is unavailable)."""
@@ -553,7 +585,6 @@ def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
     cells, startup, unavailable = {}, {}, {}
     for mode, spec in modes.items():
         name = f"vllm {mode}"
-        port = free_port()
         log = log_dir / f"vllm-{mode.replace(' ', '').replace('=', '')}.log"
         drafter, drafters = None, None
         if mode in VLLM_REMOTE:
@@ -563,29 +594,49 @@ def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
             method = VLLM_REMOTE[mode]
             drafter, address = start_drafter(method, model_dir, log.with_suffix(".drafter.log"))
             drafters = {method: address}
-        print(f"{name}: starting `vllm serve` (log {log}) ...", flush=True)
-        t0 = time.perf_counter()
-        with log.open("w") as out:
-            proc = subprocess.Popen(vllm_argv(python, model_dir, port, spec, drafters),
-                                    stdout=out,
-                                    env=vllm_environ(python),
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
         try:
-            base = f"http://127.0.0.1:{port}/v1"
-            _wait_http(base, proc, args.vllm_timeout_s, log)
-            startup[name] = round(time.perf_counter() - t0, 1)
-            probe = Probe({"vllm": proc.pid}, vllm_log=log)
-            got = asyncio.run(drive(base, {mode: None}, prompts, args, "vllm", probe))
-            cells[name] = got[mode]
+            with vllm_server(python, model_dir, log, spec, args.vllm_timeout_s,
+                             args.vllm_binding, drafters) as (base, proc, took):
+                startup[name] = took
+                probe = Probe({"vllm": proc.pid}, vllm_log=log)
+                got = asyncio.run(drive(base, {mode: None}, prompts, args, "vllm", probe))
+                cells[name] = got[mode]
         except (RuntimeError, TimeoutError) as e:
             unavailable[name] = f"`vllm serve` {e}"
             print(f"{name}: {e}", flush=True)
         finally:
-            _stop(proc)
             if drafter is not None:
                 _stop(drafter)
     return cells, startup, unavailable
+
+
+def search_vllm_binding(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
+                        ) -> dict:
+    """vLLM's CPU thread binding for this run: the caller's (fair.given_binding), the
+    one --vllm-binding names, or the fastest of fair.vllm_bindings() on `vllm serve`
+    without speculation, one request in flight, one request per prompt."""
+    given = fair.given_binding()
+    if given is not None:
+        return {"chosen": "given by the environment", "env": given}
+    candidates = fair.vllm_bindings()
+    if args.vllm_binding_name != "search":
+        return {"chosen": args.vllm_binding_name, "env": candidates[args.vllm_binding_name]}
+    python = Path(args.peers_python)
+
+    def measure(env: dict[str, str]) -> float:
+        with vllm_server(python, model_dir, log_dir / "vllm-binding.log", None,
+                         args.vllm_timeout_s, env) as (base, _, _):
+            async def cell() -> float:
+                async with openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0,
+                                              timeout=900) as client:
+                    await stream_one(client, list(prompts[0].messages), 8, None)  # warm-up
+                    got = await run_cell(client, list(prompts), 1, args.max_tokens, None)
+                return got["tok_s"]
+            return asyncio.run(cell())
+
+    name, env, tried = fair.best_binding(measure, candidates)
+    return {"chosen": name, "env": env, "searched": tried,
+            "search": f"`vllm serve` plain, C=1, {len(prompts)} requests"}
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
@@ -801,8 +852,7 @@ def render(result: dict) -> str:
     lines += ["Ratios (tok/s, same C):", "",
               "| ratio | " + " | ".join(f"C={c}" for c in cs) + " |",
               "|---|" + "---|" * len(cs)]
-    for label, num, den in (("ours best / vLLM best (its own methods)", "ours ", "vllm "),
-                            ("ours plain / vLLM plain", "ours plain", "vllm plain")):
+    for label, num, den in fair.RATIOS:
         row = []
         for c in cs:
             a, b = best(s, num, c), best(s, den, c)
@@ -958,8 +1008,10 @@ def notes(result: dict) -> list[str]:
         "vLLM = `python -m vllm.entrypoints.openai.api_server --model DIR "
         + " ".join(VLLM_ARGS) + "` (what `vllm serve` runs), its ngram mode with "
         f"`--speculative-config '{json.dumps(VLLM['ngram K=4'])}'`; thread binding: "
-        + (", ".join(f"{k}={v}" for k, v in result.get("vllm_binding", {}).items())
-           or "vLLM's default") + ".",
+        + fair.describe(result.get("vllm_binding") or {}) + fair.binding_note(result) + ".",
+        ("Systems alternated: a fresh server of each per repeat, in turns (ABBA...)."
+         if result.get("alternated") else "Each system's repeats ran back to back."),
+        *([f"Not a clean run: {result['busy']}"] if result.get("busy") else []),
         "Seconds from start to serving: " + ", ".join(f"{k} {v:.0f}" for k, v in st.items()) + ".",
         "ITL is the gap between streamed content chunks: a speculative step may stream several "
         "tokens in one chunk, so its ITL counts per chunk, as vLLM's benchmark does.",
@@ -1031,9 +1083,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt-set", choices=list(PROMPT_SETS), default="chat",
                     help="chat: six chat prompts, one per kind of task (default); open: "
                          "prompts whose answers are new text, which drafters cannot copy")
-    ap.add_argument("--alternate", action="store_true",
-                    help="ours and ours-vllm: a fresh stack of each per repeat, in turns "
-                         "(ABBA...), so that drift of a shared machine hits both alike")
+    ap.add_argument("--no-alternate", dest="alternate", action="store_false",
+                    help="each system's repeats back to back (default: a fresh server of "
+                         "each system per repeat, in turns ABBA..., so that drift of a "
+                         "shared machine hits them alike)")
+    ap.add_argument("--vllm-binding", dest="vllm_binding_name", default="search",
+                    choices=["search", *fair.vllm_bindings()],
+                    help="vLLM's CPU thread binding (default: the fastest of these, measured "
+                         "by this run; the environment's VLLM_CPU_OMP_THREADS_BIND wins)")
+    ap.add_argument("--allow-busy", action="store_true",
+                    help="record even when the machine was busy before the run (marked)")
     ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")
     args = ap.parse_args(argv)
     if args.quick:
@@ -1049,6 +1108,14 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--{system}: unknown configuration(s) {', '.join(unknown)}")
 
     t_start = time.perf_counter()
+    busy = None
+    if not args.quick:  # a smoke run records nothing of note
+        try:
+            fair.wait_until_idle()
+        except fair.Busy as e:
+            if not args.allow_busy:
+                raise SystemExit(str(e)) from None
+            busy = str(e)
     load0 = round(os.getloadavg()[0], 2)
     model_dir = prepare_default_model()
     prompts = prompts_by_name(PROMPT_SETS[args.prompt_set])
@@ -1061,21 +1128,34 @@ def main(argv: list[str] | None = None) -> None:
     threads = torch.get_num_threads()
     engine = InProcessEngine(args, model_dir, prompts) if "engine" in systems else None
     preload: dict[str, str] = {}
-    turns = [s for s in STACKS if s in systems] if args.alternate else []
+    args.vllm_binding, binding = {}, None
+    if "vllm" in systems and vllm_unavailable(Path(args.peers_python)) is None:
+        binding = search_vllm_binding(args, model_dir, prompts, log_dir)
+        args.vllm_binding = binding["env"]
+    turns = [s for s in (*STACKS, "vllm") if s in systems] if args.alternate else []
     if "ours-vllm" in turns:
         python = Path(os.environ.get(VLLM_PYTHON_ENV) or VLLM_PYTHON)
         if (why := specdec_unavailable_beside_vllm(python)) is not None:
-            raise SystemExit(f"--alternate: ours-vllm cannot run: {why}")
+            raise SystemExit(f"ours-vllm cannot run: {why} (or --no-alternate)")
         versions["vllm"] = _peer_version(python)
     if len(turns) > 1:
         one = argparse.Namespace(**{**vars(args), "repeats": 1})
         for rep in range(args.repeats):
             for system in turns if rep % 2 == 0 else turns[::-1]:
-                got, took, _ = run_stack(one, system, model_dir, prompts, log_dir)
-                startup.setdefault(system, took)
+                if system == "vllm":
+                    got, st, why = run_vllm(one, model_dir, prompts, log_dir)
+                    got = {n.removeprefix("vllm "): v for n, v in got.items()}
+                    for n, took in st.items():
+                        startup.setdefault(n, took)
+                    unavailable.update(why)
+                else:
+                    got, took, _ = run_stack(one, system, model_dir, prompts, log_dir)
+                    startup.setdefault(system, took)
                 for n, by_c in got.items():
                     for c, runs in by_c.items():
                         cells.setdefault(f"{system} {n}", {}).setdefault(c, []).extend(runs)
+        if "vllm" in turns:
+            versions["vllm"] = _peer_version(Path(args.peers_python))
         systems -= set(turns)
     if "ours" in systems:
         got, startup["ours"], _ = run_stack(args, "ours", model_dir, prompts, log_dir,
@@ -1128,9 +1208,8 @@ def main(argv: list[str] | None = None) -> None:
                    "prompts": [p.name for p in prompts], "ours": OURS, "ours_vllm": OURS_VLLM,
                    "vllm": VLLM, "vllm_args": list(VLLM_ARGS)},
         "summary": summarise(cells, reference), "unavailable": unavailable, "preload": preload,
-        "vllm_binding": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND",
-                                                     "VLLM_CPU_NUM_OF_RESERVED_CPU")
-                         if k in os.environ},
+        "vllm_binding": args.vllm_binding, "vllm_binding_search": binding,
+        "alternated": bool(len(turns) > 1), "busy": busy,
     }
     result["notes"] = notes(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)

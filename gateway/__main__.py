@@ -85,7 +85,7 @@ async def _serve(args: argparse.Namespace, public_tls: tls.TlsConfig | None,
     model_dir = Path(args.model) if args.model else prepare_default_model()
     tokenizer = Tokenizer.from_dir(model_dir)
     config = GatewayConfig(
-        model_name=args.served_model_name or model_dir.name,
+        model_name=args.served_model_name or model_dir.name, model_root=str(model_dir),
         default_method=args.speculative_method,
         default_num_speculative_tokens=args.num_speculative_tokens,
         default_auto_k=args.dynamic_k,

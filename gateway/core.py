@@ -67,6 +67,9 @@ class Limits:
 @dataclass(frozen=True)
 class GatewayConfig:
     model_name: str
+    # Where the served model comes from, as vLLM's /v1/models reports its --model (the
+    # `root` a client such as `vllm bench serve` loads the tokenizer from).
+    model_root: str = ""
     default_method: str = "none"
     # K of requests that do not give one: with default_auto_k the bound of their
     # dynamic K, which the verifier chooses each step, else their static K.

@@ -486,10 +486,16 @@ class OpenAIFrontend:
                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish}]}
 
-        for i in range(n):
-            yield chunk(i, {"role": "assistant", "content": ""})
         finals: list[Delta | None] = [None] * n
+        started = [False] * n
         async for i, delta in merged([g.deltas() for g in generations]):
+            if not started[i]:
+                # The role chunk comes with the choice's first output, as vLLM sends it:
+                # clients (`vllm bench serve` among them) time the first token from the
+                # first chunk, which sent at admission would be the prompt's queue and
+                # prefill left out of it.
+                started[i] = True
+                yield chunk(i, {"role": "assistant", "content": ""})
             lp = self.chat_logprobs(delta.logprobs, top, as_ids) if want_logprobs else None
             parser = parsers[i]
             if parser is None:
@@ -590,8 +596,10 @@ class OpenAIFrontend:
                    "spec_decode": _spec_decode([d.spec_decode for d in finals])}
 
     def _model_card(self) -> dict:
+        # vLLM's model card: `root` and `parent` too (`vllm bench serve` reads root).
         return {"id": self.model, "object": "model", "created": self.created,
-                "owned_by": "specdec",
+                "owned_by": "specdec", "root": self.gw.config.model_root or self.model,
+                "parent": None,
                 "max_model_len": (r.max_model_len if (r := self.gw.replicas.reference()) else None)}
 
     async def models(self) -> JSONResponse:
@@ -852,9 +860,13 @@ async def _usage_as_it_goes(chunks: AsyncIterator[dict], body: _Body, generation
     per_prompt = len(generations) // prompts
     prompt_tokens = sum(len(generations[i * per_prompt].req.prompt_token_ids)
                         for i in range(prompts))
+    done = 0
     async for c in chunks:
         if c.get("choices"):
-            done = sum(len(g.progress.generated) for g in generations)
+            # A role chunk carries no tokens (it leads its choice's first output, which
+            # the generation already counts): the usage before it.
+            if "role" not in c["choices"][0]["delta"]:
+                done = sum(len(g.progress.generated) for g in generations)
             c["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
                           "total_tokens": prompt_tokens + done}
         yield c

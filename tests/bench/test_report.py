@@ -48,6 +48,9 @@ def test_headline_rows_come_from_the_serving_comparison(tmp_path):
     assert "| ours (`make run`), no speculation | 10.0 | 20.0 |" in section
     assert "| `vllm serve`, no speculation | 12.0 | 40.0 |" in section
     assert "| **ours best / vLLM best** | 1.25x | 0.50x |" in section
+    assert "| ours plain / vLLM plain | 0.83x | 0.50x |" in section  # configuration to configuration
+    assert "dynamic SD" not in section  # neither side's dynamic K ran
+    assert "binding: vLLM's defaults; each server's repeats back to back." in section
     assert "99.0" not in section  # only the headline rows
     assert "Sampled at" not in section  # no sampled run: no line for it
     (tmp_path / "serving_sampled.json").write_text(json.dumps({

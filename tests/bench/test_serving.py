@@ -182,8 +182,12 @@ def test_render_compares_the_two_engines_of_the_embedded_default():
         "summary": {"ours plain": {"1": cell(10.0)}, "ours default": {"1": cell(15.0)},
                     "ours-vllm plain": {"1": cell(20.0, identical=1)},
                     "ours-vllm default": {"1": cell(30.0)},
-                    "vllm plain": {"1": cell(25.0)}},
+                    "vllm plain": {"1": cell(25.0)}, "vllm ngram dynamic": {"1": cell(12.0)}},
         "unavailable": {"vllm remote suffix K=4": "no stamp"}, "preload": {},
+        "vllm_binding": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, "alternated": True,
+        "vllm_binding_search": {"chosen": "b", "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+                                "search": "plain, C=1", "searched": {"a": 21.8, "b": 30.7,
+                                                                     "c": "failed: x"}},
     }
     result["notes"] = serving.notes(result)
     text = serving.render(result)
@@ -195,6 +199,13 @@ def test_render_compares_the_two_engines_of_the_embedded_default():
     assert "| vLLM's engine, plain: replies same as ours plain | 1/2 |" in text
     assert "| ours best / vLLM best (its own methods) | 0.60 (ours default / vllm plain) |" in text  # ours-vllm apart
     assert "`vllm remote suffix K=4` = `--speculative-config" in text
+    # configuration to configuration, with the binding vLLM ran at and how it was chosen
+    assert "| dynamic K: ours default / its dynamic SD | 1.25 (ours default / vllm ngram " \
+           "dynamic) |" in text
+    assert "| ngram K=4 / its ngram K=4 | - |" in text
+    assert "thread binding: VLLM_CPU_OMP_THREADS_BIND=0-1 (the fastest of those searched, " \
+           "plain, C=1: a 21.8 tok/s; b 30.7 tok/s; c failed: x)" in text
+    assert "Systems alternated" in text
 
 
 @pytest.mark.slow

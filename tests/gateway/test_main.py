@@ -92,6 +92,8 @@ def test_gateway_process_over_real_services(smollm2_dir, tmp_path):
             assert time.monotonic() < deadline, logs()
             time.sleep(0.5)
         assert models["data"][0]["id"] == "smollm2"
+        # vLLM's card: root is where the model comes from (`vllm bench serve` reads it)
+        assert Path(models["data"][0]["root"]).is_dir() and models["data"][0]["parent"] is None
 
         with Client(f"127.0.0.1:{ports['grpc']}") as client:
             for prompt in PROMPTS:

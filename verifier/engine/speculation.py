@@ -35,7 +35,6 @@ noise were deleted.
 from __future__ import annotations
 
 import bisect
-import itertools
 from dataclasses import dataclass, field
 
 
@@ -56,9 +55,6 @@ class ControllerConfig:
     redraft_after_steps: int = 32
     # The acceptance of a method nothing has been measured for.
     default_rate: float = 0.5
-    # More rows priced at least as dear as fewer (the most of any count measured up
-    # to theirs): off, since a price too dear is never re-measured (bench/ablation.py).
-    monotone_price: bool = False
     # Each mechanism above can be turned off, for the ablation that keeps it
     # (bench/ablation.py): a request's own rates around its method's, pricing the
     # drafters' wait, redrafting a drafter kept off by its wait.
@@ -121,16 +117,13 @@ class StepCost:
     """Time of a step without prefill by the rows it feeds, and the drafters' wait."""
 
     weight: float
-    monotone: bool = False  # ControllerConfig.monotone_price
     ms: dict[int, float] = field(default_factory=dict)  # rows -> smoothed step ms
     wait_ms: dict[str, float] = field(default_factory=dict)  # drafter -> wait of its steps
     plain_wait_ms: float = 0.0  # the same wait on steps that asked no drafter
     drafted_step: dict[str, int] = field(default_factory=dict)  # drafter -> last step it was asked
     # The measured row counts in order, for `price` (a step prices many row counts), and
-    # what `price` derives from them, rebuilt after a step's measurement (None: due):
-    # the most ms of any count up to each, and the slope of the line through them.
+    # the slope of the line through them, rebuilt after a step's measurement (None: due).
     _known: list[int] = field(default_factory=list)
-    _floors: list[float] = field(default_factory=list)
     _line_slope: float | None = None
 
     def _smooth(self, old: float | None, ms: float) -> float:
@@ -163,10 +156,9 @@ class StepCost:
         floor of the most that fewer rows were measured at (more rows never cost less)
         did the opposite: one slow count (2 rows, a step after plain steps, say) priced
         every count above it at least as dear, and those were then rarely run to correct
-        it (ControllerConfig.monotone_price)."""
+        it (bench/results/speculation_price.md)."""
         known = self._known
         if self._line_slope is None:
-            self._floors = list(itertools.accumulate((self.ms[r] for r in known), max))
             self._line_slope = self._slope(known)
         cut = bisect.bisect_right(known, rows)  # known[:cut] <= rows < known[cut:]
         if not cut:
@@ -174,16 +166,13 @@ class StepCost:
             # cheap here is safe, erring dear is not: a plain step priced cheap runs
             # and is measured, one priced dear makes drafts look free and never runs.
             return max(1e-3, self.ms[known[0]] - self._line_slope * (known[0] - rows))
-        floor = self._floors[cut - 1] if self.monotone else 0.0
         lo = known[cut - 1]
         if lo == rows:
-            return max(floor, self.ms[lo])
+            return self.ms[lo]
         if cut < len(known):
             hi = known[cut]
-            line = self.ms[lo] + (self.ms[hi] - self.ms[lo]) * (rows - lo) / (hi - lo)
-        else:
-            line = self.ms[lo] + self._line_slope * (rows - lo)
-        return max(floor, line)
+            return self.ms[lo] + (self.ms[hi] - self.ms[lo]) * (rows - lo) / (hi - lo)
+        return self.ms[lo] + self._line_slope * (rows - lo)
 
     def _slope(self, known: list[int]) -> float:
         """ms per row of the least-squares line through the measured row counts (>= 0)."""
@@ -206,7 +195,7 @@ class _Position:
 class SpeculationController:
     def __init__(self, config: ControllerConfig | None = None):
         self.config = config or ControllerConfig()
-        self.cost = StepCost(self.config.cost_weight, monotone=self.config.monotone_price)
+        self.cost = StepCost(self.config.cost_weight)
         self._counts: dict[int, _Counts] = {}  # seq_id -> its counts
         self._method_counts: dict[str, _Counts] = {}
         self._step = 0

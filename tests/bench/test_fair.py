@@ -1,0 +1,45 @@
+"""bench/fair.py: a busy machine refuses the run, and vLLM's binding is the fastest
+one measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import fair
+
+
+def test_a_run_waits_for_the_load_to_fall_then_starts():
+    loads = iter([1.9, 1.4, 0.6])
+    slept = []
+    load = fair.wait_until_idle(cpus=2, wait_s=60, loadavg=lambda: next(loads),
+                                sleep=slept.append)
+    assert load == 0.6 and len(slept) == 2
+
+
+def test_a_machine_that_stays_busy_refuses_the_run():
+    with pytest.raises(fair.Busy, match=r"load average 1\.50 on 2 cores"):
+        fair.wait_until_idle(cpus=2, wait_s=0, loadavg=lambda: 1.5, sleep=lambda s: None)
+
+
+def test_the_fastest_binding_is_chosen_and_a_failing_one_recorded():
+    candidates = {"a": {"X": "1"}, "b": {"X": "2"}, "c": {"X": "3"}}
+
+    def measure(env):
+        if env["X"] == "3":
+            raise RuntimeError("exited with code 1")
+        return {"1": 21.8, "2": 30.7}[env["X"]]
+
+    name, env, tried = fair.best_binding(measure, candidates)
+    assert (name, env) == ("b", {"X": "2"})
+    assert tried["a"] == 21.8 and tried["c"].startswith("failed: exited")
+    with pytest.raises(RuntimeError, match="no binding"):
+        fair.best_binding(lambda env: 1 / 0, candidates)
+
+
+def test_a_binding_the_environment_sets_is_taken_as_given():
+    assert fair.given_binding({"OMP_NUM_THREADS": "2"}) is None
+    assert fair.given_binding({"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2",
+                               "PATH": "/bin"}) == {"VLLM_CPU_OMP_THREADS_BIND": "0-1",
+                                                    "OMP_NUM_THREADS": "2"}
+    assert fair.vllm_bindings(2)["cores 0-1, none reserved"] == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
