@@ -62,7 +62,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-# The benchmarks of record (about 65 minutes here, plus vLLM's install the first
+# The benchmarks of record (about two hours here, plus vLLM's install the first
 # time): decode speed, verify step against decode step, and `make run` against
 # `vllm serve` over HTTP, greedy and sampled (bench/serving.py: same client, requests
 # and concurrency; latencies, exactness and a per-step breakdown), the same under vLLM's

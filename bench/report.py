@@ -31,6 +31,8 @@ END = "<!-- bench:end -->"
 # (results file, heading, what produced it). Files that do not exist yet are skipped.
 SECTIONS = [
     ("serving.md", "`make run` against `vllm serve`", "python -m bench.serving"),
+    ("vllm_bench.md", "`make run` against `vllm serve` under `vllm bench serve`",
+     "python -m bench.vllm_bench"),
     ("serving_slow_day.md",
      "The headline rerun hours later, after the EAGLE-3 changes of that session (the AMD "
      "EPYC, 2026-11-29, a later session, on a machine that ran ours 35-37 % and "
@@ -685,6 +687,10 @@ HEADLINE_LINES = [
      lambda run: f"On another CPU, an {run['device_name']} x{run['cpus']} (greedy, the same "
                  f"requests, {run['config']['repeats']} repeats), {run['timestamp'][:10]}"),
 ]
+# bench.vllm_bench's run, summed up under the headline: (label, ours, vLLM's).
+VLLM_BENCH = "vllm_bench.json"
+VLLM_BENCH_PAIRS = (("ours plain / vLLM plain", "ours plain", "vllm plain"),
+                    ("our default / its dynamic SD", "ours default", "vllm ngram dynamic"))
 HEADLINE_ROWS = [
     ("ours plain", "ours (`make run`), no speculation"),
     ("ours ngram K=4", "ours, ngram K=4"),
@@ -787,6 +793,8 @@ def render_headline(results: Path = RESULTS) -> str:
         for name, what in HEADLINE_LINES:
             if (results / name).is_file():
                 parts += [_ratios_line(results / name, what), ""]
+        if (results / VLLM_BENCH).is_file():
+            parts += [_vllm_bench_line(results / VLLM_BENCH), ""]
     parts.append(END)
     return "\n".join(parts)
 
@@ -803,8 +811,33 @@ def _ratios_line(path: Path, what: Callable[[dict], str]) -> str:
     plain = " / ".join(_ratio(a, b) for a, b in zip(at("ours plain"), at("vllm plain"),
                                                      strict=True))
     table = f"bench/results/{path.with_suffix('.md').name}"
-    return (f"{what(run)}: ours best / vLLM best {best}, ours plain / vLLM plain {plain} at "
+    return (f"{what(run)}, vLLM bound as {fair.describe(run.get('vllm_binding') or {})}: ours "
+            f"best / vLLM best {best}, ours plain / vLLM plain {plain} at "
             f"C = {' / '.join(cs)} ([{table}]({table})).")
+
+
+def _vllm_bench_line(path: Path) -> str:
+    """bench.vllm_bench's run: requests failed, and ours over vLLM configuration to
+    configuration per dataset at every C."""
+    run = json.loads(path.read_text())
+    s = run["summary"]
+    cs = sorted({int(k.split("|")[1]) for k in s})
+    failed = sum(row["failed"] for rows in s.values() for row in rows.values())
+    total = sum(row.get("completed") or 0 for rows in s.values() for row in rows.values())
+    pairs = []
+    for label, ours, theirs in VLLM_BENCH_PAIRS:
+        for d in sorted({k.split("|")[0] for k in s}):
+            got = [s.get(f"{d}|{c}", {}) for c in cs]
+            xs = [_ratio(g.get(ours, {}).get("output_throughput"),
+                         g.get(theirs, {}).get("output_throughput")) for g in got]
+            if any(x != "-" for x in xs):
+                pairs.append(f"{label} {' / '.join(xs)} on {d}")
+    table = f"bench/results/{path.with_suffix('.md').name}"
+    return (f"Under vLLM's own load generator (`vllm bench serve --backend openai-chat`, "
+            f"{run['timestamp'][:10]}, C = {' / '.join(map(str, cs))}, servers alternating, "
+            f"vLLM bound as {fair.describe(run.get('vllm_binding') or {})}): "
+            f"{failed} requests failed of {total + failed}; " + "; ".join(pairs)
+            + f" ([{table}]({table})).")
 
 
 def _best(summary: dict, prefix: str, c: str) -> float | None:

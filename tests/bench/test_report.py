@@ -60,8 +60,8 @@ def test_headline_rows_come_from_the_serving_comparison(tmp_path):
                     "ours default": {"1": cell(18.0), "4": cell(20.0)},
                     "vllm plain": {"1": cell(10.0), "4": cell(20.0)},
                     "vllm remote ngram K=4": {"1": cell(50.0)}}}))
-    assert ("Sampled at temperature 0.7 (unseeded), the same requests, 2026-01-02: ours best / "
-            "vLLM best 1.80x / 1.50x, ours plain / vLLM plain 0.90x / 1.50x at C = 1 / 4"
+    assert ("Sampled at temperature 0.7 (unseeded), the same requests, 2026-01-02, vLLM bound "
+            "as vLLM's defaults: ours best / vLLM best 1.80x / 1.50x, ours plain / vLLM plain 0.90x / 1.50x at C = 1 / 4"
             in report.render_headline(tmp_path))
     assert "On another CPU" not in report.render_headline(tmp_path)
     (tmp_path / "serving_intel.json").write_text(json.dumps({
@@ -70,8 +70,23 @@ def test_headline_rows_come_from_the_serving_comparison(tmp_path):
         "summary": {"ours plain": {"1": cell(20.0), "4": cell(30.0)},
                     "vllm plain": {"1": cell(10.0), "4": cell(40.0)}}}))
     section = report.render_headline(tmp_path)
-    assert ("On another CPU, an Xeon x2 (greedy, the same requests, 2 repeats), 2026-01-03: "
-            "ours best / vLLM best 2.00x / 0.75x, ours plain / vLLM plain 2.00x / 0.75x at "
+    assert ("On another CPU, an Xeon x2 (greedy, the same requests, 2 repeats), 2026-01-03, "
+            "vLLM bound as vLLM's defaults: ours best / vLLM best 2.00x / 0.75x, ours plain / vLLM plain 2.00x / 0.75x at "
             "C = 1 / 4 ([bench/results/serving_intel.md](bench/results/serving_intel.md))"
             in section)
     assert section.index("Sampled at") < section.index("On another CPU")
+    assert "vllm bench serve" not in section  # no run of it yet
+    row = {"failed": 0, "completed": 16}
+    (tmp_path / "vllm_bench.json").write_text(json.dumps({
+        "timestamp": "2026-01-04T05:00:00", "vllm_binding": {"X": "0-1"},
+        "summary": {"chat|1": {"ours plain": {**row, "output_throughput": 30.0},
+                               "vllm plain": {**row, "output_throughput": 20.0},
+                               "ours default": {**row, "output_throughput": 60.0},
+                               "vllm ngram dynamic": {**row, "output_throughput": 40.0}},
+                    "chat|16": {"ours plain": {**row, "output_throughput": 200.0},
+                                "vllm plain": {"failed": 2, "completed": 14,
+                                               "output_throughput": 160.0}}}}))
+    assert ("Under vLLM's own load generator (`vllm bench serve --backend openai-chat`, "
+            "2026-01-04, C = 1 / 16, servers alternating, vLLM bound as X=0-1): 2 requests "
+            "failed of 96; ours plain / vLLM plain 1.50x / 1.25x on chat; our default / its "
+            "dynamic SD 1.50x / - on chat" in report.render_headline(tmp_path))
