@@ -50,6 +50,18 @@ def wait_until_idle(cpus: int | None = None, wait_s: float = IDLE_WAIT_S,
     return load
 
 
+def refuse_if_busy(allow_busy: bool) -> str | None:
+    """wait_until_idle for a run that records: SystemExit saying why on a busy machine,
+    or with allow_busy why the record is marked (None: the machine was idle)."""
+    try:
+        wait_until_idle()
+    except Busy as e:
+        if not allow_busy:
+            raise SystemExit(str(e)) from None
+        return str(e)
+    return None
+
+
 def vllm_bindings(cpus: int | None = None) -> dict[str, dict[str, str]]:
     """vLLM's CPU thread bindings worth trying: name -> its variables."""
     cpus = cpus or os.cpu_count() or 1

@@ -1108,14 +1108,8 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--{system}: unknown configuration(s) {', '.join(unknown)}")
 
     t_start = time.perf_counter()
-    busy = None
-    if not args.quick:  # a smoke run records nothing of note
-        try:
-            fair.wait_until_idle()
-        except fair.Busy as e:
-            if not args.allow_busy:
-                raise SystemExit(str(e)) from None
-            busy = str(e)
+    # A smoke run records nothing of note.
+    busy = None if args.quick else fair.refuse_if_busy(args.allow_busy)
     load0 = round(os.getloadavg()[0], 2)
     model_dir = prepare_default_model()
     prompts = prompts_by_name(PROMPT_SETS[args.prompt_set])

@@ -328,14 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     if (why := vllm_unavailable(args.python)) is not None:
         raise SystemExit(f"`vllm bench serve` cannot run: {why}")
 
-    busy = None
-    if not args.quick:
-        try:
-            fair.wait_until_idle()
-        except fair.Busy as e:
-            if not args.allow_busy:
-                raise SystemExit(str(e)) from None
-            busy = str(e)
+    busy = None if args.quick else fair.refuse_if_busy(args.allow_busy)
     t0 = time.perf_counter()
     load0 = round(os.getloadavg()[0], 2)
     model_dir = prepare_default_model()

@@ -43,3 +43,15 @@ def test_a_binding_the_environment_sets_is_taken_as_given():
                                                     "OMP_NUM_THREADS": "2"}
     assert fair.vllm_bindings(2)["cores 0-1, none reserved"] == {
         "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def test_a_recording_run_exits_on_a_busy_machine_or_marks_its_record(monkeypatch):
+    def busy():
+        raise fair.Busy("the machine is busy")
+
+    monkeypatch.setattr(fair, "wait_until_idle", busy)
+    with pytest.raises(SystemExit, match="the machine is busy"):
+        fair.refuse_if_busy(allow_busy=False)
+    assert fair.refuse_if_busy(allow_busy=True) == "the machine is busy"
+    monkeypatch.setattr(fair, "wait_until_idle", lambda: 0.1)
+    assert fair.refuse_if_busy(allow_busy=False) is None
