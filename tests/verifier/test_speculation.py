@@ -89,6 +89,24 @@ def test_one_dear_row_count_does_not_price_the_counts_above_it():
     assert c.choose([_row(0, 2)]) == {0: 2}
 
 
+def test_acceptance_is_counted_per_position_reached():
+    """Each draft accepted one time in two once the drafts before it were: accepted
+    counts 0, 1, 2, 3 and 4 of 4 in 8, 4, 2, 1 and 1 of 16 steps. A draft's chance to
+    land is then 0.5, 0.25, 0.125, ... by position, and at 1.5 ms a row on a 10 ms step
+    the second draft pays (1.75 tokens in 14.5 ms against 1.5 in 13). Counted as tried
+    on every drafted position, as they were, the second position's rate (4 + 2 + 1 of
+    16, not of 8) already held the chance of reaching it, the product counted it twice,
+    and the second draft looked worth 0.125 tokens: K stayed at 1."""
+    c = SpeculationController(ControllerConfig(half_life_steps=1e9,
+                                               method_half_life_steps=1e9))
+    for accepted in ([0] * 8 + [1] * 4 + [2] * 2 + [3, 4]) * 8:
+        c.observe([_row(0, 4)], {0: (4, accepted)}, 1.0, 0.0, 5)
+    c.cost = StepCost(c.config.cost_weight)
+    for rows in range(1, 6):
+        c.cost.observe(rows, 10.0 + 1.5 * rows)
+    assert c.choose([_row(0, 4)]) == {0: 2}
+
+
 def test_a_drafters_wait_that_a_short_step_cannot_hide_keeps_it_plain():
     """On a GPU a step is 1-3 ms: a drafter's 2 ms round trip doubles a 2 ms step, and
     drafts that land one time in five do not pay for it; without the wait, rows that
@@ -105,7 +123,7 @@ def test_drafts_a_bet_holds_draft_while_those_that_would_wait_do_not():
     same rate: the one whose drafts a bet already holds (Row.bet) drafts, since asking
     for it waits for nothing, while the one that would wait for its drafter's answer
     runs plain. Both waiting, both run plain; both held by bets, both draft."""
-    c = _trained(lambda rows: 2.0 + 0.01 * rows, {0: 0.6, 1: 0.6})
+    c = _trained(lambda rows: 2.0 + 0.01 * rows, {0: 0.4, 1: 0.4})
     c.cost.wait_ms["ngram"], c.cost.plain_wait_ms = 4.0, 0.0
     bet = Row(1, 4, "ngram", bet=True)
     chosen = c.choose([_row(0, 4), bet])

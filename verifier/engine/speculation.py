@@ -92,14 +92,18 @@ class _Counts:
         return cls([0.0] * k, [0.0] * k)
 
     def add(self, num_drafted: int, num_accepted: int, decay: float) -> None:
-        """One step that asked for drafts: positions 1..num_drafted tried, the first
-        num_accepted of them accepted."""
+        """One step that asked for drafts, num_drafted of them, the first num_accepted
+        accepted. A position counts as tried only when every draft before it was
+        accepted, so its rate is conditional on reaching it, as `_reach` multiplies
+        them: counted on every drafted position, position j's rate would already hold
+        the chance of reaching j, and the product would count that chance twice
+        (rates 0.8 each: reach 0.8, 0.51, 0.26, 0.11 against 0.8, 0.64, 0.51, 0.41)."""
         self.asked = self.asked * decay + 1
         self.answered = self.answered * decay + (num_drafted > 0)
         for j in range(len(self.tried)):
             self.tried[j] *= decay
             self.accepted[j] *= decay
-        for j in range(min(num_drafted, len(self.tried))):
+        for j in range(min(num_drafted, num_accepted + 1, len(self.tried))):
             self.tried[j] += 1
             self.accepted[j] += j < num_accepted
 
