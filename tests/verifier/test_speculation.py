@@ -107,6 +107,33 @@ def test_acceptance_is_counted_per_position_reached():
     assert c.choose([_row(0, 4)]) == {0: 2}
 
 
+def test_token_tree_steps_are_priced_apart_from_chains():
+    """A token tree's rows cost more than as many rows of chains (its attention runs
+    under a mask). Tree steps (4 rows and up, 20 ms a row against 0.5), priced with the
+    chain steps, made the rows an ngram request would take look dear and kept it short
+    of its bound; priced apart, it drafts to its bound at the chains' own prices, while
+    the tree drafter's request, whose drafts land as often, is priced at the trees'."""
+    def trained(tree_prices: bool) -> SpeculationController:
+        c = SpeculationController(ControllerConfig(tree_prices=tree_prices))
+        rows = [_row(0, 4), Row(1, 4, "eagle3")]
+        for t in range(40):
+            hit = int((t + 1) * 0.6) > int(t * 0.6)
+            c.observe(rows, {0: (4, 4 * hit), 1: (4, 4 * hit)}, 1.0, 1.0, 10, trees={1})
+        c.cost, c.tree_cost = StepCost(c.config.cost_weight), StepCost(c.config.cost_weight)
+        c.cost.observe_wait(0, set(), 0.5)
+        c.cost.observe_wait(0, {"ngram", "eagle3"}, 1.0)
+        for rows in range(1, 41):
+            c.observe([], {}, 20.0 + 0.5 * rows, 0.0, rows)
+            if rows >= 4:
+                c.observe([], {}, 20.0 + 20.0 * rows, 0.0, rows, trees={1})
+        return c
+
+    apart = trained(tree_prices=True)
+    assert apart.choose([_row(0, 4)]) == {0: 4}
+    assert apart.choose([Row(1, 4, "eagle3")]) == {1: 0}
+    assert trained(tree_prices=False).choose([_row(0, 4)])[0] < 4
+
+
 def test_a_drafters_wait_that_a_short_step_cannot_hide_keeps_it_plain():
     """On a GPU a step is 1-3 ms: a drafter's 2 ms round trip doubles a 2 ms step, and
     drafts that land one time in five do not pay for it; without the wait, rows that

@@ -304,7 +304,7 @@ class Engine:
                         in zip(out.sampled, out.drafts, num_accepted, strict=True)
                         if item.num_speculative_tokens}
             self.controller.observe(rows, outcomes, (t5 - t0 - (t2 - t1)) * 1e3,
-                                    (t2 - t1) * 1e3, out.num_tokens)
+                                    (t2 - t1) * 1e3, out.num_tokens, drafts.trees)
         self._account(t0, t1, t2, t3, t4, t5, len(batch), out.num_tokens, outputs)
         dt = (t5 - t0) * 1e3
         self.step_time_ema_ms = dt if not self.step_time_ema_ms else 0.9 * self.step_time_ema_ms + 0.1 * dt

@@ -35,6 +35,7 @@ noise were deleted.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 
@@ -61,6 +62,7 @@ class ControllerConfig:
     request_rates: bool = True
     price_wait: bool = True
     redraft: bool = True
+    tree_prices: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +202,13 @@ class SpeculationController:
     def __init__(self, config: ControllerConfig | None = None):
         self.config = config or ControllerConfig()
         self.cost = StepCost(self.config.cost_weight)
+        # Steps that verified a token tree, priced apart: a tree's rows run attention
+        # under a mask on torch's path and cost more than as many rows of chains (an
+        # EAGLE-3 tree of 5 rows 33 ms against about 27 for 5 rows of chains on SmolLM2
+        # here), and priced with chain steps they made the rows every drafter of chains
+        # would take look dear.
+        self.tree_cost = StepCost(self.config.cost_weight)
+        self._tree_drafters: set[str] = set()  # drafters whose latest drafts were a tree
         self._counts: dict[int, _Counts] = {}  # seq_id -> its counts
         self._method_counts: dict[str, _Counts] = {}
         self._step = 0
@@ -253,12 +262,15 @@ class SpeculationController:
         for none: each drafter's wait counts once a position needs its answer."""
         best_n = 0
         methods: set[str] = set()
+        cost = self.cost
         for n, p in enumerate(positions, start=1):
             tokens += p.reach
             if not dynamic[p.index].bet:
                 methods.add(p.method)
-            worth = tokens / (self.cost.price(base_rows + n)
-                              + self.cost.draft_ms(methods & fresh))
+            if p.method in self._tree_drafters and self.config.tree_prices \
+                    and self.tree_cost.ms:
+                cost = self.tree_cost  # from here on the step verifies a tree
+            worth = tokens / (cost.price(base_rows + n) + self.cost.draft_ms(methods & fresh))
             if worth > best:
                 best_n, best = n, worth
         return positions[:best_n], best
@@ -288,12 +300,20 @@ class SpeculationController:
     # -- learning --------------------------------------------------------------
 
     def observe(self, rows: list[Row], outcomes: dict[int, tuple[int, int]], step_ms: float,
-                draft_wait_ms: float, fed: int) -> None:
+                draft_wait_ms: float, fed: int, trees: Collection[int] = ()) -> None:
         """A committed step of these rows (as chosen: bounds, drafters): outcomes[key] =
         (drafted, accepted) of each row that asked for drafts; step_ms its time without
-        the drafters' wait; fed the rows it fed the model."""
+        the drafters' wait; fed the rows it fed the model; trees the keys of the rows
+        whose drafts formed a token tree."""
+        for row in rows:
+            if row.drafter is not None and row.key in outcomes and outcomes[row.key][0]:
+                if row.key in trees:
+                    self._tree_drafters.add(row.drafter)
+                else:
+                    self._tree_drafters.discard(row.drafter)
         if not any(row.prefill for row in rows):
-            self.cost.observe(fed, step_ms)
+            (self.tree_cost if trees and self.config.tree_prices
+             else self.cost).observe(fed, step_ms)
         # A step that asked a drafter waited for it whether or not drafts came; drafts a
         # bet held needed no wait.
         drafting = {row.drafter for row in rows
