@@ -484,6 +484,32 @@ SECTIONS = [
      "1.90); the controller within 4 % of the best static K or plain in every cell",
      "python -m bench.ablation --configs 'plain,K=2,K=4,controller,unconditional rates' "
      "--out bench/results/speculation_conditional.json"),
+    ("serving_tree_prices_before.md",
+     "The issue's table re-measured with every drafter's configurations on one stack "
+     "(`make run`, chat prompts, the `openai` client, configurations rotating per repeat, "
+     "AMD EPYC, 2026-12-07, two repeats), before token-tree steps were priced apart: "
+     "default / plain 1.63, 1.32 / 1.16, 1.18 / 1.16, 1.05 at C = 1 / 4 / 16, but the "
+     "default 0.91, 0.92 of ngram's best static K (K = 4) at C = 1, drafting 2.12-2.66 "
+     "tokens a step against K = 4's 3.94: eagle3's tree steps had priced the rows it "
+     "would take",
+     "python -m bench.serving --systems ours --ours 'plain,default,ngram K=2,ngram K=4,"
+     "eagle3 auto,eagle3 K=2,eagle3 K=4' --repeats 2 --out "
+     "bench/results/serving_tree_prices_before.json"),
+    ("serving_tree_prices.md",
+     "The same with token-tree steps priced apart (issue 68's targets, chat): default / "
+     "plain 1.82, 1.57 / 1.18, 1.13 / 1.06, 1.07 at C = 1 / 4 / 16 (targets 1.5 / 1.1 / "
+     "1.0); default / ngram's best static K of the repeat 0.98, 0.99 / 0.98, 0.99 / 1.01, "
+     "1.10; eagle3 auto / eagle3's best static K 0.95, 0.95 / 0.96, 0.97 / 1.05, 1.08; "
+     "every reply equal to plain's",
+     "python -m bench.serving --systems ours --ours 'plain,default,ngram K=2,ngram K=4,"
+     "eagle3 auto,eagle3 K=2,eagle3 K=4' --repeats 2 --out "
+     "bench/results/serving_tree_prices.json"),
+    ("serving_tree_prices_open.md",
+     "The same code on prompts no drafter can guess: default / plain 1.22, 1.16 / 1.10, "
+     "1.03 / 0.99, 1.00 at C = 1 / 4 / 16 (target 0.98); default / ngram's best static K "
+     "1.02, 0.95 / 1.05, 1.04 / 1.01, 1.13; every reply equal to plain's",
+     "python -m bench.serving --systems ours --ours 'plain,default,ngram K=2,ngram K=4' "
+     "--prompt-set open --repeats 2 --out bench/results/serving_tree_prices_open.json"),
     ("serving_vllm_bets.md",
      "`vllm serve` at its best CPU binding with our ngram and suffix drafter services as its "
      "proposer (taking their bets), beside its own ngram, AMD EPYC (2026-12-06), repeats "

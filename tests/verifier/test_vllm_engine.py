@@ -55,6 +55,8 @@ REPEATING = ("Repeat exactly: the quick brown fox jumps over the lazy dog. the q
 PROMPTS = [REPEATING, "List the numbers from 1 to 40 separated by commas.",
            "Write a Python function that checks whether a number is prime."]
 NEW_TOKENS = 48
+# The stack's --speculative-disable-queue-size: no other test runs more requests at once.
+QUEUE_SIZE = 8
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer"}},
           "required": ["name", "age"]}
@@ -142,7 +144,8 @@ class Stack:
             [str(PEERS_PYTHON), "-m", "verifier", "--engine", "vllm", "--model", str(model_dir),
              "--port", "0", "--drafter", f"ngram=127.0.0.1:{self.drafter_port}",
              "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
-             "--kv-cache-tokens", "16384", "--no-cuda-graphs", "--num-speculative-tokens", "4"],
+             "--kv-cache-tokens", "16384", "--no-cuda-graphs", "--num-speculative-tokens", "4",
+             "--speculative-disable-queue-size", str(QUEUE_SIZE)],
             log, _vllm_env())
         _wait("vLLM verifier's port", lambda: SERVING.search(log.read_text()) is not None,
               [self.drafter, self.verifier], 600)
@@ -283,6 +286,29 @@ def test_the_verifiers_controller_chooses_k_on_vllms_engine(stack, prompts, ours
         got, last = stack.generate(prompt, auto_k=True)
         assert got == want
         assert last.spec_decode.method == common_pb2.SPEC_METHOD_NGRAM
+
+
+def test_steps_past_the_queue_size_draft_nothing_and_say_so(stack, prompts, ours):
+    """More requests running than the queue size: the proposer, in vLLM's worker, drafts
+    for none of them, and the verifier says so in those steps' stats (queue_size), as
+    our engine does; the replies stay plain decoding's."""
+    def run(i: int) -> list[verifier_pb2.GenerateResponse]:
+        start = verifier_pb2.GenerateRequest.Start(
+            request_id=f"q{i}-{time.monotonic_ns()}", prompt_token_ids=prompts[i % len(prompts)],
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                               ignore_eos=True))
+        return list(stack.stub.Generate(iter([verifier_pb2.GenerateRequest(start=start)]),
+                                        timeout=300))
+
+    with ThreadPoolExecutor(QUEUE_SIZE + 2) as pool:
+        runs = list(pool.map(run, range(QUEUE_SIZE + 2)))
+    for i, responses in enumerate(runs):
+        assert [t for r in responses for t in r.token_ids] == ours[i % len(prompts)]
+    steps = [r.step_stats for responses in runs for r in responses]
+    queued = [s for s in steps if s.disabled_reason == common_pb2.DISABLED_REASON_QUEUE_SIZE]
+    assert queued and all(s.num_drafted == 0 for s in queued)
+    _, alone = stack.generate(prompts[0])
+    assert alone.spec_decode.num_drafts > 0
 
 
 def test_drafter_killed_mid_request_changes_nothing(stack, prompts, ours):

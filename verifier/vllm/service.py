@@ -119,6 +119,7 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
                  load: EngineLoad, max_num_waiting: int = 0):
         self.engine = engine  # vllm.v1.engine.async_llm.AsyncLLM
         self.speculation_controller = config.speculation_controller
+        self.disable_queue_size = config.disable_queue_size
         self.target = target
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -259,6 +260,12 @@ class VllmVerifierServicer(verifier_pb2_grpc.VerifierServicer):
             request_reason = common_pb2.DISABLED_REASON_DRAFTER_UNAVAILABLE
         step_reason = reason_to_proto(policy.disabled_reason) if not k and not policy.enabled \
             else common_pb2.DISABLED_REASON_NONE
+        limit = self.disable_queue_size
+        if k and not drafted and limit is not None and self.load.num_running > limit:
+            # The proposer, in vLLM's worker, drafted nothing for a step of more running
+            # requests than the queue size (its rule, on the scheduler's count of them as
+            # of the latest step), and tells no one why.
+            step_reason = common_pb2.DISABLED_REASON_QUEUE_SIZE
         resp = verifier_pb2.GenerateResponse(
             request_id=request_id, token_ids=tokens,
             step_stats=common_pb2.StepStats(
