@@ -120,6 +120,8 @@ VLLM = {"plain": None,
         "remote suffix K=4": REMOTE_PROPOSER}
 # Modes whose proposer drafts through one of our drafter services: mode -> its method.
 VLLM_REMOTE = {"remote ngram K=4": "ngram", "remote suffix K=4": "suffix"}
+# vLLM's CPU thread binding, as the verifier on its engine runs with it.
+VERIFIER_BINDING = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
 # The memory fraction is vLLM's CPU memory reservation; its default (0.92) refuses to
 # start beside our services' memory on a 24 GiB machine.
 VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
@@ -489,8 +491,8 @@ def our_stack(system: str, model_dir: Path, log_dir: Path, methods: set[str]):
 def run_stack(args, system: str, model_dir: Path, prompts: list[Prompt], log_dir: Path,
               after=None) -> tuple[dict, float, dict[str, str]]:
     """`make run`'s stack on free ports, with STACKS[system]'s engine and drafters;
-    (cells, seconds to healthy, the verifier's LD_PRELOAD). after(c) runs after each
-    concurrency's cells."""
+    (cells, seconds to healthy, the verifier's LD_PRELOAD and vLLM thread binding, as
+    its process environment has them). after(c) runs after each concurrency's cells."""
     configs = {n: spec for n, spec in STACKS[system].configs.items()
                if args.configs[system] is None or n in args.configs[system]}
     # The drafters the configurations use (a verifier on vLLM's engine never has
@@ -498,9 +500,10 @@ def run_stack(args, system: str, model_dir: Path, prompts: list[Prompt], log_dir
     methods = {spec["method"] for spec in configs.values() if spec is not None}
     with our_stack(system, model_dir, log_dir, methods) as (base, verifier, procs, startup):
         probe = Probe(procs, verifier)
-        preload = {"verifier": _environ(procs["verifier"]).get("LD_PRELOAD", "")}
+        env = _environ(procs["verifier"])
+        seen = {k: env.get(k, "") for k in ("LD_PRELOAD", *VERIFIER_BINDING)}
         cells = asyncio.run(drive(base, configs, prompts, args, system, probe, after))
-        return cells, startup, preload
+        return cells, startup, seen
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -1028,6 +1031,10 @@ def notes(result: dict) -> list[str]:
             text += " The verifier's LD_PRELOAD: " + (
                 f"`{preload}`." if preload else
                 "none (libiomp5 not preloaded, unlike `vllm serve` here).")
+            bound = result.get("verifier_binding")
+            if bound is not None:  # recorded since the verifier binds vLLM's threads
+                text += " Its thread binding: " + fair.describe(
+                    {k: v for k, v in bound.items() if v}) + "."
         out.append(text)
     remote = [m for m in VLLM_REMOTE if f"vllm {m}" in ran]
     if remote:
@@ -1121,7 +1128,7 @@ def main(argv: list[str] | None = None) -> None:
     versions = {"torch": torch.__version__}
     threads = torch.get_num_threads()
     engine = InProcessEngine(args, model_dir, prompts) if "engine" in systems else None
-    preload: dict[str, str] = {}
+    verifier_env: dict[str, str] | None = None  # ours-vllm's verifier's, once it ran
     args.vllm_binding, binding = {}, None
     if "vllm" in systems and vllm_unavailable(Path(args.peers_python)) is None:
         binding = search_vllm_binding(args, model_dir, prompts, log_dir)
@@ -1143,8 +1150,10 @@ def main(argv: list[str] | None = None) -> None:
                         startup.setdefault(n, took)
                     unavailable.update(why)
                 else:
-                    got, took, _ = run_stack(one, system, model_dir, prompts, log_dir)
+                    got, took, env = run_stack(one, system, model_dir, prompts, log_dir)
                     startup.setdefault(system, took)
+                    if system == "ours-vllm":
+                        verifier_env = env
                 for n, by_c in got.items():
                     for c, runs in by_c.items():
                         cells.setdefault(f"{system} {n}", {}).setdefault(c, []).extend(runs)
@@ -1169,7 +1178,7 @@ def main(argv: list[str] | None = None) -> None:
             got, startup["ours-vllm"], env = run_stack(args, "ours-vllm", model_dir, prompts,
                                                        log_dir)
             cells.update({f"ours-vllm {n}": v for n, v in got.items()})
-            preload["ours-vllm verifier"] = env["verifier"]
+            verifier_env = env
             versions["vllm"] = _peer_version(python)
     if "vllm" in systems:
         got, st, why = run_vllm(args, model_dir, prompts, log_dir)
@@ -1201,7 +1210,11 @@ def main(argv: list[str] | None = None) -> None:
                    "temperature": args.temperature,
                    "prompts": [p.name for p in prompts], "ours": OURS, "ours_vllm": OURS_VLLM,
                    "vllm": VLLM, "vllm_args": list(VLLM_ARGS)},
-        "summary": summarise(cells, reference), "unavailable": unavailable, "preload": preload,
+        "summary": summarise(cells, reference), "unavailable": unavailable,
+        "preload": {} if verifier_env is None else
+        {"ours-vllm verifier": verifier_env["LD_PRELOAD"]},
+        "verifier_binding": {} if verifier_env is None else
+        {k: verifier_env[k] for k in VERIFIER_BINDING},
         "vllm_binding": args.vllm_binding, "vllm_binding_search": binding,
         "alternated": bool(len(turns) > 1), "busy": busy,
     }

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,10 +246,37 @@ def _vllm_python() -> Path:
     return python
 
 
+def vllm_cpu_binding(cpus: Iterable[int]) -> dict[str, str]:
+    """vLLM's CPU thread binding for one engine on `cpus`: its OpenMP threads on all of
+    them, none reserved for its engine loop. vLLM's default reserves a core for the loop,
+    which on 2 cores leaves its forward one (bench/results/serving_vllm_engine_bound.md
+    measures both)."""
+    cores = sorted(set(cpus))
+    runs: list[list[int]] = []
+    for c in cores:
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(
+                f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
 def command_environ(argv: tuple[str, ...]) -> dict[str, str] | None:
     """The environment a compose command's process needs beyond this one's (None: this
-    one's): vLLM's, for a verifier on vLLM's engine."""
-    return vllm_environ(_vllm_python()) if _is_vllm_verifier(argv) else None
+    one's): vLLM's, for a verifier on vLLM's engine, bound to this process's CPUs
+    (vllm_cpu_binding) unless the environment binds it already or it runs a tensor-
+    parallel group (one binding a rank, which the operator gives)."""
+    if not _is_vllm_verifier(argv):
+        return None
+    env = vllm_environ(_vllm_python())
+    tp = argv[argv.index("--tensor-parallel-size") + 1] if "--tensor-parallel-size" in argv \
+        else "1"
+    if tp == "1" and not any(k in env for k in ("VLLM_CPU_OMP_THREADS_BIND",
+                                                 "VLLM_CPU_NUM_OF_RESERVED_CPU")):
+        env.update(vllm_cpu_binding(os.sched_getaffinity(0)))
+    return env
 
 
 def command_line(argv: tuple[str, ...]) -> list[str]:

@@ -5,6 +5,7 @@ backoff that doubles, and one whose health check keeps failing."""
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -28,6 +29,7 @@ from specdec.launch import (
     local_services,
     service_flag,
     taken_ports,
+    vllm_cpu_binding,
 )
 from specdec.server import check_health
 from tests.ports import free_port
@@ -100,6 +102,22 @@ def test_the_verifier_on_vllm_runs_on_vllms_interpreter(tmp_path: Path, monkeypa
     (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
     assert command_environ(verifier)["LD_PRELOAD"] == str(tmp_path / "venv" / "lib" /
                                                           "libiomp5.so")
+    # vLLM's CPU threads: bound by the operator for a tensor-parallel group (TP 2 here);
+    # for one engine, on every core this process may use, none reserved, unless the
+    # environment binds them.
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in command_environ(verifier)
+    one = {s.name: s for s in local_services(
+        environ={**ENV, "SPECDEC_ENGINE": "vllm"})}["verifier"].argv
+    assert command_environ(one)["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert command_environ(one)["VLLM_CPU_OMP_THREADS_BIND"] == vllm_cpu_binding(
+        os.sched_getaffinity(0))["VLLM_CPU_OMP_THREADS_BIND"]
+    assert vllm_cpu_binding([3, 0, 1, 2, 6, 8, 7]) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0-3,6-8", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert command_environ(one)["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in command_environ(one)
     plain = {s.name: s for s in local_services(environ=ENV)}["verifier"].argv
     assert plain[plain.index("--engine") + 1] == "specdec"
     assert command_line(plain)[0].endswith("specdec-verifier")
