@@ -15,6 +15,8 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
+from specdec.launch import vllm_cpu_binding
+
 # A 1-minute load average above this share of the cores before a run starts means
 # another job is using them: two CPU-bound servers, one measured while another
 # process takes a core, differ by 25 % and more here.
@@ -69,8 +71,8 @@ def vllm_bindings(cpus: int | None = None) -> dict[str, dict[str, str]]:
         "vLLM's default": {},
         f"unbound, {cpus} threads": {"VLLM_CPU_OMP_THREADS_BIND": "nobind",
                                       "OMP_NUM_THREADS": str(cpus)},
-        f"cores 0-{cpus - 1}, none reserved": {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cpus - 1}",
-                                               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+        # The binding a verifier on vLLM's engine takes on all cores (specdec.launch).
+        f"cores 0-{cpus - 1}, none reserved": vllm_cpu_binding(range(cpus)),
     }
 
 

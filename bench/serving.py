@@ -829,8 +829,9 @@ def render(result: dict) -> str:
         "",
         "tok/s = output tokens over the cell's wall time; TTFT and ITL (time between streamed "
         "chunks) p50/p99 in ms; AL = acceptance length; drafts = draft tokens per drafting "
-        "step (the K dynamic K chose, on average); same = replies equal to ours without "
-        "speculation.",
+        "step (the K dynamic K chose, on average); same = replies equal to "
+        + ("ours-vllm plain's" if result.get("reference") == "ours-vllm plain" else
+           "ours without speculation") + ".",
         "",
     ]
     for c in cs:
@@ -1192,9 +1193,11 @@ def main(argv: list[str] | None = None) -> None:
         del engine
     torch.set_num_threads(threads)
 
-    # Sampled replies (unseeded) are draws: nothing to compare them with.
-    reference = {} if args.temperature else \
-        {c: runs[-1]["texts"] for c, runs in cells.get("ours plain", {}).items()}
+    # Sampled replies (unseeded) are draws: nothing to compare them with. Without our
+    # engine's plain, vLLM's engine's behind our services is the reference.
+    plain = next((n for n in ("ours plain", "ours-vllm plain") if n in cells), None)
+    reference = {} if args.temperature or plain is None else \
+        {c: runs[-1]["texts"] for c, runs in cells[plain].items()}
     result = {
         "bench": "serving", "model": "SmolLM2-135M-Instruct", "device_name": device_name(),
         "machine": platform.machine(), "cpus": os.cpu_count(),
@@ -1210,7 +1213,8 @@ def main(argv: list[str] | None = None) -> None:
                    "temperature": args.temperature,
                    "prompts": [p.name for p in prompts], "ours": OURS, "ours_vllm": OURS_VLLM,
                    "vllm": VLLM, "vllm_args": list(VLLM_ARGS)},
-        "summary": summarise(cells, reference), "unavailable": unavailable,
+        "summary": summarise(cells, reference), "reference": plain if reference else None,
+        "unavailable": unavailable,
         "preload": {} if verifier_env is None else
         {"ours-vllm verifier": verifier_env["LD_PRELOAD"]},
         "verifier_binding": {} if verifier_env is None else
