@@ -510,6 +510,38 @@ SECTIONS = [
      "1.02, 0.95 / 1.05, 1.04 / 1.01, 1.13; every reply equal to plain's",
      "python -m bench.serving --systems ours --ours 'plain,default,ngram K=2,ngram K=4' "
      "--prompt-set open --repeats 2 --out bench/results/serving_tree_prices_open.json"),
+    ("serving_vllm_engine_bound.md",
+     "`SPECDEC_ENGINE=vllm make run` once the verifier binds vLLM's threads itself "
+     "(every core, none reserved; before, `make run` left vLLM's default, which reserves "
+     "a core: its plain made 23.1 / 83.0 / 146.7 tok/s at C = 1 / 4 / 16 and its default "
+     "47.2 / 105.8 / 150.7 in an interrupted run of the same command), against `vllm "
+     "serve` at its searched binding, chat prompts, AMD EPYC (2026-12-07), two repeats "
+     "alternating. Per repeat at C = 1 / 4 / 16: default / plain 1.86, 1.77 / 1.34, 1.19 "
+     "/ 1.11, 0.96; default / ngram K = 4 1.01, 0.95 / 0.98, 1.03 / 1.23, 1.06; default / "
+     "vLLM's dynamic SD 1.47, 1.37 / 1.44, 1.09 / 1.48, 1.23",
+     "python -m bench.serving --systems ours-vllm,vllm --ours-vllm 'plain,default,ngram "
+     "K=4' --vllm 'plain,ngram dynamic' --repeats 2 "
+     "--out bench/results/serving_vllm_engine_bound.json"),
+    ("serving_vllm_engine_bound_open.md",
+     "The same on prompts no drafter can guess: default / plain 1.29, 1.43 / 1.38, 1.26 / "
+     "0.95, 0.98; default / ngram K = 4 0.88, 0.99 / 1.13, 1.10 / 1.27, 1.31; default / "
+     "vLLM's dynamic SD 1.30, 1.51 / 1.34, 1.32 / 1.24, 1.40 (vLLM's dynamic SD / its "
+     "plain 0.99, 0.94 / 0.98, 0.87 / 0.67, 0.70)",
+     "python -m bench.serving --systems ours-vllm,vllm --ours-vllm 'plain,default,ngram "
+     "K=4' --vllm 'plain,ngram dynamic' --vllm-binding 'cores 0-1, none reserved' "
+     "--prompt-set open --repeats 2 --out bench/results/serving_vllm_engine_bound_open.json"),
+    ("serving_vllm_engine_bound_same.md",
+     "The bound verifier on vLLM's engine again, plain and the default only, rotating on one "
+     "stack, every reply compared with its plain's (all equal): default / plain 1.78, 1.87 "
+     "/ 1.43, 1.18 / 1.07, 1.09 at C = 1 / 4 / 16",
+     "python -m bench.serving --systems ours-vllm --ours-vllm 'plain,default' --repeats 2 "
+     "--out bench/results/serving_vllm_engine_bound_same.json"),
+    ("serving_vllm_engine_bound_same_open.md",
+     "The same on open prompts (all replies equal): default / plain 1.30, 1.46 / 1.28, "
+     "1.35 / 0.93, 1.03; with the alternated run's 0.95, 0.98, C = 16 misses the 0.98 "
+     "target in two repeats of four",
+     "python -m bench.serving --systems ours-vllm --ours-vllm 'plain,default' --prompt-set "
+     "open --repeats 2 --out bench/results/serving_vllm_engine_bound_same_open.json"),
     ("serving_vllm_bets.md",
      "`vllm serve` at its best CPU binding with our ngram and suffix drafter services as its "
      "proposer (taking their bets), beside its own ngram, AMD EPYC (2026-12-06), repeats "
