@@ -113,6 +113,8 @@ def describe(env: Mapping[str, str]) -> str:
 RATIOS = (("ours plain / vLLM plain", "ours plain", "vllm plain"),
           ("ngram K=4 / its ngram K=4", "ours ngram K=4", "vllm ngram K=4"),
           ("dynamic K: ours default / its dynamic SD", "ours default", "vllm ngram dynamic"),
+          ("dynamic K on vLLM's engine: ours-vllm default / its dynamic SD",
+           "ours-vllm default", "vllm ngram dynamic"),
           ("ours best / vLLM best (its own methods)", "ours ", "vllm "))
 
 
