@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
-from specdec.launch import vllm_cpu_binding
+from specdec.launch import VLLM_BINDING_VARS, vllm_cpu_binding
 
 # A 1-minute load average above this share of the cores before a run starts means
 # another job is using them: two CPU-bound servers, one measured while another
@@ -26,7 +26,7 @@ BUSY_LOAD_PER_CPU = 0.5
 IDLE_WAIT_S = 180.0
 # vLLM's own variables that choose its CPU binding; set in the environment, they
 # are taken as given and not searched.
-BINDING_VARS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+BINDING_VARS = VLLM_BINDING_VARS
 
 
 class Busy(RuntimeError):

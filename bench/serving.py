@@ -120,8 +120,6 @@ VLLM = {"plain": None,
         "remote suffix K=4": REMOTE_PROPOSER}
 # Modes whose proposer drafts through one of our drafter services: mode -> its method.
 VLLM_REMOTE = {"remote ngram K=4": "ngram", "remote suffix K=4": "suffix"}
-# vLLM's CPU thread binding, as the verifier on its engine runs with it.
-VERIFIER_BINDING = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
 # The memory fraction is vLLM's CPU memory reservation; its default (0.92) refuses to
 # start beside our services' memory on a 24 GiB machine.
 VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
@@ -501,7 +499,7 @@ def run_stack(args, system: str, model_dir: Path, prompts: list[Prompt], log_dir
     with our_stack(system, model_dir, log_dir, methods) as (base, verifier, procs, startup):
         probe = Probe(procs, verifier)
         env = _environ(procs["verifier"])
-        seen = {k: env.get(k, "") for k in ("LD_PRELOAD", *VERIFIER_BINDING)}
+        seen = {k: env.get(k, "") for k in ("LD_PRELOAD", *fair.BINDING_VARS)}
         cells = asyncio.run(drive(base, configs, prompts, args, system, probe, after))
         return cells, startup, seen
 
@@ -1218,7 +1216,7 @@ def main(argv: list[str] | None = None) -> None:
         "preload": {} if verifier_env is None else
         {"ours-vllm verifier": verifier_env["LD_PRELOAD"]},
         "verifier_binding": {} if verifier_env is None else
-        {k: verifier_env[k] for k in VERIFIER_BINDING},
+        {k: verifier_env[k] for k in fair.BINDING_VARS},
         "vllm_binding": args.vllm_binding, "vllm_binding_search": binding,
         "alternated": bool(len(turns) > 1), "busy": busy,
     }

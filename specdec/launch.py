@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import re
 import shutil
@@ -246,21 +247,22 @@ def _vllm_python() -> Path:
     return python
 
 
+# vLLM's CPU thread binding: its OpenMP threads' cores, and the cores kept for its
+# engine loop.
+VLLM_BINDING_VARS = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
+
+
 def vllm_cpu_binding(cpus: Iterable[int]) -> dict[str, str]:
     """vLLM's CPU thread binding for one engine on `cpus`: its OpenMP threads on all of
     them, none reserved for its engine loop. vLLM's default reserves a core for the loop,
     which on 2 cores leaves its forward one (bench/results/serving_vllm_engine_bound.md
     measures both)."""
-    cores = sorted(set(cpus))
-    runs: list[list[int]] = []
-    for c in cores:
-        if runs and c == runs[-1][-1] + 1:
-            runs[-1].append(c)
-        else:
-            runs.append([c])
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(
-                f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs),
-            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    ranges = []
+    # Consecutive cores share core - index: one "first-last" range each.
+    for _, run in itertools.groupby(enumerate(sorted(set(cpus))), lambda ic: ic[1] - ic[0]):
+        cores = [c for _, c in run]
+        ranges.append(f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0]))
+    return dict(zip(VLLM_BINDING_VARS, (",".join(ranges), "0"), strict=True))
 
 
 def command_environ(argv: tuple[str, ...]) -> dict[str, str] | None:
@@ -273,8 +275,7 @@ def command_environ(argv: tuple[str, ...]) -> dict[str, str] | None:
     env = vllm_environ(_vllm_python())
     tp = argv[argv.index("--tensor-parallel-size") + 1] if "--tensor-parallel-size" in argv \
         else "1"
-    if tp == "1" and not any(k in env for k in ("VLLM_CPU_OMP_THREADS_BIND",
-                                                 "VLLM_CPU_NUM_OF_RESERVED_CPU")):
+    if tp == "1" and not any(k in env for k in VLLM_BINDING_VARS):
         env.update(vllm_cpu_binding(os.sched_getaffinity(0)))
     return env
 
