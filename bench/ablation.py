@@ -50,7 +50,14 @@ from bench.serving import (
     prompts_by_name,
     workload,
 )
-from specdec.launch import EAGLE3_HEAD, LocalStack, local_services, on_free_ports
+from specdec.launch import (
+    EAGLE3_HEAD,
+    LocalService,
+    LocalStack,
+    free_port,
+    local_services,
+    on_free_ports,
+)
 from specdec.models.prepare import prepare_default_model
 from verifier.engine.speculation import ControllerConfig, SpeculationController
 
@@ -72,11 +79,17 @@ CONFIGS: dict[str, tuple[int | None, ControllerConfig | None]] = {
 # every drafting step waits for the drafter's answer, as before bets.
 NO_BETS = {"K=2 no bets": "K=2", "controller no bets": "controller"}
 CONFIGS.update({n: CONFIGS[base] for n, base in NO_BETS.items()})
+# The same configurations against a second instance of the drafter service, started
+# with these flags added: `min2` matches n-grams of two tokens or more, which lets the
+# ngram drafter answer every outcome ahead in one table (DraftTable).
+VARIANTS = {"min2": ("--ngram-min", "2")}
+VARIANT_OF = {f"{base} {v}": v for v in VARIANTS for base in ("K=2", "K=4", "controller")}
+CONFIGS.update({n: CONFIGS[n.rsplit(" ", 1)[0]] for n in VARIANT_OF})
 
 class Bench:
     """One engine as the verifier runs it, with the `method` drafter service."""
 
-    def __init__(self, method: str, log_dir: Path):
+    def __init__(self, method: str, log_dir: Path, variants: set[str] = frozenset()):
         from specdec.models import load_model
         from specdec.tokenizer import Tokenizer, model_fingerprint
         from verifier.__main__ import drafter_pool, engine_config, parse_args
@@ -92,7 +105,10 @@ class Bench:
         args.drafter = [(n, a) for n, a in args.drafter if n == method]
         if not args.drafter:
             raise SystemExit(f"x-local runs no {method} drafter")
-        self.stack = LocalStack([s for s in services if s.name == method], log_dir,
+        (drafter,) = [s for s in services if s.name == method]
+        extra = [_variant(drafter, v) for v in sorted(variants)]
+        args.drafter += [(s.name, s.health) for s in extra]
+        self.stack = LocalStack([drafter, *extra], log_dir,
                                 log=lambda s: print("  " + s, flush=True))
         self.stack.start(timeout_s=600)
         if args.threads:
@@ -125,6 +141,8 @@ class Bench:
         from verifier.engine import Request
 
         k, _ = CONFIGS[config]
+        drafter = (f"{self.method}-{VARIANT_OF[config]}" if config in VARIANT_OF
+                   else self.method)
         engine = self.engine
         engine.controller = self.controllers.get(config)
         clients = list(self.pool.clients.values())
@@ -142,7 +160,7 @@ class Bench:
                                            self.tokenizer.apply_chat_template(list(p.messages)))
                 r = Request(f"r{next(self._counter)}", ids, max_tokens, SamplingParams(temperature=0.0),
                             num_speculative_tokens=self.bound if k is None else k,
-                            drafter=self.method if k != 0 else None, auto_k=k is None)
+                            drafter=None if k == 0 else drafter, auto_k=k is None)
                 order.append(r.request_id)
                 out[r.request_id] = []
                 engine.add_request(r)
@@ -168,6 +186,15 @@ class Bench:
                 "draft_wait_median_ms": statistics.median(w for _, _, w in step_log),
                 "bet_lookups": lookups, "bet_hits": hits,
                 "replies": [_until_eos(out[r], eos) for r in order], "step_log": step_log}
+
+
+def _variant(service: LocalService, variant: str) -> LocalService:
+    """The drafter service on a port of its own, with the variant's flags added."""
+    port = free_port()
+    argv = list(service.argv)
+    argv[argv.index("--port") + 1] = str(port)
+    return LocalService(f"{service.name}-{variant}", (*argv, *VARIANTS[variant]),
+                        f"127.0.0.1:{port}", service.depends_on, service.health_tls)
 
 
 def priced(by_config: dict[str, list[dict]]) -> dict[str, list[float]]:
@@ -308,7 +335,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(str(e)) from None
         load = os.getloadavg()[0]
     t_start = time.perf_counter()
-    bench = Bench(args.method, Path(tempfile.mkdtemp(prefix="ablation-")))
+    variants = {VARIANT_OF[n] for n in args.configs if n in VARIANT_OF}
+    if variants and args.method != "ngram":
+        raise SystemExit(f"the variants {sorted(variants)} are the ngram drafter's")
+    bench = Bench(args.method, Path(tempfile.mkdtemp(prefix="ablation-")), variants)
     cells: dict = {}
     try:
         # Every prompt once first: the prefix cache then holds them all, so no

@@ -816,7 +816,7 @@ def render(result: dict) -> str:
     lines = [
         f"`make run` against `vllm serve`: {result['model']} float32 on {result['device_name']} "
         f"x{result['cpus']} ({', '.join(f'{k} {x}' for k, x in v.items())}); "
-        f"{len(cfg['prompts'])} chat prompts, requests per cell max({_waves(cfg)}C, {cfg['requests']}) with C "
+        f"{len(cfg['prompts'])} {cfg.get('prompt_set', 'chat')} prompts, requests per cell max({_waves(cfg)}C, {cfg['requests']}) with C "
         f"in flight, streamed through the `openai` client, "
         + (f"sampled at temperature {cfg['temperature']} (unseeded: replies not compared)"
            if cfg.get("temperature") else "greedy")
@@ -1209,7 +1209,8 @@ def main(argv: list[str] | None = None) -> None:
                    "waves": args.waves,
                    "max_tokens": args.max_tokens, "repeats": args.repeats,
                    "temperature": args.temperature,
-                   "prompts": [p.name for p in prompts], "ours": OURS, "ours_vllm": OURS_VLLM,
+                   "prompts": [p.name for p in prompts], "prompt_set": args.prompt_set,
+                   "ours": OURS, "ours_vllm": OURS_VLLM,
                    "vllm": VLLM, "vllm_args": list(VLLM_ARGS)},
         "summary": summarise(cells, reference), "reference": plain if reference else None,
         "unavailable": unavailable,

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specdec.sampling import SamplingParams
@@ -124,6 +125,16 @@ class DraftMethod(ABC):
         `extra` followed it, leaving the state unchanged: a bet on the verifier's
         outcome (docs/design.md section 2, "Bets"). None: the method places no bets
         (its drafts need the target's hidden states, or carry probabilities)."""
+        return None
+
+    def outcome_table(self, key: Hashable, drafts: list[int],
+                      k: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        """Every outcome of verifying `drafts` at once (DraftTable, docs/design.md
+        section 2, "Bets"), leaving the state unchanged: for each accepted count a in
+        0..len(drafts), (bonus [B] ascending, lengths [B], concatenated drafts): the
+        drafts (at most k) after the context + drafts[:a] + [bonus[i]], and none after
+        any token not listed. None: the method cannot list its outcomes in a table of
+        reasonable size, or its drafts need what only the verifier has."""
         return None
 
     @abstractmethod

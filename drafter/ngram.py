@@ -49,6 +49,46 @@ def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.
     return tokens[best_end + 1:best_end + 1 + k]
 
 
+def continuation_table(tokens: np.ndarray, min_n: int, max_n: int,
+                       k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """find_continuation for every one-token extension of a context at once.
+
+    tokens: [n] int; min_n >= 2. Returns (bonus [B] ascending, lengths [B], drafts
+    [sum(lengths)]): find_continuation(tokens + [b], min_n, max_n, k) is the i-th run of
+    `lengths[i]` drafts for b == bonus[i], and empty for every b not in bonus. A match of
+    at least two tokens ends in the context's last token followed by b, so the only
+    candidates are the positions j right after an earlier occurrence of the last token,
+    with b = tokens[j].
+    """
+    n = tokens.shape[0]
+    if n < 2 or k < 1 or min_n < 2:
+        raise ValueError("continuation_table needs a context of >= 2 tokens, k >= 1, min_n >= 2")
+    # j: [C] ascending; tokens[j - 1] is the last token, so b = tokens[j] matches 2 tokens.
+    j = np.flatnonzero(tokens[:-1] == tokens[-1]) + 1
+    if j.size == 0:
+        return tokens[:0], tokens[:0], tokens[:0]
+    matched = np.full(j.shape, 2)
+    run = np.ones(j.shape, dtype=bool)
+    for back in range(2, min(max_n, n)):
+        # tokens + [b] has length n + 1; its token `back` before b is tokens[n - back].
+        run &= (j >= back) & (tokens[np.maximum(j - back, 0)] == tokens[n - back])
+        if not run.any():
+            break
+        matched += run
+    # Per candidate token, the longest match and among those the latest (as
+    # find_continuation picks): the last of each token's run after this sort.
+    order = np.lexsort((j, matched, tokens[j]))
+    cand = tokens[j][order]
+    best = order[np.flatnonzero(np.append(cand[1:] != cand[:-1], True))]
+    best = best[matched[best] >= min_n]
+    bonus, start = tokens[j[best]], j[best] + 1
+    # The drafts follow j in tokens + [b]: tokens[j + 1:], then b itself at index n.
+    lengths = np.minimum(k, n + 1 - start)
+    idx = start[:, None] + np.arange(k)  # [B, k]
+    drafts = np.where(idx < n, tokens[np.minimum(idx, n - 1)], bonus[:, None])
+    return bonus, lengths, drafts[np.arange(k) < lengths[:, None]]
+
+
 class TokenBuffer:
     """A sequence's committed tokens: amortised O(1) append, O(1) rollback."""
 
@@ -134,6 +174,18 @@ class NgramMethod(DraftMethod):
         tokens = np.concatenate([context, np.asarray(extra, dtype=context.dtype)])
         return find_continuation(tokens, self.min_n, self.max_n,
                                  min(k, self._info.max_num_speculative_tokens)).tolist()
+
+    def outcome_table(self, key: Hashable, drafts: list[int],
+                      k: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+        # A one-token match (min_n 1) would list every token the context holds.
+        if self.min_n < 2:
+            return None
+        context = self._contexts[key].view()
+        full = np.concatenate([context, np.asarray(drafts, dtype=context.dtype)])
+        k = min(k, self._info.max_num_speculative_tokens)
+        empty = (full[:0], full[:0], full[:0])
+        return [continuation_table(full[:len(context) + a], self.min_n, self.max_n, k)
+                if len(context) + a >= 2 else empty for a in range(len(drafts) + 1)]
 
     def free(self, key: Hashable) -> None:
         self._contexts.pop(key, None)

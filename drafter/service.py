@@ -102,6 +102,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         # Bets on the verifier's outcomes (DraftBet), from methods that can draft for a
         # context they do not hold yet (DraftMethod.propose_after).
         self.betting = type(method).propose_after is not DraftMethod.propose_after
+        # ... or list every outcome's drafts (DraftMethod.outcome_table; a method may
+        # decline per configuration, which the first sequence tells).
+        self.tables = type(method).outcome_table is not DraftMethod.outcome_table
         self.bets_placed = 0
         self.bets_ms = 0.0  # spent placing them, after the proposals went out
         self._stream_numbers = itertools.count()
@@ -131,7 +134,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                 else await asyncio.to_thread(self._handle, stream, request))
                 except InvalidRequest as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                response.bets_follow = self.betting and any(map(_chain, response.proposals))
+                response.bets_follow = (self.tables and bool(stream.wanted)) or (
+                    self.betting and any(map(_chain, response.proposals)))
                 response.draft_time_ms = (time.perf_counter() - received) * 1e3
                 yield response
                 if response.bets_follow:
@@ -179,7 +183,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         with self._lock:
             if stream.closed:
                 return followup
+            tabled = self._place_tables(stream, response, followup) if self.tables else set()
             for p in response.proposals:
+                if p.seq_id in tabled:
+                    continue
                 key = (stream.number, p.seq_id)
                 if not _chain(p) or not self._method.has(key):
                     continue
@@ -195,9 +202,37 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 followup.bets.add(seq_id=p.seq_id, round=p.round + 1, new_token_ids=outcome,
                                   token_ids=block)
                 stream.bets[p.seq_id] = (p.round + 1, {tuple(outcome): block})
-            self.bets_placed += len(followup.bets)
+            self.bets_placed += len(followup.bets) + len(followup.tables)
             self.bets_ms += (time.perf_counter() - t0) * 1e3
         return followup
+
+    def _place_tables(self, stream: _Stream, response: drafter_pb2.DraftResponse,
+                      followup: drafter_pb2.DraftResponse) -> set[int]:
+        """A DraftTable for every sequence the response answered, with or without a
+        proposal, where the method lists its outcomes; returns their seq_ids. Under the
+        lock. Ngram's drafts follow from the context alone, so the drafter's answer to
+        the Advance is the table's entry whatever the verifier took: no bet to remember."""
+        proposed = {p.seq_id: p for p in response.proposals}
+        tabled: set[int] = set()
+        for seq_id in stream.wanted:
+            p = proposed.get(seq_id)
+            key = (stream.number, seq_id)
+            if (p is not None and not _chain(p)) or not self._method.has(key):
+                continue
+            drafts = list(p.token_ids) if p is not None else []
+            groups = self._method.outcome_table(key, drafts, self._info.max_num_speculative_tokens)
+            if groups is None:
+                self.tables = False  # the method declines for its configuration
+                return tabled
+            table = followup.tables.add(seq_id=seq_id, round=stream.rounds[seq_id] + 1,
+                                        proposal=drafts)
+            for bonus, lengths, tokens in groups:
+                table.group_sizes.append(len(bonus))
+                table.bonus.extend(bonus.tolist())
+                table.lengths.extend(lengths.tolist())
+                table.token_ids.extend(tokens.tolist())
+            tabled.add(seq_id)
+        return tabled
 
     def _close(self, stream: _Stream) -> None:
         with self._lock:

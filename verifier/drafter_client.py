@@ -41,6 +41,7 @@ bounded.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import threading
@@ -89,6 +90,21 @@ class TargetInfo:
     num_layers: int
 
 
+def table_drafts(table: drafter_pb2.DraftTable, new: list[int]) -> list[int] | None:
+    """The drafts a DraftTable gives for the Advance appending `new`: [] for an outcome
+    it does not list, None for one it cannot answer (not its proposal's prefix + a token)."""
+    a = len(new) - 1
+    if not 0 <= a < len(table.group_sizes) or list(table.proposal[:a]) != new[:a]:
+        return None
+    lo = sum(table.group_sizes[:a])
+    hi = lo + table.group_sizes[a]
+    i = bisect.bisect_left(table.bonus, new[-1], lo, hi)
+    if i == hi or table.bonus[i] != new[-1]:
+        return []
+    start = sum(table.lengths[:i])
+    return list(table.token_ids[start:start + table.lengths[i]])
+
+
 def check_info(info: drafter_pb2.InfoResponse, target: TargetInfo) -> str | None:
     """Why this drafter cannot serve the target, or None when it can."""
     tok = info.tokenizer
@@ -135,6 +151,18 @@ class _Seq:
     # tokens bet on -> the drafts after them, for the Advance of round bet_round.
     bets: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
     bet_round: int = -1
+    # Or every outcome's drafts at once (DraftTable), for the same round.
+    table: drafter_pb2.DraftTable | None = None
+
+    def unsent(self) -> list[int] | None:
+        """The tokens the next Advance appends, if it is one a bet can name: a pending
+        outcome without rollback, or held outcomes without hidden states."""
+        if self.pending is not None:
+            adv = self.pending.advance
+            return None if adv.num_rollback_tokens else list(adv.new_token_ids)
+        if self.held_tokens and not self.held_rows:
+            return self.held_tokens
+        return None
 
     def hold(self, outcome: Outcome) -> None:
         """Merge a K = 0 step's outcome into those held."""
@@ -217,6 +245,7 @@ class DrafterClient:
         self.bet_lookups = 0  # sequences asked for drafts after a step that drafted
         self.bet_hits = 0  # of those, answered by a bet
         self._hits: dict[int, Proposal] = {}  # this step's, from send() to collect()
+        self._answered: set[int] = set()  # this step's sequences bets answered, drafts or not
         self._unwaited: int | None = None  # a step asked whose answer nobody waited for
         self._bets_due: int | None = None  # a step answered whose bets have not arrived
 
@@ -365,7 +394,7 @@ class DrafterClient:
                 self._cut(hung)
                 self.misses = dict.fromkeys(wanted, "drafter_unavailable")
                 return False
-            looking = self.use_bets and any(wanted.get(s) and seq.pending is not None
+            looking = self.use_bets and any(wanted.get(s) and seq.unsent() is not None
                                             for s, seq in self._seqs.items())
 
             def settled() -> bool:
@@ -381,6 +410,7 @@ class DrafterClient:
                 # Still waiting for an older answer: outcomes only, no new proposals.
                 self.misses = dict.fromkeys(wanted, "deadline")
                 asked = {}
+            answered: set[int] = set()
             entries = self._last + [
                 drafter_pb2.DraftEntry(seq_id=s, free=drafter_pb2.DraftEntry.Free())
                 for s in self._freed]
@@ -390,9 +420,11 @@ class DrafterClient:
                 k = min(wanted.get(seq_id, 0), seq.max_num_speculative_tokens)
                 bet = self._bet(seq, k)
                 if bet is not None:
-                    self._hits[seq_id] = Proposal(bet[:k])
+                    if bet:  # an empty one is the drafter's answer too: no drafts
+                        self._hits[seq_id] = Proposal(bet[:k])
+                    answered.add(seq_id)
                     self.misses.pop(seq_id, None)
-                seq.bets = {}
+                seq.bets, seq.table = {}, None
                 k = min(asked.get(seq_id, 0), seq.max_num_speculative_tokens)
                 goes = seq.pending is not None or k or seq.host_rows >= HOLD_HOST_ROWS
                 entry = None
@@ -433,7 +465,8 @@ class DrafterClient:
             if any(asked.values()):
                 self._outstanding = step
                 self._outstanding_since = time.monotonic()
-            due = any(k for seq_id, k in asked.items() if seq_id not in self._hits)
+            due = any(k for seq_id, k in asked.items() if seq_id not in answered)
+            self._answered = answered
             self._unwaited = None if due or self._outstanding != step else step
             outq.put(drafter_pb2.DraftRequest(step=step, entries=entries))
             return due
@@ -444,20 +477,24 @@ class DrafterClient:
         with self._lock:
             seq = self._seqs.get(seq_id)
             return (seq is not None and self.use_bets and self._outq is not None
-                    and seq.pending is not None and seq.generation == self._generation
-                    and self._bet_for(seq) is not None)
+                    and seq.generation == self._generation and self._bet_for(seq) is not None)
 
     def _bet_for(self, seq: _Seq) -> list[int] | None:
-        """The bet on the pending Advance's outcome, or None. Under the lock."""
-        adv = seq.pending.advance
-        if seq.bet_round != seq.round + 1 or adv.num_rollback_tokens:
+        """The drafts a bet or table placed for the outcome the sequence's next Advance
+        carries ([] where a table says none), or None. Under the lock."""
+        if seq.bet_round != seq.round + 1:
             return None
-        return seq.bets.get(tuple(adv.new_token_ids)) or None
+        new = seq.unsent()
+        if new is None:
+            return None
+        if seq.table is not None:
+            return table_drafts(seq.table, new)
+        return seq.bets.get(tuple(new)) or None
 
     def _bet(self, seq: _Seq, k: int) -> list[int] | None:
-        """The drafts a bet placed for the outcome the sequence's pending Advance carries,
+        """The drafts a bet placed for the outcome the sequence's next Advance carries,
         or None. Under the lock."""
-        if not k or seq.pending is None or seq.generation != self._generation:
+        if not k or seq.generation != self._generation or seq.unsent() is None:
             return None
         if not self._betting:
             return None  # a drafter that places no bets has no lookups to count
@@ -483,8 +520,13 @@ class DrafterClient:
             if seq is None or bet.round != seq.round + 1:
                 continue  # freed, or its next Advance has gone out already
             if seq.bet_round != bet.round:
-                seq.bets, seq.bet_round = {}, bet.round
+                seq.bets, seq.table, seq.bet_round = {}, None, bet.round
             seq.bets[tuple(bet.new_token_ids)] = list(bet.token_ids)
+        for table in resp.tables:
+            seq = self._seqs.get(table.seq_id)
+            if seq is None or table.round != seq.round + 1:
+                continue
+            seq.bets, seq.table, seq.bet_round = {}, table, table.round
 
     def _hung(self, outq: queue.SimpleQueue) -> str | None:
         """Why the live stream's drafter counts as hung, or None. Under the lock."""
@@ -510,6 +552,7 @@ class DrafterClient:
         """Proposals for `step`: the bets `send` found, and unless none is due the answer,
         waited for until `deadline` (time.monotonic())."""
         hits, self._hits = self._hits, {}
+        answered, self._answered = self._answered, set()
         if not due:
             self.draft_time_ms = 0.0
             return hits
@@ -521,7 +564,7 @@ class DrafterClient:
             self.draft_time_ms = 0.0 if resp is None else resp.draft_time_ms
             if resp is None:
                 reason = "deadline" if self._outq is not None else "drafter_unavailable"
-                self.misses.update({s: reason for s in wanted if s not in hits})
+                self.misses.update({s: reason for s in wanted if s not in answered})
                 return hits
             for seq_id in resp.unknown_seq_ids:
                 if seq_id in self._seqs:
@@ -529,7 +572,7 @@ class DrafterClient:
             rounds = {s: seq.round for s, seq in self._seqs.items()}
         out: dict[int, Proposal] = dict(hits)
         for prop in resp.proposals:
-            if prop.seq_id not in wanted or prop.seq_id in hits:
+            if prop.seq_id not in wanted or prop.seq_id in answered:
                 continue
             if rounds.get(prop.seq_id) != prop.round:
                 # Drafted for a context the sequence has already left: as good as late.

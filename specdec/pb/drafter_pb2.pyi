@@ -73,7 +73,7 @@ class HiddenStates(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., layers: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("step", "proposals", "draft_time_ms", "unknown_seq_ids", "bets", "followup", "bets_follow")
+    __slots__ = ("step", "proposals", "draft_time_ms", "unknown_seq_ids", "bets", "followup", "bets_follow", "tables")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TIME_MS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class DraftResponse(_message.Message):
     BETS_FIELD_NUMBER: _ClassVar[int]
     FOLLOWUP_FIELD_NUMBER: _ClassVar[int]
     BETS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
     step: int
     proposals: _containers.RepeatedCompositeFieldContainer[DraftProposal]
     draft_time_ms: float
@@ -88,7 +89,26 @@ class DraftResponse(_message.Message):
     bets: _containers.RepeatedCompositeFieldContainer[DraftBet]
     followup: bool
     bets_follow: bool
-    def __init__(self, step: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[DraftProposal, _Mapping]]] = ..., draft_time_ms: _Optional[float] = ..., unknown_seq_ids: _Optional[_Iterable[int]] = ..., bets: _Optional[_Iterable[_Union[DraftBet, _Mapping]]] = ..., followup: _Optional[bool] = ..., bets_follow: _Optional[bool] = ...) -> None: ...
+    tables: _containers.RepeatedCompositeFieldContainer[DraftTable]
+    def __init__(self, step: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[DraftProposal, _Mapping]]] = ..., draft_time_ms: _Optional[float] = ..., unknown_seq_ids: _Optional[_Iterable[int]] = ..., bets: _Optional[_Iterable[_Union[DraftBet, _Mapping]]] = ..., followup: _Optional[bool] = ..., bets_follow: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[DraftTable, _Mapping]]] = ...) -> None: ...
+
+class DraftTable(_message.Message):
+    __slots__ = ("seq_id", "round", "proposal", "group_sizes", "bonus", "lengths", "token_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    BONUS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    round: int
+    proposal: _containers.RepeatedScalarFieldContainer[int]
+    group_sizes: _containers.RepeatedScalarFieldContainer[int]
+    bonus: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., proposal: _Optional[_Iterable[int]] = ..., group_sizes: _Optional[_Iterable[int]] = ..., bonus: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftBet(_message.Message):
     __slots__ = ("seq_id", "round", "new_token_ids", "token_ids")

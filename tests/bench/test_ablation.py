@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from bench import ablation
+from specdec.launch import LocalService
 
 
 def test_each_ablation_turns_off_one_mechanism_of_the_whole_controller():
@@ -42,3 +43,14 @@ def test_cells_are_priced_at_the_median_step_time_of_their_row_count():
     assert s["controller"]["priced_vs_plain"] == pytest.approx(1.0)
     assert s["K=2"]["same"] == "1/1" and s["controller"]["same"] == "0/1"
     assert s["K=2"]["bet_hit_rate"] == 0.25
+
+
+def test_a_variant_is_the_drafter_on_a_port_of_its_own_with_its_flags():
+    svc = LocalService("ngram", ("specdec-drafter", "--method", "ngram", "--host", "127.0.0.1",
+                                 "--port", "5"), "127.0.0.1:5", ())
+    v = ablation._variant(svc, "min2")
+    port = v.argv[v.argv.index("--port") + 1]
+    assert v.name == "ngram-min2" and v.health == f"127.0.0.1:{port}" and port != "5"
+    assert v.argv == (*svc.argv[:-1], port, "--ngram-min", "2")
+    assert ablation.CONFIGS["controller min2"] == ablation.CONFIGS["controller"]
+    assert ablation.VARIANT_OF["K=4 min2"] == "min2"

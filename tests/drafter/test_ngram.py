@@ -11,6 +11,8 @@ from drafter.ngram import NgramMethod, find_continuation
 from specdec.pb import common_pb2
 from specdec.sampling import SamplingParams
 from tests.drafter.through_verifier import decode_with_drafter
+from tests.loop_thread import LoopThread
+from tests.verifier.test_service import VOCAB, Stack, generate, prompts, start_msg, tiny_target
 
 
 def _find(tokens: list[int], min_n: int = 1, max_n: int = 4, k: int = 8) -> list[int]:
@@ -80,6 +82,41 @@ def test_matches_the_quadratic_definition_on_random_contexts():
 GREEDY = SamplingParams(temperature=0.0)
 
 
+def test_outcome_table_lists_the_drafts_of_every_outcome():
+    """For each accepted count a and every token b of the vocabulary, the table's entry
+    (or its absence) is what drafting after context + drafts[:a] + [b] gives."""
+    rng = random.Random(1)
+    vocab = 5
+    for trial in range(300):
+        min_n = rng.randint(2, 3)
+        max_n = rng.randint(min_n, 5)
+        method = NgramMethod(min_n=min_n, max_n=max_n, max_num_speculative_tokens=4)
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        drafts = [rng.randrange(vocab) for _ in range(rng.randrange(0, 4))]
+        k = rng.randint(1, 6)
+        method.start(trial, context, [], GREEDY, 4)
+        groups = method.outcome_table(trial, drafts, k)
+        assert len(groups) == len(drafts) + 1
+        for a, (bonus, lengths, tokens) in enumerate(groups):
+            assert list(bonus) == sorted(set(bonus.tolist()))
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            table = {int(b): tokens[offsets[i]:offsets[i + 1]].tolist()
+                     for i, b in enumerate(bonus)}
+            for b in range(vocab):
+                after = context + drafts[:a] + [b]
+                assert table.get(b, []) == _find(after, min_n, max_n, min(k, 4)), (
+                    context, drafts, a, b, min_n, max_n, k)
+                assert table.get(b, []) != [] or b not in table  # entries draft something
+        # The method's state is the context alone: the table changed nothing.
+        proposed = method.propose({trial: 4}).get(trial)
+        assert (proposed.token_ids if proposed else []) == _find(context, min_n, max_n, 4)
+    # A one-token match would list every token the context holds: no table.
+    one = NgramMethod(min_n=1)
+    one.start(0, [1, 2, 3], [], GREEDY, 4)
+    assert one.outcome_table(0, [1], 4) is None
+
+
+
 def test_method_tracks_context_through_advance_and_rollback():
     m = NgramMethod()
     m.start("a", [1, 2, 3, 4, 1, 2], [], GREEDY, max_num_speculative_tokens=8)
@@ -136,8 +173,38 @@ def test_info_and_constructor_checks():
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_with_the_verifier_output_equals_plain_greedy(batch):
+@pytest.mark.parametrize("min_n", [1, 2])
+def test_with_the_verifier_output_equals_plain_greedy(batch, min_n):
+    """With two-token matches the verifier drafts from the drafter's tables, which answer
+    every outcome: most lookups hit, and the output is still plain greedy's."""
+    drafters: list = []
     outputs, expected, last = decode_with_drafter(
-        "ngram", lambda vocab: NgramMethod(vocab_size=vocab), batch, seed=20 + batch)
+        "ngram", lambda vocab: NgramMethod(min_n=min_n, vocab_size=vocab), batch,
+        seed=20 + batch, drafters=drafters)
     assert outputs == expected
     assert sum(r.spec_decode.num_draft_tokens for r in last) > 0
+    (drafter,) = drafters
+    if min_n == 2:
+        assert drafter.bet_hits > 0.8 * drafter.bet_lookups > 0, drafter
+
+
+def test_tables_keep_seeded_sampling_exact():
+    """Sampled requests drafting from tables (hits and misses both) give, seed for seed,
+    the tokens they give without speculation."""
+    model = tiny_target()
+    loop = LoopThread()
+    stack = Stack(loop, model, {"ngram": NgramMethod(min_n=2, vocab_size=VOCAB)})
+    try:
+        sampled = common_pb2.SamplingParams(temperature=0.8, top_k=20, seed=3)
+        for p in [q * 3 for q in prompts(3, seed=5)]:
+            plain, _ = generate(stack.stub, start_msg(p, 40, sampling=sampled,
+                                                       method=common_pb2.SPEC_METHOD_NONE))
+            tokens, responses = generate(stack.stub, start_msg(p, 40, k=4, drafter="ngram",
+                                                                sampling=sampled))
+            assert tokens == plain
+        (drafter,) = stack.load().drafters
+        assert drafter.bet_hits > 0.8 * drafter.bet_lookups > 0, drafter
+        assert sum(r.step_stats.num_drafted for r in responses) > 0
+    finally:
+        stack.close()
+        loop.close()

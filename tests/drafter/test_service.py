@@ -18,6 +18,7 @@ from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.server import GRPC_OPTIONS
 from specdec.tensor_codec import decode_tensor, encode_tensor
+from verifier.drafter_client import table_drafts
 
 Start = drafter_pb2.DraftEntry.Start
 Advance = drafter_pb2.DraftEntry.Advance
@@ -445,6 +446,55 @@ def test_bets_on_a_fully_accepted_proposal_answer_its_outcome(make):
             answer = await exchange(call, 3, drafter_pb2.DraftEntry(seq_id=7, round=2, advance=Advance(
                 num_drafted=2, num_accepted=0, new_token_ids=[9], num_speculative_tokens=3)))
             assert not answer.proposals  # 9 never occurred before: nothing to copy
+            await call.done_writing()
+            assert await ended(call)
+
+    run(main())
+
+
+def test_ngram_places_a_table_of_every_outcome_and_answers_by_it():
+    """Ngram with two-token matches lists every outcome's drafts in a DraftTable (after a
+    proposal, and after an answer with none), and answers the Advance with the entry of
+    its outcome; with one-token matches it places single bets instead."""
+
+    async def main():
+        async with drafter(NgramMethod(min_n=2, max_num_speculative_tokens=4)) as stub:
+            call = stub.Draft()
+            prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+            answer = await exchange(call, 1, drafter_pb2.DraftEntry(seq_id=7, round=0, start=Start(
+                prompt_token_ids=prompt, sampling=GREEDY, num_speculative_tokens=3)))
+            assert answer.bets_follow and list(answer.proposals[0].token_ids) == [3, 4, 1]
+            followup = await call.read()
+            assert followup.followup and not followup.bets
+            (table,) = followup.tables
+            assert (table.seq_id, table.round, list(table.proposal)) == (7, 1, [3, 4, 1])
+            # Each accepted count: the context's last token 2, 3, 4 or 1 has one follower.
+            assert list(table.group_sizes) == [1, 1, 1, 1]
+            assert table_drafts(table, [3, 4, 1, 2]) == [3, 4, 1, 2]
+            assert table_drafts(table, [3, 9]) == []  # 3 then 9 was never seen
+
+            # Two drafts accepted, then 1: the answer is the table's entry, cut to K = 2.
+            entry = table_drafts(table, [3, 4, 1])
+            answer = await exchange(call, 2, drafter_pb2.DraftEntry(seq_id=7, round=1, advance=Advance(
+                num_drafted=3, num_accepted=2, new_token_ids=[3, 4, 1], num_speculative_tokens=2)))
+            assert [list(p.token_ids) for p in answer.proposals] == [entry[:2]] == [[2, 3]]
+            (table,) = (await call.read()).tables
+            # An outcome that leaves nothing to copy: no proposal, and still a table.
+            answer = await exchange(call, 3, drafter_pb2.DraftEntry(seq_id=7, round=2, advance=Advance(
+                num_drafted=2, num_accepted=0, new_token_ids=[9], num_speculative_tokens=3)))
+            assert table_drafts(table, [9]) == [] and not answer.proposals
+            assert answer.bets_follow
+            (table,) = (await call.read()).tables
+            assert (table.round, list(table.proposal), list(table.group_sizes)) == (3, [], [0])
+            await call.done_writing()
+            assert await ended(call)
+
+        async with drafter(NgramMethod(min_n=1, max_num_speculative_tokens=4)) as stub:
+            call = stub.Draft()
+            await exchange(call, 1, drafter_pb2.DraftEntry(seq_id=7, round=0, start=Start(
+                prompt_token_ids=[1, 2, 3, 1, 2], sampling=GREEDY, num_speculative_tokens=3)))
+            followup = await call.read()
+            assert followup.bets and not followup.tables
             await call.done_writing()
             assert await ended(call)
 

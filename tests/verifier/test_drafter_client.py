@@ -20,7 +20,7 @@ from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.tensor_codec import decode_tensor, dtype_to_proto
 from tests.ports import free_port
-from verifier.drafter_client import HOLD_HOST_ROWS, DrafterClient, TargetInfo
+from verifier.drafter_client import HOLD_HOST_ROWS, DrafterClient, TargetInfo, table_drafts
 from verifier.engine.proposer import Outcome, Proposal
 
 TARGET = TargetInfo(vocab_size=100, tokenizer_hash="", hidden_size=16, num_layers=2)
@@ -368,3 +368,86 @@ def test_a_step_whose_outcome_a_bet_named_does_not_wait_for_the_answer():
         assert client.send(3, {1: 3}, time.monotonic() + 10)
         assert client.collect(3, time.monotonic() + 10, {1: 3}) == {1: Proposal([8, 9, 10])}
         assert (client.bet_lookups, client.bet_hits) == (2, 1)
+
+
+class TablesThenHolds(drafter_pb2_grpc.DrafterServicer):
+    """Answers step 1 with drafts [5, 6] and a DraftTable of its outcomes, step 2 with no
+    drafts and a table (4 -> [11, 12]); answers later steps only once `release` is set."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.requests: list[drafter_pb2.DraftRequest] = []
+
+    def Info(self, request, context):
+        return drafter_pb2.InfoResponse(
+            method=common_pb2.SPEC_METHOD_NGRAM, max_num_speculative_tokens=8,
+            tokenizer=common_pb2.TokenizerFingerprint(vocab_size=TARGET.vocab_size))
+
+    def Draft(self, request_iterator, context):
+        for req in request_iterator:
+            self.requests.append(req)
+            (entry,) = req.entries
+            if req.step == 1:
+                yield drafter_pb2.DraftResponse(step=1, bets_follow=True, proposals=[
+                    drafter_pb2.DraftProposal(seq_id=1, round=entry.round, token_ids=[5, 6])])
+                # After 9: 1 2; after 5 7: 3; after 5 6 7: 8 9 10; after 5 6 8: 4.
+                yield drafter_pb2.DraftResponse(step=1, followup=True, tables=[
+                    drafter_pb2.DraftTable(seq_id=1, round=entry.round + 1, proposal=[5, 6],
+                                           group_sizes=[1, 1, 2], bonus=[9, 7, 7, 8],
+                                           lengths=[2, 1, 3, 1],
+                                           token_ids=[1, 2, 3, 8, 9, 10, 4])])
+            elif req.step == 2:
+                yield drafter_pb2.DraftResponse(step=2, bets_follow=True)
+                yield drafter_pb2.DraftResponse(step=2, followup=True, tables=[
+                    drafter_pb2.DraftTable(seq_id=1, round=entry.round + 1, group_sizes=[1],
+                                           bonus=[4], lengths=[2], token_ids=[11, 12])])
+            else:
+                self.release.wait(30)
+                yield drafter_pb2.DraftResponse(step=req.step, proposals=[
+                    drafter_pb2.DraftProposal(seq_id=1, round=entry.round, token_ids=[11])])
+
+
+def test_a_table_answers_every_outcome_without_waiting_for_the_drafter():
+    servicer = TablesThenHolds()
+    with connected(servicer) as client:
+        client.track(1, [1, 2, 3], SamplingParams(), 4)
+        assert client.send(1, {1: 2}, time.monotonic() + 10)
+        assert client.collect(1, time.monotonic() + 10, {1: 2}) == {1: Proposal([5, 6])}
+        # One draft accepted, then 3, which the table does not list: no drafts, and
+        # nothing to wait for.
+        client.record(1, Outcome(num_drafted=2, num_accepted=1, new_token_ids=[5, 3]))
+        t0 = time.monotonic()  # the table follows the answer: ready once it is here
+        while not client.bet_ready(1) and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        assert client.bet_ready(1)
+        assert not client.send(2, {1: 4}, time.monotonic() + 10)
+        assert client.collect(2, time.monotonic() + 10, {1: 4}, due=False) == {}
+        assert (client.bet_lookups, client.bet_hits, client.misses) == (1, 1, {})
+        # That step ran plain; its outcome is held, and the table the drafter placed on
+        # the Advance's context names it.
+        client.record(1, Outcome(num_drafted=0, num_accepted=0, new_token_ids=[4]))
+        assert not client.send(3, {1: 4}, time.monotonic() + 10)
+        assert client.collect(3, time.monotonic() + 10, {1: 4}, due=False) == {
+            1: Proposal([11, 12])}
+        assert (client.bet_lookups, client.bet_hits, client.misses) == (2, 2, {})
+        t0 = time.monotonic()
+        while len(servicer.requests) < 3 and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        advances = [r.entries[0].advance for r in servicer.requests[1:]]
+        assert [(list(a.new_token_ids), a.num_drafted, a.num_speculative_tokens)
+                for a in advances] == [([5, 3], 2, 4), ([4], 0, 4)]
+        servicer.release.set()
+
+
+def test_table_drafts_reads_each_group_and_refuses_other_outcomes():
+    table = drafter_pb2.DraftTable(proposal=[5, 6], group_sizes=[1, 1, 2], bonus=[9, 7, 7, 8],
+                                   lengths=[2, 1, 3, 1], token_ids=[1, 2, 3, 8, 9, 10, 4])
+    assert table_drafts(table, [9]) == [1, 2]
+    assert table_drafts(table, [5, 7]) == [3]
+    assert table_drafts(table, [5, 6, 7]) == [8, 9, 10]
+    assert table_drafts(table, [5, 6, 8]) == [4]
+    assert table_drafts(table, [5, 6, 9]) == [] and table_drafts(table, [7]) == []
+    # Not the proposal's prefix, or past its end: outcomes the table cannot answer.
+    assert table_drafts(table, [6, 7]) is None
+    assert table_drafts(table, [5, 6, 7, 8]) is None
+    assert table_drafts(table, []) is None
