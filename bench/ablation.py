@@ -59,6 +59,7 @@ from specdec.launch import (
     on_free_ports,
 )
 from specdec.models.prepare import prepare_default_model
+from train.inprocess import InProcessProposer
 from verifier.engine.speculation import ControllerConfig, SpeculationController
 
 # Configuration -> (static K or None for the controller, the controller's config).
@@ -79,12 +80,13 @@ CONFIGS: dict[str, tuple[int | None, ControllerConfig | None]] = {
 # every drafting step waits for the drafter's answer, as before bets.
 NO_BETS = {"K=2 no bets": "K=2", "controller no bets": "controller"}
 CONFIGS.update({n: CONFIGS[base] for n, base in NO_BETS.items()})
-# The same configurations against a second instance of the drafter service, started
-# with these flags added: `min2` matches n-grams of two tokens or more, which lets the
-# ngram drafter answer every outcome ahead in one table (DraftTable).
-VARIANTS = {"min2": ("--ngram-min", "2")}
+# The same configurations against a variant of the drafter: a second instance of its
+# service started with flags added (`min2` matches n-grams of two tokens or more, which
+# lets the ngram drafter answer every outcome ahead in one table, DraftTable), or
+# (None) its method run inside this process by an engine of its own, without the wire.
+VARIANTS: dict[str, tuple[str, ...] | None] = {"min2": ("--ngram-min", "2"), "in process": None}
 VARIANT_OF = {f"{base} {v}": v for v in VARIANTS for base in ("K=2", "K=4", "controller")}
-CONFIGS.update({n: CONFIGS[n.rsplit(" ", 1)[0]] for n in VARIANT_OF})
+CONFIGS.update({n: CONFIGS[n.removesuffix(" " + v)] for n, v in VARIANT_OF.items()})
 
 class Bench:
     """One engine as the verifier runs it, with the `method` drafter service."""
@@ -106,7 +108,7 @@ class Bench:
         if not args.drafter:
             raise SystemExit(f"x-local runs no {method} drafter")
         (drafter,) = [s for s in services if s.name == method]
-        extra = [_variant(drafter, v) for v in sorted(variants)]
+        extra = [_variant(drafter, v) for v in sorted(variants) if VARIANTS[v] is not None]
         args.drafter += [(s.name, s.health) for s in extra]
         self.stack = LocalStack([drafter, *extra], log_dir,
                                 log=lambda s: print("  " + s, flush=True))
@@ -126,6 +128,12 @@ class Bench:
             raise RuntimeError(f"the {method} drafter is not reachable (log {log_dir})")
         self.engine = Engine(self.model, engine_config(args), self.pool,
                              self.tokenizer.eos_token_ids)
+        # Variants drafting in this process: an engine each, the model shared.
+        self.engines = {v: Engine(self.model, engine_config(args),
+                                  InProcessProposer(_method_of(drafter),
+                                                    args.max_num_speculative_tokens),
+                                  self.tokenizer.eos_token_ids)
+                        for v in variants if VARIANTS[v] is None}
         self.method, self.bound = method, args.num_speculative_tokens
         self.controllers = {name: SpeculationController(c) for name, (_, c) in CONFIGS.items()
                             if c is not None}
@@ -141,9 +149,10 @@ class Bench:
         from verifier.engine import Request
 
         k, _ = CONFIGS[config]
-        drafter = (f"{self.method}-{VARIANT_OF[config]}" if config in VARIANT_OF
-                   else self.method)
-        engine = self.engine
+        variant = VARIANT_OF.get(config)
+        drafter = self.method if variant is None or variant in self.engines else \
+            f"{self.method}-{variant}"
+        engine = self.engines.get(variant, self.engine)
         engine.controller = self.controllers.get(config)
         clients = list(self.pool.clients.values())
         for client in clients:
@@ -195,6 +204,13 @@ def _variant(service: LocalService, variant: str) -> LocalService:
     argv[argv.index("--port") + 1] = str(port)
     return LocalService(f"{service.name}-{variant}", (*argv, *VARIANTS[variant]),
                         f"127.0.0.1:{port}", service.depends_on, service.health_tls)
+
+
+def _method_of(service: LocalService):
+    """The draft method the drafter service's command builds."""
+    from drafter.__main__ import build_method, build_parser
+
+    return build_method(build_parser().parse_args(list(service.argv[1:])))
 
 
 def priced(by_config: dict[str, list[dict]]) -> dict[str, list[float]]:

@@ -80,6 +80,19 @@ class Draft:
             check_parents(self.parents, len(self.token_ids))
 
 
+@dataclass(slots=True)
+class OutcomeTable:
+    """The drafts after every outcome of verifying a proposal d (a DraftTable)."""
+
+    # Per accepted count a in 0..len(d): (bonus [B] ascending, lengths [B], drafts
+    # [sum(lengths)] concatenated): the drafts after the context + d[:a] + [bonus[i]].
+    groups: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+    k: int  # the most drafts an outcome gets
+    # For a token a group does not list: the k tokens that followed its latest
+    # occurrence in the context (True), or none (False).
+    copy_unlisted: bool = False
+
+
 class DraftMethod(ABC):
     """A draft method. Calls come from one thread at a time (the servicer locks)."""
 
@@ -127,14 +140,10 @@ class DraftMethod(ABC):
         (its drafts need the target's hidden states, or carry probabilities)."""
         return None
 
-    def outcome_table(self, key: Hashable, drafts: list[int],
-                      k: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+    def outcome_table(self, key: Hashable, drafts: list[int], k: int) -> OutcomeTable | None:
         """Every outcome of verifying `drafts` at once (DraftTable, docs/design.md
-        section 2, "Bets"), leaving the state unchanged: for each accepted count a in
-        0..len(drafts), (bonus [B] ascending, lengths [B], concatenated drafts): the
-        drafts (at most k) after the context + drafts[:a] + [bonus[i]], and none after
-        any token not listed. None: the method cannot list its outcomes in a table of
-        reasonable size, or its drafts need what only the verifier has."""
+        section 2, "Tables"), leaving the state unchanged. None: the method cannot list
+        its outcomes, or its drafts need what only the verifier has."""
         return None
 
     @abstractmethod

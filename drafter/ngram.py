@@ -14,7 +14,7 @@ from collections.abc import Hashable
 import numpy as np
 import torch
 
-from drafter.method import Draft, DrafterInfo, DraftMethod
+from drafter.method import Draft, DrafterInfo, DraftMethod, OutcomeTable
 from drafter.registry import register
 from specdec.pb import common_pb2
 from specdec.sampling import SamplingParams
@@ -51,18 +51,20 @@ def find_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.
 
 def continuation_table(tokens: np.ndarray, min_n: int, max_n: int,
                        k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """find_continuation for every one-token extension of a context at once.
+    """find_continuation for every one-token extension of a context whose match is at
+    least two tokens long, at once.
 
-    tokens: [n] int; min_n >= 2. Returns (bonus [B] ascending, lengths [B], drafts
-    [sum(lengths)]): find_continuation(tokens + [b], min_n, max_n, k) is the i-th run of
-    `lengths[i]` drafts for b == bonus[i], and empty for every b not in bonus. A match of
-    at least two tokens ends in the context's last token followed by b, so the only
-    candidates are the positions j right after an earlier occurrence of the last token,
-    with b = tokens[j].
+    tokens: [n] int, n >= 2; max_n >= 2. Returns (bonus [B] ascending, lengths [B],
+    drafts [sum(lengths)]): for b == bonus[i], find_continuation(tokens + [b], min_n,
+    max_n, k) is the i-th run of `lengths[i]` drafts. For any other b it is empty if
+    min_n >= 2, and otherwise copies what followed b's latest occurrence (a one-token
+    match: `copy_after`). A match of at least two tokens ends in the context's last
+    token followed by b, so the only candidates are the positions j right after an
+    earlier occurrence of the last token, with b = tokens[j].
     """
     n = tokens.shape[0]
-    if n < 2 or k < 1 or min_n < 2:
-        raise ValueError("continuation_table needs a context of >= 2 tokens, k >= 1, min_n >= 2")
+    if n < 2 or k < 1 or max_n < 2:
+        raise ValueError("continuation_table needs a context of >= 2 tokens, k >= 1, max_n >= 2")
     # j: [C] ascending; tokens[j - 1] is the last token, so b = tokens[j] matches 2 tokens.
     j = np.flatnonzero(tokens[:-1] == tokens[-1]) + 1
     if j.size == 0:
@@ -175,17 +177,19 @@ class NgramMethod(DraftMethod):
         return find_continuation(tokens, self.min_n, self.max_n,
                                  min(k, self._info.max_num_speculative_tokens)).tolist()
 
-    def outcome_table(self, key: Hashable, drafts: list[int],
-                      k: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
-        # A one-token match (min_n 1) would list every token the context holds.
-        if self.min_n < 2:
+    def outcome_table(self, key: Hashable, drafts: list[int], k: int) -> OutcomeTable | None:
+        # One-token matches (min_n 1) would list every token the context holds: the
+        # table lists the longer ones, and the verifier copies after the others itself.
+        if self.max_n < 2:
             return None
         context = self._contexts[key].view()
         full = np.concatenate([context, np.asarray(drafts, dtype=context.dtype)])
         k = min(k, self._info.max_num_speculative_tokens)
         empty = (full[:0], full[:0], full[:0])
-        return [continuation_table(full[:len(context) + a], self.min_n, self.max_n, k)
-                if len(context) + a >= 2 else empty for a in range(len(drafts) + 1)]
+        return OutcomeTable(
+            [continuation_table(full[:len(context) + a], self.min_n, self.max_n, k)
+             if len(context) + a >= 2 else empty for a in range(len(drafts) + 1)],
+            k, copy_unlisted=self.min_n == 1)
 
     def free(self, key: Hashable) -> None:
         self._contexts.pop(key, None)

@@ -220,13 +220,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             if (p is not None and not _chain(p)) or not self._method.has(key):
                 continue
             drafts = list(p.token_ids) if p is not None else []
-            groups = self._method.outcome_table(key, drafts, self._info.max_num_speculative_tokens)
-            if groups is None:
+            outcomes = self._method.outcome_table(key, drafts,
+                                                  self._info.max_num_speculative_tokens)
+            if outcomes is None:
                 self.tables = False  # the method declines for its configuration
                 return tabled
             table = followup.tables.add(seq_id=seq_id, round=stream.rounds[seq_id] + 1,
-                                        proposal=drafts)
-            for bonus, lengths, tokens in groups:
+                                        proposal=drafts, k=outcomes.k,
+                                        copy_unlisted=outcomes.copy_unlisted)
+            for bonus, lengths, tokens in outcomes.groups:
                 table.group_sizes.append(len(bonus))
                 table.bonus.extend(bonus.tolist())
                 table.lengths.extend(lengths.tolist())

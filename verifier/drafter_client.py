@@ -46,6 +46,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -90,9 +91,12 @@ class TargetInfo:
     num_layers: int
 
 
-def table_drafts(table: drafter_pb2.DraftTable, new: list[int]) -> list[int] | None:
-    """The drafts a DraftTable gives for the Advance appending `new`: [] for an outcome
-    it does not list, None for one it cannot answer (not its proposal's prefix + a token)."""
+def table_drafts(table: drafter_pb2.DraftTable, new: list[int],
+                 copy_after: Callable[[int, int], list[int]] | None = None) -> list[int] | None:
+    """The drafts a DraftTable gives for the Advance appending `new` ([] for none), or
+    None for an outcome it cannot answer (not its proposal's prefix and a token).
+    copy_after(b, k): the k tokens after b's latest earlier occurrence in the context,
+    for the tokens a table with copy_unlisted does not list."""
     a = len(new) - 1
     if not 0 <= a < len(table.group_sizes) or list(table.proposal[:a]) != new[:a]:
         return None
@@ -100,7 +104,9 @@ def table_drafts(table: drafter_pb2.DraftTable, new: list[int]) -> list[int] | N
     hi = lo + table.group_sizes[a]
     i = bisect.bisect_left(table.bonus, new[-1], lo, hi)
     if i == hi or table.bonus[i] != new[-1]:
-        return []
+        if not table.copy_unlisted:
+            return []
+        return None if copy_after is None else copy_after(new[-1], table.k)
     start = sum(table.lengths[:i])
     return list(table.token_ids[start:start + table.lengths[i]])
 
@@ -153,6 +159,23 @@ class _Seq:
     bet_round: int = -1
     # Or every outcome's drafts at once (DraftTable), for the same round.
     table: drafter_pb2.DraftTable | None = None
+    # Each token's latest position among the context's first `indexed` (copy_after's).
+    latest: dict[int, int] = field(default_factory=dict)
+    indexed: int = 0
+
+    def copy_after(self, token: int, k: int) -> list[int]:
+        """The (at most k) tokens that followed `token`'s latest occurrence before the
+        context's last token, through that last token: what a one-token n-gram match
+        drafts (DraftTable.copy_unlisted). Indexes the context as it grows."""
+        p, n = len(self.prompt), len(self.prompt) + len(self.output)
+        for pos in range(self.indexed, n - 1):
+            self.latest[self.prompt[pos] if pos < p else self.output[pos - p]] = pos
+        self.indexed = max(self.indexed, n - 1)
+        j = self.latest.get(token)
+        if j is None:
+            return []
+        return [self.prompt[x] if x < p else self.output[x - p]
+                for x in range(j + 1, min(j + 1 + k, n))]
 
     def unsent(self) -> list[int] | None:
         """The tokens the next Advance appends, if it is one a bet can name: a pending
@@ -488,7 +511,7 @@ class DrafterClient:
         if new is None:
             return None
         if seq.table is not None:
-            return table_drafts(seq.table, new)
+            return table_drafts(seq.table, new, seq.copy_after)
         return seq.bets.get(tuple(new)) or None
 
     def _bet(self, seq: _Seq, k: int) -> list[int] | None:

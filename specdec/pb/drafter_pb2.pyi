@@ -93,7 +93,7 @@ class DraftResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[DraftProposal, _Mapping]]] = ..., draft_time_ms: _Optional[float] = ..., unknown_seq_ids: _Optional[_Iterable[int]] = ..., bets: _Optional[_Iterable[_Union[DraftBet, _Mapping]]] = ..., followup: _Optional[bool] = ..., bets_follow: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[DraftTable, _Mapping]]] = ...) -> None: ...
 
 class DraftTable(_message.Message):
-    __slots__ = ("seq_id", "round", "proposal", "group_sizes", "bonus", "lengths", "token_ids")
+    __slots__ = ("seq_id", "round", "proposal", "group_sizes", "bonus", "lengths", "token_ids", "k", "copy_unlisted")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,8 @@ class DraftTable(_message.Message):
     BONUS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    COPY_UNLISTED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     proposal: _containers.RepeatedScalarFieldContainer[int]
@@ -108,7 +110,9 @@ class DraftTable(_message.Message):
     bonus: _containers.RepeatedScalarFieldContainer[int]
     lengths: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., proposal: _Optional[_Iterable[int]] = ..., group_sizes: _Optional[_Iterable[int]] = ..., bonus: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    k: int
+    copy_unlisted: bool
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., proposal: _Optional[_Iterable[int]] = ..., group_sizes: _Optional[_Iterable[int]] = ..., bonus: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., copy_unlisted: _Optional[bool] = ...) -> None: ...
 
 class DraftBet(_message.Message):
     __slots__ = ("seq_id", "round", "new_token_ids", "token_ids")

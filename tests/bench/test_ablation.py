@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from bench import ablation
+from drafter.ngram import NgramMethod
 from specdec.launch import LocalService
 
 
@@ -54,3 +55,12 @@ def test_a_variant_is_the_drafter_on_a_port_of_its_own_with_its_flags():
     assert v.argv == (*svc.argv[:-1], port, "--ngram-min", "2")
     assert ablation.CONFIGS["controller min2"] == ablation.CONFIGS["controller"]
     assert ablation.VARIANT_OF["K=4 min2"] == "min2"
+
+
+def test_the_in_process_variant_drafts_with_the_services_method_and_flags():
+    svc = LocalService("ngram", ("specdec-drafter", "--method", "ngram", "--ngram-min", "2",
+                                 "--port", "5"), "127.0.0.1:5", ())
+    method = ablation._method_of(svc)
+    assert isinstance(method, NgramMethod) and (method.min_n, method.max_n) == (2, 4)
+    assert ablation.VARIANT_OF["K=2 in process"] == "in process"
+    assert ablation.CONFIGS["K=2 in process"] == ablation.CONFIGS["K=2"]

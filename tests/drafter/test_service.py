@@ -410,7 +410,9 @@ def test_rollback_past_the_context_is_invalid():
     run(main())
 
 
-@pytest.mark.parametrize("make", [lambda: NgramMethod(max_num_speculative_tokens=4),
+# Ngram matching single tokens only has no longer matches to list in a table (see the
+# test after), so it places single bets.
+@pytest.mark.parametrize("make", [lambda: NgramMethod(max_n=1, max_num_speculative_tokens=4),
                                   lambda: SuffixMethod(max_num_speculative_tokens=4)],
                          ids=["ngram", "suffix"])
 def test_bets_on_a_fully_accepted_proposal_answer_its_outcome(make):
@@ -453,9 +455,10 @@ def test_bets_on_a_fully_accepted_proposal_answer_its_outcome(make):
 
 
 def test_ngram_places_a_table_of_every_outcome_and_answers_by_it():
-    """Ngram with two-token matches lists every outcome's drafts in a DraftTable (after a
-    proposal, and after an answer with none), and answers the Advance with the entry of
-    its outcome; with one-token matches it places single bets instead."""
+    """Ngram lists every outcome's drafts in a DraftTable (after a proposal, and after an
+    answer with none) and answers the Advance with the entry of its outcome; with
+    one-token matches the verifier copies after the tokens the table does not list, and
+    with nothing longer to match the drafter places single bets instead."""
 
     async def main():
         async with drafter(NgramMethod(min_n=2, max_num_speculative_tokens=4)) as stub:
@@ -468,6 +471,7 @@ def test_ngram_places_a_table_of_every_outcome_and_answers_by_it():
             assert followup.followup and not followup.bets
             (table,) = followup.tables
             assert (table.seq_id, table.round, list(table.proposal)) == (7, 1, [3, 4, 1])
+            assert (table.k, table.copy_unlisted) == (4, False)
             # Each accepted count: the context's last token 2, 3, 4 or 1 has one follower.
             assert list(table.group_sizes) == [1, 1, 1, 1]
             assert table_drafts(table, [3, 4, 1, 2]) == [3, 4, 1, 2]
@@ -489,14 +493,18 @@ def test_ngram_places_a_table_of_every_outcome_and_answers_by_it():
             await call.done_writing()
             assert await ended(call)
 
-        async with drafter(NgramMethod(min_n=1, max_num_speculative_tokens=4)) as stub:
-            call = stub.Draft()
-            await exchange(call, 1, drafter_pb2.DraftEntry(seq_id=7, round=0, start=Start(
-                prompt_token_ids=[1, 2, 3, 1, 2], sampling=GREEDY, num_speculative_tokens=3)))
-            followup = await call.read()
-            assert followup.bets and not followup.tables
-            await call.done_writing()
-            assert await ended(call)
+        for max_n, tables in ((4, True), (1, False)):
+            method = NgramMethod(min_n=1, max_n=max_n, max_num_speculative_tokens=4)
+            async with drafter(method) as stub:
+                call = stub.Draft()
+                await exchange(call, 1, drafter_pb2.DraftEntry(seq_id=7, round=0, start=Start(
+                    prompt_token_ids=[1, 2, 3, 1, 2], sampling=GREEDY,
+                    num_speculative_tokens=3)))
+                followup = await call.read()
+                assert bool(followup.tables) == tables and bool(followup.bets) != tables
+                assert all(t.copy_unlisted for t in followup.tables)
+                await call.done_writing()
+                assert await ended(call)
 
     run(main())
 

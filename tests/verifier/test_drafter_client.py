@@ -20,7 +20,13 @@ from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.tensor_codec import decode_tensor, dtype_to_proto
 from tests.ports import free_port
-from verifier.drafter_client import HOLD_HOST_ROWS, DrafterClient, TargetInfo, table_drafts
+from verifier.drafter_client import (
+    HOLD_HOST_ROWS,
+    DrafterClient,
+    TargetInfo,
+    _Seq,
+    table_drafts,
+)
 from verifier.engine.proposer import Outcome, Proposal
 
 TARGET = TargetInfo(vocab_size=100, tokenizer_hash="", hidden_size=16, num_layers=2)
@@ -451,3 +457,20 @@ def test_table_drafts_reads_each_group_and_refuses_other_outcomes():
     assert table_drafts(table, [6, 7]) is None
     assert table_drafts(table, [5, 6, 7, 8]) is None
     assert table_drafts(table, []) is None
+
+
+def test_a_table_copies_after_an_unlisted_tokens_latest_occurrence():
+    """With copy_unlisted, a token the group does not list gets the tokens that followed
+    its latest earlier occurrence in the sequence's context (a one-token match), through
+    the token itself, cut to the table's k; a token never seen gets none."""
+    table = drafter_pb2.DraftTable(proposal=[5], group_sizes=[0, 1], bonus=[9], lengths=[1],
+                                   token_ids=[4], k=3, copy_unlisted=True)
+    seq = _Seq([1, 2, 3, 1, 7, 8], SamplingParams(), 4)
+    seq.output = [5, 2]  # context 1 2 3 1 7 8 5 | 2: 2 last occurred at position 1
+    assert table_drafts(table, [5, 2], seq.copy_after) == [3, 1, 7]
+    assert table_drafts(table, [5, 9], seq.copy_after) == [4]  # listed: the entry
+    seq.output = [5, 2, 6, 6]  # the context grows; 6 last occurred just before the end
+    assert table_drafts(table, [6], seq.copy_after) == [6]
+    seq.output = [5, 2, 6, 6, 0]
+    assert table_drafts(table, [0], seq.copy_after) == []
+    assert table_drafts(table, [5, 2]) is None  # a copy needs the context
