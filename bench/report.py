@@ -542,6 +542,32 @@ SECTIONS = [
      "target in two repeats of four",
      "python -m bench.serving --systems ours-vllm --ours-vllm 'plain,default' --prompt-set "
      "open --repeats 2 --out bench/results/serving_vllm_engine_bound_same_open.json"),
+    ("serving_vllm_engine_open16.md",
+     "The vLLM engine's open-prompt C = 16 cell alone, four repeats alternating (AMD EPYC, "
+     "2026-12-07, every reply equal): default / plain 0.98, 1.04, 0.96, 1.01, mean 1.00",
+     "python -m bench.serving --systems ours-vllm --ours-vllm 'plain,default' --prompt-set "
+     "open --concurrency 16 --repeats 4 --out bench/results/serving_vllm_engine_open16.json"),
+    ("speculation_tables.md",
+     "Outcome tables (DraftTable, with copy_unlisted) taken and left untaken, and the ngram "
+     "drafter run in the verifier's process, as bench.ablation runs them, AMD EPYC "
+     "(2026-12-07), two repeats alternating. Tables answered 98-99 % of lookups at K = 2 "
+     "(75-99 % under the controller, whose plain steps hold outcomes); the median draft "
+     "wait was 0.04-0.17 ms at C = 1 and 4 (1.19-1.75 ms without), 0.32 ms at K = 2, C = 16 "
+     "(in process 0.24-0.27: the drafting itself). Remote against in process at C = 1, "
+     "priced: K = 2 1.03 / 1.03 (chat / open), controller 0.96 / 1.00",
+     "python -m bench.ablation --configs 'plain,K=2,K=2 no bets,controller,controller no "
+     "bets,K=2 in process,controller in process' --out bench/results/speculation_tables.json"),
+    ("speculation_tables_min2.md",
+     "Outcome tables (DraftTable) against single bets: the ngram drafter service with "
+     "matches of two tokens or more (`min2`, which lists every outcome in a table) beside "
+     "the default one-token ngram as it was then (single bets), our engine in process as "
+     "bench.ablation runs it, AMD EPYC (2026-12-07), two repeats alternating. Tables answered "
+     "98-99 % of lookups at static K and the median draft wait fell from 1.07-2.23 ms to "
+     "0.15-0.35 ms; min2 drafts fewer tokens a step (1.58 against 1.69 at K = 2, C = 1, "
+     "chat) and priced tok/s stayed within the noise of min 1, which tables now serve too "
+     "(copy_unlisted)",
+     "python -m bench.ablation --configs 'plain,K=2,K=4,controller,K=2 min2,K=4 min2,"
+     "controller min2' --out bench/results/speculation_tables_min2.json"),
     ("serving_vllm_bets.md",
      "`vllm serve` at its best CPU binding with our ngram and suffix drafter services as its "
      "proposer (taking their bets), beside its own ngram, AMD EPYC (2026-12-06), repeats "

@@ -57,6 +57,8 @@ class _Stream:
     guesses: dict[int, Guess] = field(default_factory=dict)
     ready: dict[int, Draft] = field(default_factory=dict)
     wanted: dict[int, int] = field(default_factory=dict)  # seq_id -> K of the last request
+    # Sequences the last request started or advanced, asked for drafts or not.
+    advanced: list[int] = field(default_factory=list)
     predraft: asyncio.Future | None = None
     # Bets placed (DraftBet): seq_id -> (round of the Advance they answer, outcome -> drafts).
     bets: dict[int, tuple[int, dict[tuple[int, ...], list[int]]]] = field(default_factory=dict)
@@ -134,7 +136,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                 else await asyncio.to_thread(self._handle, stream, request))
                 except InvalidRequest as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                response.bets_follow = (self.tables and bool(stream.wanted)) or (
+                response.bets_follow = (self.tables and bool(stream.advanced)) or (
                     self.betting and any(map(_chain, response.proposals)))
                 response.draft_time_ms = (time.perf_counter() - received) * 1e3
                 yield response
@@ -208,13 +210,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def _place_tables(self, stream: _Stream, response: drafter_pb2.DraftResponse,
                       followup: drafter_pb2.DraftResponse) -> set[int]:
-        """A DraftTable for every sequence the response answered, with or without a
-        proposal, where the method lists its outcomes; returns their seq_ids. Under the
-        lock. Ngram's drafts follow from the context alone, so the drafter's answer to
-        the Advance is the table's entry whatever the verifier took: no bet to remember."""
+        """A DraftTable for every sequence the request started or advanced, with a
+        proposal or without (asked for none: a sequence the verifier's controller runs
+        plain may draft again at the next step), where the method lists its outcomes;
+        returns their seq_ids. Under the lock. Ngram's drafts follow from the context
+        alone, so the drafter's answer to the Advance is the table's entry whatever the
+        verifier took: no bet to remember."""
         proposed = {p.seq_id: p for p in response.proposals}
         tabled: set[int] = set()
-        for seq_id in stream.wanted:
+        for seq_id in stream.advanced:
             p = proposed.get(seq_id)
             key = (stream.number, seq_id)
             if (p is not None and not _chain(p)) or not self._method.has(key):
@@ -253,6 +257,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         # key -> K. The proto allows one entry per sequence; should a request carry more
         # (say Free then Start), they apply in order and the last one decides the K.
         wanted: dict[Key, int] = {}
+        advanced: dict[int, None] = {}  # in order, once each
         with self._lock:
             if stream.closed:  # the client left while this request waited for the lock
                 return response
@@ -264,11 +269,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 k = self._entry_handlers[kind](stream, entry, where)
                 key = (stream.number, entry.seq_id)
                 wanted.pop(key, None)
+                advanced.pop(entry.seq_id, None)
+                if kind != "free" and k is not None:
+                    advanced[entry.seq_id] = None
                 if k is None:
                     response.unknown_seq_ids.append(entry.seq_id)
                 elif k > 0:
                     wanted[key] = min(k, self._info.max_num_speculative_tokens)
             stream.wanted = {key[1]: k for key, k in wanted.items()}
+            stream.advanced = list(advanced)
             if wanted:
                 self._add_proposals(response, stream, wanted)
         return response

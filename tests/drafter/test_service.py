@@ -402,7 +402,8 @@ def test_rollback_past_the_context_is_invalid():
             await call.write(drafter_pb2.DraftRequest(step=2, entries=[drafter_pb2.DraftEntry(
                 seq_id=1, round=1, advance=Advance(num_rollback_tokens=3, new_token_ids=[5]))]))
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await call.read()
+                while (await call.read()).followup:  # the table placed after the Start
+                    pass
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert err.value.details().startswith("entries[0].advance: num_rollback_tokens 3")
             await wait_until(lambda: method.num_sequences == 0)
@@ -490,6 +491,13 @@ def test_ngram_places_a_table_of_every_outcome_and_answers_by_it():
             assert answer.bets_follow
             (table,) = (await call.read()).tables
             assert (table.round, list(table.proposal), list(table.group_sizes)) == (3, [], [0])
+            # Advanced without being asked for drafts (the verifier runs it plain this
+            # step): still a table, for the step that drafts again.
+            answer = await exchange(call, 4, drafter_pb2.DraftEntry(seq_id=7, round=3, advance=Advance(
+                num_drafted=0, num_accepted=0, new_token_ids=[1], num_speculative_tokens=0)))
+            assert answer.bets_follow and not answer.proposals
+            (table,) = (await call.read()).tables
+            assert table.round == 4 and table_drafts(table, [2]) == [3, 4, 1, 9]
             await call.done_writing()
             assert await ended(call)
 
