@@ -117,9 +117,14 @@ VLLM = {"plain": None,
                           "num_speculative_tokens_per_batch_size":
                               [[1, 1, 4], [2, 4, 3], [5, 8, 2], [9, 1024, 1]]},
         "remote ngram K=4": REMOTE_PROPOSER,
+        "remote ngram K=4 no bets": REMOTE_PROPOSER,
         "remote suffix K=4": REMOTE_PROPOSER}
 # Modes whose proposer drafts through one of our drafter services: mode -> its method.
-VLLM_REMOTE = {"remote ngram K=4": "ngram", "remote suffix K=4": "suffix"}
+VLLM_REMOTE = {"remote ngram K=4": "ngram", "remote ngram K=4 no bets": "ngram",
+               "remote suffix K=4": "suffix"}
+# RemoteProposer settings beside the drafters (verifier.vllm.proposer.ProposerConfig):
+# the ablation of the drafters' bets and tables, every step waiting for the answer.
+REMOTE_SETTINGS = {"remote ngram K=4 no bets": {"draft_bets": False}}
 # The memory fraction is vLLM's CPU memory reservation; its default (0.92) refuses to
 # start beside our services' memory on a 24 GiB machine.
 VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
@@ -513,15 +518,18 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def vllm_argv(python: Path, model_dir: Path, port: int, spec: dict | None,
-              drafters: dict[str, str] | None = None) -> list[str]:
-    """drafters: name -> HOST:PORT of our drafter services, for RemoteProposer."""
+              drafters: dict[str, str] | None = None,
+              settings: dict | None = None) -> list[str]:
+    """drafters: name -> HOST:PORT of our drafter services, for RemoteProposer, with its
+    other settings."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             *VLLM_ARGS, "--enable-logging-iteration-details"]
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
     if drafters:
-        argv += ["--additional-config", json.dumps({"specdec": {"drafters": drafters}})]
+        argv += ["--additional-config",
+                 json.dumps({"specdec": {"drafters": drafters, **(settings or {})}})]
     return argv
 
 
@@ -556,14 +564,14 @@ def specdec_unavailable_beside_vllm(python: Path) -> str | None:
 @contextlib.contextmanager
 def vllm_server(python: Path, model_dir: Path, log: Path, spec: dict | None,
                 timeout_s: float, binding: dict[str, str],
-                drafters: dict[str, str] | None = None):
+                drafters: dict[str, str] | None = None, settings: dict | None = None):
     """`vllm serve` on a free port with --speculative-config `spec` and the CPU thread
     binding's variables, serving: (base URL, its process, seconds to serving)."""
     port = free_port()
     print(f"starting `vllm serve` (log {log}) ...", flush=True)
     t0 = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(vllm_argv(python, model_dir, port, spec, drafters),
+        proc = subprocess.Popen(vllm_argv(python, model_dir, port, spec, drafters, settings),
                                 stdout=out, env=vllm_environ(python, {**os.environ, **binding}),
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
@@ -579,8 +587,8 @@ def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
              ) -> tuple[dict, dict, dict[str, str]]:
     """(cells, startup seconds per mode, why a mode is unavailable)."""
     python = Path(args.peers_python)
-    modes = {m: spec for m, spec in VLLM.items()
-             if args.configs["vllm"] is None or m in args.configs["vllm"]}
+    wanted = args.configs["vllm"] or [m for m in VLLM if m not in REMOTE_SETTINGS]
+    modes = {m: spec for m, spec in VLLM.items() if m in wanted}
     if (why := vllm_unavailable(python)) is not None:
         return {}, {}, {f"vllm {m}": why for m in modes}
     cells, startup, unavailable = {}, {}, {}
@@ -597,7 +605,8 @@ def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
             drafters = {method: address}
         try:
             with vllm_server(python, model_dir, log, spec, args.vllm_timeout_s,
-                             args.vllm_binding, drafters) as (base, proc, took):
+                             args.vllm_binding, drafters,
+                             REMOTE_SETTINGS.get(mode)) as (base, proc, took):
                 startup[name] = took
                 probe = Probe({"vllm": proc.pid}, vllm_log=log)
                 got = asyncio.run(drive(base, {mode: None}, prompts, args, "vllm", probe))
@@ -1078,7 +1087,7 @@ def main(argv: list[str] | None = None) -> None:
     for system, configs in [*((n, st.configs) for n, st in STACKS.items()), ("vllm", VLLM)]:
         ap.add_argument(f"--{system}", type=lambda s: s.split(","), default=None,
                         help=f"comma-separated configurations of {system} to run (default: "
-                             f"all of {', '.join(configs)})")
+                             f"all of {', '.join(configs)}, but ablations)")
     ap.add_argument("--peers-python", default=str(PEERS_PYTHON),
                     help="vLLM's interpreter for `vllm serve` (ours-vllm's verifier: "
                          f"${VLLM_PYTHON_ENV}, default {VLLM_PYTHON})")
