@@ -568,6 +568,23 @@ SECTIONS = [
      "(copy_unlisted)",
      "python -m bench.ablation --configs 'plain,K=2,K=4,controller,K=2 min2,K=4 min2,"
      "controller min2' --out bench/results/speculation_tables_min2.json"),
+    ("serving_vllm_tables.md",
+     "`vllm serve` at its best CPU binding with our ngram drafter service as its proposer, "
+     "now answering from tables, beside its own ngram and plain, AMD EPYC (2026-12-07), "
+     "each mode's repeats back to back: remote ngram 50.4 / 102.5 / 169.4 tok/s at C = 1 / "
+     "4 / 16 against vLLM's ngram 36.2 / 95.1 / 136.2 (1.39x / 1.08x / 1.24x), under the "
+     "1.4x target; the same modes a session earlier gave 1.65x / 1.40x / 1.51x",
+     "python -m bench.serving --systems vllm --vllm 'plain,ngram K=4,remote ngram K=4' "
+     "--vllm-binding 'cores 0-1, none reserved' --repeats 2 "
+     "--out bench/results/serving_vllm_tables.json"),
+    ("serving_vllm_tables_ab.md",
+     "The same proposer taking tables and taking none (`no bets`: every step waits for "
+     "the answer), AMD EPYC (2026-12-07): 51.7 against 48.8 tok/s at C = 1 and 176.2 "
+     "against 165.5 at C = 16 (1.06x both); vLLM's iteration 34.9 against 35.9 ms and "
+     "123.8 against 134.4 ms",
+     "python -m bench.serving --systems vllm --vllm 'remote ngram K=4,remote ngram K=4 no "
+     "bets' --concurrency 1,16 --vllm-binding 'cores 0-1, none reserved' --repeats 2 "
+     "--out bench/results/serving_vllm_tables_ab.json"),
     ("serving_vllm_bets.md",
      "`vllm serve` at its best CPU binding with our ngram and suffix drafter services as its "
      "proposer (taking their bets), beside its own ngram, AMD EPYC (2026-12-06), repeats "
