@@ -60,8 +60,8 @@ class VerifierCounters(Collector):
         labels = ["verifier", "drafter", "method"]
         lookups = CounterMetricFamily(
             "specdec_verifier_draft_bet_lookups",
-            "Sequences asked for drafts right after a step that drafted for them, on "
-            "drafters that place bets on outcomes", labels=labels)
+            "Sequences asked for drafts with an outcome a bet or table could name, on "
+            "drafters that place them", labels=labels)
         bet_hits = CounterMetricFamily(
             "specdec_verifier_draft_bet_hits",
             "Of those, sequences whose drafts came from a bet, without waiting for the "

@@ -265,8 +265,8 @@ class DrafterClient:
         # bet on right gets the bet's drafts at once, without waiting for its answer.
         self.use_bets = use_bets
         self._betting = False  # the drafter has placed a bet on this client
-        self.bet_lookups = 0  # sequences asked for drafts after a step that drafted
-        self.bet_hits = 0  # of those, answered by a bet
+        self.bet_lookups = 0  # sequences asked for drafts with an outcome a bet could name
+        self.bet_hits = 0  # of those, answered by a bet or table
         self._hits: dict[int, Proposal] = {}  # this step's, from send() to collect()
         self._answered: set[int] = set()  # this step's sequences bets answered, drafts or not
         self._unwaited: int | None = None  # a step asked whose answer nobody waited for
