@@ -28,8 +28,19 @@ from specdec.tls import TlsConfig, open_channel
 log = logging.getLogger(__name__)
 
 # Hidden states of a long prefill chunk, or dense q over a 128k vocabulary at
-# K = 8, exceed gRPC's 4 MiB default.
+# K = 8, exceed gRPC's 4 MiB default: the drafter streams, which carry them.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# A Generate request's text (grammars, stop strings, a tool list's schemas), which a
+# gateway takes within its body limit (4 MiB by default).
+GENERATE_TEXT_BYTES = 16 * 1024 * 1024
+
+
+def generate_message_bytes(max_model_len: int, vocab_size: int) -> int:
+    """The largest Generate request a verifier takes: a prompt of max_model_len ids
+    and lists as long as the vocabulary (logit_bias, allowed ids), at most 16 bytes an
+    entry on the wire, and GENERATE_TEXT_BYTES of text. A larger one is refused by
+    gRPC (RESOURCE_EXHAUSTED) before it is read into memory."""
+    return GENERATE_TEXT_BYTES + 16 * (max_model_len + vocab_size)
 
 GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

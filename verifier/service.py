@@ -34,7 +34,13 @@ from specdec.cache_salt import check_cache_salt
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specdec.processors import LogitsProcessors
 from specdec.sampling import SamplingParams
-from specdec.server import ADMITTED, REQUEST_FAILED, GrpcService, start_server
+from specdec.server import (
+    ADMITTED,
+    REQUEST_FAILED,
+    GrpcService,
+    generate_message_bytes,
+    start_server,
+)
 from specdec.speculation import (
     SpeculationPolicy,
     acceptance_length,
@@ -359,6 +365,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             self._outputs.pop(rid, None)
             self._aborting.discard(rid)
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
     async def Load(self, request, context) -> verifier_pb2.LoadReport:
         cfg = self.engine.config
         load = self.worker.load
@@ -454,6 +464,9 @@ class Servicer(Protocol):
     """What `serve` runs: VerifierServicer over our engine, or vLLM's servicer
     (verifier/vllm/service.py)."""
 
+    target: TargetInfo  # the model's vocabulary, as drafters must match it
+    max_model_len: int
+
     def start(self) -> None: ...
 
     def fail_all(self, reason: str) -> None:
@@ -506,7 +519,9 @@ async def serve(servicer: Servicer, address: str, *, watched: Watched | None = N
     servicer.start()
     service = await start_server(
         address, lambda server: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server),
-        ["specdec.v1.Verifier"], token=token, tls=tls)
+        ["specdec.v1.Verifier"], token=token, tls=tls,
+        max_receive_bytes=generate_message_bytes(servicer.max_model_len,
+                                                 servicer.target.vocab_size))
     loop = asyncio.get_running_loop()
     verifier: VerifierService
 

@@ -25,6 +25,7 @@ from drafter.service import serve as serve_drafter
 from specdec.generate import greedy_generate
 from specdec.models import LlamaForCausalLM
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specdec.server import MAX_MESSAGE_BYTES, generate_message_bytes
 from tests.loop_thread import LoopThread
 from tests.ports import free_port
 from tests.tiny import tiny_llama
@@ -624,3 +625,22 @@ def test_speculation_off_and_on_mid_request_keeps_the_drafter_in_sync(loop, mode
         stack.close()
 
 
+
+
+def test_a_generate_request_past_the_message_limit_is_refused_before_it_is_read(loop, model):
+    """The verifier takes Generate messages of what a request can need (a prompt of
+    max_model_len ids, vocabulary-long lists, 16 MiB of text), not the drafter streams'
+    256 MiB: a larger one ends its own call with RESOURCE_EXHAUSTED, and the next
+    request is served."""
+    stack = Stack(loop, model, {})
+    try:
+        limit = generate_message_bytes(MAX_LEN, VOCAB)
+        assert limit < MAX_MESSAGE_BYTES
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stack.stub, start_msg([1, 2, 3], 5, request_id="x" * (limit + 1)))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        p = prompts(1, seed=3)[0]
+        tokens, _ = generate(stack.stub, start_msg(p, 8, method=common_pb2.SPEC_METHOD_NONE))
+        assert tokens == greedy_generate(model, [p], 8)[0]
+    finally:
+        stack.close()
