@@ -42,6 +42,7 @@ def generate_message_bytes(max_model_len: int, vocab_size: int) -> int:
     gRPC (RESOURCE_EXHAUSTED) before it is read into memory."""
     return GENERATE_TEXT_BYTES + 16 * (max_model_len + vocab_size)
 
+
 GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

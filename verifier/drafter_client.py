@@ -267,8 +267,9 @@ class DrafterClient:
         self._betting = False  # the drafter has placed a bet on this client
         self.bet_lookups = 0  # sequences asked for drafts with an outcome a bet could name
         self.bet_hits = 0  # of those, answered by a bet or table
-        self._hits: dict[int, Proposal] = {}  # this step's, from send() to collect()
-        self._answered: set[int] = set()  # this step's sequences bets answered, drafts or not
+        # This step's, from send() to collect(): a bet or table's drafts, or an empty
+        # proposal where a table says there are none (answered all the same).
+        self._hits: dict[int, Proposal] = {}
         self._unwaited: int | None = None  # a step asked whose answer nobody waited for
         self._bets_due: int | None = None  # a step answered whose bets have not arrived
 
@@ -433,7 +434,6 @@ class DrafterClient:
                 # Still waiting for an older answer: outcomes only, no new proposals.
                 self.misses = dict.fromkeys(wanted, "deadline")
                 asked = {}
-            answered: set[int] = set()
             entries = self._last + [
                 drafter_pb2.DraftEntry(seq_id=s, free=drafter_pb2.DraftEntry.Free())
                 for s in self._freed]
@@ -443,9 +443,7 @@ class DrafterClient:
                 k = min(wanted.get(seq_id, 0), seq.max_num_speculative_tokens)
                 bet = self._bet(seq, k)
                 if bet is not None:
-                    if bet:  # an empty one is the drafter's answer too: no drafts
-                        self._hits[seq_id] = Proposal(bet[:k])
-                    answered.add(seq_id)
+                    self._hits[seq_id] = Proposal(bet[:k])
                     self.misses.pop(seq_id, None)
                 seq.bets, seq.table = {}, None
                 k = min(asked.get(seq_id, 0), seq.max_num_speculative_tokens)
@@ -488,8 +486,7 @@ class DrafterClient:
             if any(asked.values()):
                 self._outstanding = step
                 self._outstanding_since = time.monotonic()
-            due = any(k for seq_id, k in asked.items() if seq_id not in answered)
-            self._answered = answered
+            due = any(k for seq_id, k in asked.items() if seq_id not in self._hits)
             self._unwaited = None if due or self._outstanding != step else step
             outq.put(drafter_pb2.DraftRequest(step=step, entries=entries))
             return due
@@ -500,15 +497,14 @@ class DrafterClient:
         with self._lock:
             seq = self._seqs.get(seq_id)
             return (seq is not None and self.use_bets and self._outq is not None
-                    and seq.generation == self._generation and self._bet_for(seq) is not None)
+                    and seq.generation == self._generation
+                    and self._bet_for(seq, seq.unsent()) is not None)
 
-    def _bet_for(self, seq: _Seq) -> list[int] | None:
-        """The drafts a bet or table placed for the outcome the sequence's next Advance
-        carries ([] where a table says none), or None. Under the lock."""
-        if seq.bet_round != seq.round + 1:
-            return None
-        new = seq.unsent()
-        if new is None:
+    def _bet_for(self, seq: _Seq, new: list[int] | None) -> list[int] | None:
+        """The drafts a bet or table placed for the outcome `new` the sequence's next
+        Advance carries (seq.unsent()): [] where a table says none, None where no bet
+        names it. Under the lock."""
+        if new is None or seq.bet_round != seq.round + 1:
             return None
         if seq.table is not None:
             return table_drafts(seq.table, new, seq.copy_after)
@@ -517,12 +513,13 @@ class DrafterClient:
     def _bet(self, seq: _Seq, k: int) -> list[int] | None:
         """The drafts a bet placed for the outcome the sequence's next Advance carries,
         or None. Under the lock."""
-        if not k or seq.generation != self._generation or seq.unsent() is None:
+        new = seq.unsent() if k and seq.generation == self._generation else None
+        if new is None:
             return None
         if not self._betting:
             return None  # a drafter that places no bets has no lookups to count
         self.bet_lookups += 1
-        bet = self._bet_for(seq) if self.use_bets else None
+        bet = self._bet_for(seq, new) if self.use_bets else None
         if bet is not None:
             self.bet_hits += 1
         return bet
@@ -574,8 +571,8 @@ class DrafterClient:
                 due: bool = True) -> dict[int, Proposal]:
         """Proposals for `step`: the bets `send` found, and unless none is due the answer,
         waited for until `deadline` (time.monotonic())."""
-        hits, self._hits = self._hits, {}
-        answered, self._answered = self._answered, set()
+        answered, self._hits = self._hits, {}
+        hits = {s: p for s, p in answered.items() if p.token_ids}
         if not due:
             self.draft_time_ms = 0.0
             return hits

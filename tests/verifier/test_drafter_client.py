@@ -32,7 +32,16 @@ from verifier.engine.proposer import Outcome, Proposal
 TARGET = TargetInfo(vocab_size=100, tokenizer_hash="", hidden_size=16, num_layers=2)
 
 
-class HangsOnce(drafter_pb2_grpc.DrafterServicer):
+class NgramInfo(drafter_pb2_grpc.DrafterServicer):
+    """A drafter that says it is ngram for TARGET, up to K = 8."""
+
+    def Info(self, request, context):
+        return drafter_pb2.InfoResponse(
+            method=common_pb2.SPEC_METHOD_NGRAM, max_num_speculative_tokens=8,
+            tokenizer=common_pb2.TokenizerFingerprint(vocab_size=TARGET.vocab_size))
+
+
+class HangsOnce(NgramInfo):
     """Reads its first stream's requests and never answers; answers every request of
     later streams at once, with no proposals."""
 
@@ -40,11 +49,6 @@ class HangsOnce(drafter_pb2_grpc.DrafterServicer):
         self.streams = 0
         self.starts: list[list[int]] = []  # per stream: the seq ids it was told to start
         self.lock = threading.Lock()
-
-    def Info(self, request, context):
-        return drafter_pb2.InfoResponse(
-            method=common_pb2.SPEC_METHOD_NGRAM, max_num_speculative_tokens=8,
-            tokenizer=common_pb2.TokenizerFingerprint(vocab_size=TARGET.vocab_size))
 
     def Draft(self, request_iterator, context):
         with self.lock:
@@ -320,18 +324,13 @@ def test_two_outcomes_of_one_step_reach_the_drafter_as_one():
         assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(0, 6))
 
 
-class BetsThenHolds(drafter_pb2_grpc.DrafterServicer):
+class BetsThenHolds(NgramInfo):
     """Answers step 1 with drafts [5, 6] and bets that the outcome 5 6 7 is followed by
     8 9 10; answers later steps (drafts [8, 9, 10], no bets) only once `release` is set."""
 
     def __init__(self):
         self.release = threading.Event()
         self.requests: list[drafter_pb2.DraftRequest] = []
-
-    def Info(self, request, context):
-        return drafter_pb2.InfoResponse(
-            method=common_pb2.SPEC_METHOD_NGRAM, max_num_speculative_tokens=8,
-            tokenizer=common_pb2.TokenizerFingerprint(vocab_size=TARGET.vocab_size))
 
     def Draft(self, request_iterator, context):
         for req in request_iterator:
@@ -376,18 +375,13 @@ def test_a_step_whose_outcome_a_bet_named_does_not_wait_for_the_answer():
         assert (client.bet_lookups, client.bet_hits) == (2, 1)
 
 
-class TablesThenHolds(drafter_pb2_grpc.DrafterServicer):
+class TablesThenHolds(NgramInfo):
     """Answers step 1 with drafts [5, 6] and a DraftTable of its outcomes, step 2 with no
     drafts and a table (4 -> [11, 12]); answers later steps only once `release` is set."""
 
     def __init__(self):
         self.release = threading.Event()
         self.requests: list[drafter_pb2.DraftRequest] = []
-
-    def Info(self, request, context):
-        return drafter_pb2.InfoResponse(
-            method=common_pb2.SPEC_METHOD_NGRAM, max_num_speculative_tokens=8,
-            tokenizer=common_pb2.TokenizerFingerprint(vocab_size=TARGET.vocab_size))
 
     def Draft(self, request_iterator, context):
         for req in request_iterator:
