@@ -28,6 +28,7 @@ from opentelemetry import trace
 
 from drafter.method import Draft, DrafterInfo, DraftMethod
 from drafter.pipeline import Guess, PipelineStats, predraft, resolve
+from specdec.draft_table import table_drafts
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.server import GrpcService, start_server
@@ -62,11 +63,13 @@ class _Stream:
     predraft: asyncio.Future | None = None
     # Bets placed (DraftBet): seq_id -> (round of the Advance they answer, outcome -> drafts).
     bets: dict[int, tuple[int, dict[tuple[int, ...], list[int]]]] = field(default_factory=dict)
+    tables: dict[int, drafter_pb2.DraftTable] = field(default_factory=dict)  # placed (DraftTable)
 
     def forget(self, seq_id: int) -> None:
         self.guesses.pop(seq_id, None)
         self.ready.pop(seq_id, None)
         self.bets.pop(seq_id, None)
+        self.tables.pop(seq_id, None)
 
 
 def info_to_proto(info: DrafterInfo) -> drafter_pb2.InfoResponse:
@@ -213,9 +216,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         """A DraftTable for every sequence the request started or advanced, with a
         proposal or without (asked for none: a sequence the verifier's controller runs
         plain may draft again at the next step), where the method lists its outcomes;
-        returns their seq_ids. Under the lock. Ngram's drafts follow from the context
-        alone, so the drafter's answer to the Advance is the table's entry whatever the
-        verifier took: no bet to remember."""
+        returns their seq_ids. Under the lock. The Advance is answered by the table
+        (`_advance`): a method's own proposal may differ from its table's entry (suffix
+        counts the new tokens first, and lists only some outcomes), and the next table
+        must be on the drafts the verifier verifies."""
         proposed = {p.seq_id: p for p in response.proposals}
         tabled: set[int] = set()
         for seq_id in stream.advanced:
@@ -237,6 +241,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 table.bonus.extend(bonus.tolist())
                 table.lengths.extend(lengths.tolist())
                 table.token_ids.extend(tokens.tolist())
+            stream.tables[seq_id] = table
             tabled.add(seq_id)
         return tabled
 
@@ -325,6 +330,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         guess = stream.guesses.pop(entry.seq_id, None)
         stream.ready.pop(entry.seq_id, None)
         bets = stream.bets.pop(entry.seq_id, None)
+        table = stream.tables.pop(entry.seq_id, None)
         if guess is not None and self._method.has(key):
             ready = resolve(self._method, key, guess, entry.round, list(adv.new_token_ids),
                             adv.num_rollback_tokens, self.pipeline_stats)
@@ -351,6 +357,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 # The verifier may have taken this bet: answer with the same drafts, so
                 # the bets placed on them are bets on what it verifies.
                 stream.ready[entry.seq_id] = Draft(block)
+        if table is not None and table.round == entry.round and not adv.num_rollback_tokens:
+            drafts = table_drafts(table, list(adv.new_token_ids))
+            if drafts is not None:
+                # The verifier took this outcome's drafts from the table (none, for an
+                # outcome it does not list): answer the same, as for a bet.
+                stream.ready[entry.seq_id] = Draft(drafts)
         return adv.num_speculative_tokens
 
     def _free(self, stream: _Stream, entry: drafter_pb2.DraftEntry, where: str) -> int | None:

@@ -34,9 +34,10 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from drafter.method import Draft, DrafterInfo, DraftMethod
+from drafter.method import Draft, DrafterInfo, DraftMethod, OutcomeTable
 from drafter.registry import register
 from specdec.pb import common_pb2
 from specdec.sampling import SamplingParams
@@ -115,6 +116,12 @@ class SuffixTree:
               spec_offset: float, min_prob: float) -> tuple[list[int], float]:
         """The draft continuing context and its expected number of accepted tokens."""
         node, length = self.match(context)
+        return self.walk(node, length, context, max_tokens, spec_factor, spec_offset, min_prob)
+
+    def walk(self, node: _Node | None, length: int, context: Sequence[int], max_tokens: int,
+             spec_factor: float, spec_offset: float,
+             min_prob: float) -> tuple[list[int], float]:
+        """`draft` from the context's match (node, length) as `match` gives it."""
         if node is None:
             return [], 0.0
         budget = min(max_tokens, math.floor(spec_factor * length + spec_offset))
@@ -136,6 +143,43 @@ class SuffixTree:
             score += prob
             node = child
         return tokens, score
+
+    def suffix_nodes(self, context: Sequence[int]) -> list[_Node]:
+        """[m]: the nodes of the context's last 1, 2, ..., m tokens, for every such run
+        the tree holds. A run's suffixes are runs too, so the list stops at the first
+        run missing."""
+        nodes: list[_Node] = []
+        for length in range(1, min(len(context), self.max_depth) + 1):
+            node: _Node | None = self.root
+            for t in context[len(context) - length:]:
+                node = node.children.get(t)
+                if node is None:
+                    return nodes
+            nodes.append(node)
+        return nodes
+
+    def extended(self, nodes: list[_Node], token: int) -> list[_Node]:
+        """suffix_nodes(context + [token]) from nodes = suffix_nodes(context)."""
+        out: list[_Node] = []
+        for node in (self.root, *nodes[: self.max_depth - 1]):
+            node = node.children.get(token)
+            if node is None:
+                break
+            out.append(node)
+        return out
+
+    def matches_after(self, nodes: list[_Node]) -> dict[int, tuple[_Node, int]]:
+        """match(context + [b]) for every token b whose match is two tokens or longer,
+        from nodes = suffix_nodes(context): b -> (node, length). Such a match is a run
+        of the context's last tokens followed by b, so b is a child of one of the nodes;
+        the deepest one holding b with a continuation is the longest match."""
+        found: dict[int, tuple[_Node, int]] = {}
+        # A match is shorter than max_depth: the context's part of it at most D - 2.
+        for depth in range(min(len(nodes), self.max_depth - 2), 0, -1):
+            for b, child in nodes[depth - 1].children.items():
+                if child.children and b not in found:
+                    found[b] = (child, depth + 1)
+        return found
 
 
 def _size(node: _Node) -> int:
@@ -248,6 +292,47 @@ class SuffixMethod(DraftMethod):
         # The trees read no more than the context's last max_depth - 1 tokens.
         request = self._requests[key]
         return self._draft(request, [*request.tokens[-self.max_depth:], *extra], k)
+
+    def outcome_table(self, key: Hashable, drafts: list[int], k: int) -> OutcomeTable:
+        # Lists the tokens b whose match is two tokens or longer: those that followed
+        # the context's last token before. Any other b has a one-token match at most,
+        # whose draft is a short guess from b's other occurrences (floor(factor +
+        # offset) tokens, 3 by default); the table gives it none, and the servicer
+        # answers the Advance by the table, so the verifier never waits for one.
+        request = self._requests[key]
+        k = min(k, self._info.max_num_speculative_tokens)
+        shared = self._shared.get(request.tenant)
+        trees = (request.tree,) if shared is None else (request.tree, shared)
+        # As propose_after: the trees read the context's last max_depth - 1 tokens, and
+        # the request's tree does not count the drafts.
+        context = [*request.tokens[-self.max_depth:], *drafts]
+        base = len(context) - len(drafts)
+        nodes = [tree.suffix_nodes(context[:base]) for tree in trees]
+        groups = []
+        for a in range(len(drafts) + 1):
+            if a:
+                nodes = [tree.extended(n, drafts[a - 1]) for tree, n in zip(trees, nodes, strict=True)]
+            found = [tree.matches_after(n) for tree, n in zip(trees, nodes, strict=True)]
+            bonus: list[int] = []
+            lengths: list[int] = []
+            tokens: list[int] = []
+            for b in sorted(set().union(*found)):
+                after = [*context[:base + a], b]
+                best, best_score = [], 0.0
+                for tree, matches in zip(trees, found, strict=True):
+                    node, length = matches.get(b) or tree.match(after[-1:])
+                    draft, score = tree.walk(node, length, after, k, self.max_spec_factor,
+                                             self.max_spec_offset, self.min_token_prob)
+                    if score > best_score:  # as _draft: the request's tree wins a tie
+                        best, best_score = draft, score
+                if best:
+                    bonus.append(b)
+                    lengths.append(len(best))
+                    tokens.extend(best)
+            groups.append((np.asarray(bonus, dtype=np.int64),
+                           np.asarray(lengths, dtype=np.int64),
+                           np.asarray(tokens, dtype=np.int64)))
+        return OutcomeTable(groups, k, copy_unlisted=False)
 
     def _draft(self, request: _Request, context: list[int], k: int) -> list[int]:
         """The draft of whichever tree expects more accepted tokens."""

@@ -41,12 +41,10 @@ bounded.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -54,6 +52,7 @@ import torch
 from opentelemetry import trace
 
 from specdec import tree as token_tree
+from specdec.draft_table import table_drafts
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.server import GRPC_OPTIONS, token_metadata
@@ -89,26 +88,6 @@ class TargetInfo:
     tokenizer_hash: str  # "" = unknown (tiny test models): compare vocab_size only
     hidden_size: int
     num_layers: int
-
-
-def table_drafts(table: drafter_pb2.DraftTable, new: list[int],
-                 copy_after: Callable[[int, int], list[int]] | None = None) -> list[int] | None:
-    """The drafts a DraftTable gives for the Advance appending `new` ([] for none), or
-    None for an outcome it cannot answer (not its proposal's prefix and a token).
-    copy_after(b, k): the k tokens after b's latest earlier occurrence in the context,
-    for the tokens a table with copy_unlisted does not list."""
-    a = len(new) - 1
-    if not 0 <= a < len(table.group_sizes) or list(table.proposal[:a]) != new[:a]:
-        return None
-    lo = sum(table.group_sizes[:a])
-    hi = lo + table.group_sizes[a]
-    i = bisect.bisect_left(table.bonus, new[-1], lo, hi)
-    if i == hi or table.bonus[i] != new[-1]:
-        if not table.copy_unlisted:
-            return []
-        return None if copy_after is None else copy_after(new[-1], table.k)
-    start = sum(table.lengths[:i])
-    return list(table.token_ids[start:start + table.lengths[i]])
 
 
 def check_info(info: drafter_pb2.InfoResponse, target: TargetInfo) -> str | None:

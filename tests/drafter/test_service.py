@@ -14,11 +14,11 @@ from drafter.method import Draft, DrafterInfo, DraftMethod
 from drafter.ngram import NgramMethod
 from drafter.service import serve
 from drafter.suffix import SuffixMethod
+from specdec.draft_table import table_drafts
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.server import GRPC_OPTIONS
 from specdec.tensor_codec import decode_tensor, encode_tensor
-from verifier.drafter_client import table_drafts
 
 Start = drafter_pb2.DraftEntry.Start
 Advance = drafter_pb2.DraftEntry.Advance
@@ -411,18 +411,15 @@ def test_rollback_past_the_context_is_invalid():
     run(main())
 
 
-# Ngram matching single tokens only has no longer matches to list in a table (see the
-# test after), so it places single bets.
-@pytest.mark.parametrize("make", [lambda: NgramMethod(max_n=1, max_num_speculative_tokens=4),
-                                  lambda: SuffixMethod(max_num_speculative_tokens=4)],
-                         ids=["ngram", "suffix"])
-def test_bets_on_a_fully_accepted_proposal_answer_its_outcome(make):
+def test_bets_on_a_fully_accepted_proposal_answer_its_outcome():
     """After each answer the drafter bets on the outcome "every draft accepted, then its
     own next guess" (a followup message, after the answer); the Advance carrying exactly
-    that outcome is answered with the bet's drafts, and any other outcome as usual."""
+    that outcome is answered with the bet's drafts, and any other outcome as usual.
+    Ngram matching single tokens only places bets: it has no longer matches to list in
+    a table (the tests after)."""
 
     async def main():
-        async with drafter(make()) as stub:
+        async with drafter(NgramMethod(max_n=1, max_num_speculative_tokens=4)) as stub:
             call = stub.Draft()
             prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
             answer = await exchange(call, 1, drafter_pb2.DraftEntry(seq_id=7, round=0, start=Start(
@@ -449,6 +446,49 @@ def test_bets_on_a_fully_accepted_proposal_answer_its_outcome(make):
             answer = await exchange(call, 3, drafter_pb2.DraftEntry(seq_id=7, round=2, advance=Advance(
                 num_drafted=2, num_accepted=0, new_token_ids=[9], num_speculative_tokens=3)))
             assert not answer.proposals  # 9 never occurred before: nothing to copy
+            await call.done_writing()
+            assert await ended(call)
+
+    run(main())
+
+
+def test_suffix_answers_the_advance_by_its_table():
+    """Suffix lists the outcomes whose match is two tokens or longer; it answers the
+    Advance with the table's entry, and an outcome the table does not list with no
+    proposal, though drafting from the context would propose some: the verifier took
+    none from the table, and the next table is on what it verified."""
+
+    async def main():
+        async with drafter(SuffixMethod(max_num_speculative_tokens=4)) as stub:
+            call = stub.Draft()
+            prompt = [1, 2, 3, 4, 1, 2, 3, 4, 5, 1, 2]
+            answer = await exchange(call, 1, drafter_pb2.DraftEntry(seq_id=7, round=0, start=Start(
+                prompt_token_ids=prompt, sampling=GREEDY, num_speculative_tokens=3)))
+            assert answer.bets_follow and list(answer.proposals[0].token_ids) == [3, 4, 1]
+            (table,) = (await call.read()).tables
+            assert (table.round, list(table.proposal), table.copy_unlisted) == (1, [3, 4, 1], False)
+
+            # Every draft accepted, then 2: the context ends in 1 2 3 4 1 2 as the
+            # prompt began.
+            entry = table_drafts(table, [3, 4, 1, 2])
+            assert entry == [3, 4, 5, 1]
+            answer = await exchange(call, 2, drafter_pb2.DraftEntry(seq_id=7, round=1, advance=Advance(
+                num_drafted=3, num_accepted=3, new_token_ids=[3, 4, 1, 2], num_speculative_tokens=4)))
+            assert [list(p.token_ids) for p in answer.proposals] == [entry]
+            (table,) = (await call.read()).tables
+            assert (table.round, list(table.proposal)) == (2, entry)
+
+            # The first draft rejected and 5 instead: 5 never followed 2, so the table
+            # has no drafts for it, though 5 alone is followed by 1 2 3 in the context.
+            assert table_drafts(table, [5]) == []
+            own = SuffixMethod(max_num_speculative_tokens=4)
+            own.start(0, [*prompt, 3, 4, 1, 2, 5], [], SamplingParams(), 4)
+            assert own.propose({0: 4})[0].token_ids == [1, 2, 3]
+            answer = await exchange(call, 3, drafter_pb2.DraftEntry(seq_id=7, round=2, advance=Advance(
+                num_drafted=4, num_accepted=0, new_token_ids=[5], num_speculative_tokens=4)))
+            assert not answer.proposals and answer.bets_follow
+            (table,) = (await call.read()).tables
+            assert (table.round, list(table.proposal)) == (3, [])
             await call.done_writing()
             assert await ended(call)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from drafter import registry
@@ -141,12 +142,64 @@ def test_registered_with_its_info_and_checks():
             SuffixMethod(**kwargs)
 
 
+def test_outcome_table_lists_the_drafts_of_every_outcome_a_longer_match_gives():
+    """For each accepted count a and every token b of the vocabulary: a listed b's entry
+    is what drafting after context + drafts[:a] + [b] gives (the request's tree and a
+    past reply's competing), and an unlisted b is one whose match is a token at most,
+    or whose drafting gives none."""
+    rng = random.Random(3)
+    vocab = 5
+    for trial in range(300):
+        depth = rng.randint(2, 7)
+        method = SuffixMethod(max_num_speculative_tokens=4, max_depth=depth,
+                              min_token_prob=rng.choice([0.0, 0.3]),
+                              max_spec_offset=rng.choice([0.0, 2.0]))
+        if rng.random() < 0.5:  # a past reply of the same tenant
+            method.start(("past", trial), [0], [rng.randrange(vocab) for _ in range(30)],
+                         GREEDY, 4)
+            method.free(("past", trial))
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        drafts = [rng.randrange(vocab) for _ in range(rng.randrange(0, 4))]
+        k = rng.randint(1, 6)
+        method.start(trial, context, [], GREEDY, 4)
+        before = method.propose({trial: 4}).get(trial)
+        table = method.outcome_table(trial, drafts, k)
+        assert len(table.groups) == len(drafts) + 1
+        assert table.k == min(k, 4) and not table.copy_unlisted
+        trees = [method._requests[trial].tree, method.shared_tree()]
+        for a, (bonus, lengths, tokens) in enumerate(table.groups):
+            assert list(bonus) == sorted(set(bonus.tolist())) and all(lengths >= 1)
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
+            listed = {int(b): tokens[offsets[i]:offsets[i + 1]].tolist()
+                      for i, b in enumerate(bonus)}
+            for b in range(vocab):
+                extra = drafts[:a] + [b]
+                if b in listed:
+                    assert listed[b] == method.propose_after(trial, extra, table.k), (
+                        context, drafts, a, b)
+                else:  # a match of a token at most, or drafts of none
+                    after = context + extra
+                    assert (all(t is None or t.match(after)[1] <= 1 for t in trees)
+                            or not method.propose_after(trial, extra, table.k)), (
+                        context, drafts, a, b)
+        # The table changed nothing: the same proposal as before it.
+        after_table = method.propose({trial: 4}).get(trial)
+        assert (after_table and after_table.token_ids) == (before and before.token_ids)
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_with_the_verifier_output_equals_plain_greedy(batch):
+    """The verifier drafts from the suffix drafter's tables (an outcome they do not list
+    gets no drafts, and waits for none): the output is still plain greedy's, and most
+    lookups find their drafts in a table."""
+    drafters: list = []
     outputs, expected, last = decode_with_drafter(
-        "suffix", lambda vocab: SuffixMethod(vocab_size=vocab), batch, seed=40 + batch)
+        "suffix", lambda vocab: SuffixMethod(vocab_size=vocab), batch, seed=40 + batch,
+        drafters=drafters)
     assert outputs == expected
     assert sum(r.spec_decode.num_accepted_tokens for r in last) > 0
+    (drafter,) = drafters
+    assert drafter.bet_hits > 0.8 * drafter.bet_lookups > 0, drafter
 
 
 def test_past_replies_draft_only_for_their_own_tenant():

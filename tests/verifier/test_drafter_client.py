@@ -16,6 +16,7 @@ import grpc
 import pytest
 import torch
 
+from specdec.draft_table import table_drafts
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.tensor_codec import decode_tensor, dtype_to_proto
@@ -25,7 +26,6 @@ from verifier.drafter_client import (
     DrafterClient,
     TargetInfo,
     _Seq,
-    table_drafts,
 )
 from verifier.engine.proposer import Outcome, Proposal
 
