@@ -547,6 +547,13 @@ SECTIONS = [
      "2026-12-07, every reply equal): default / plain 0.98, 1.04, 0.96, 1.01, mean 1.00",
      "python -m bench.serving --systems ours-vllm --ours-vllm 'plain,default' --prompt-set "
      "open --concurrency 16 --repeats 4 --out bench/results/serving_vllm_engine_open16.json"),
+    ("serving_vllm_engine_open1.md",
+     "The vLLM engine's open-prompt C = 1 cell against the best static K, four repeats "
+     "alternating (AMD EPYC, 2026-12-07): default / ngram K = 4 0.97, 0.98, 0.98, 0.96 "
+     "(34.6 / 35.7, 34.1 / 34.8, 33.7 / 34.4, 33.1 / 34.4 tok/s), within the 5 % target",
+     "python -m bench.serving --systems ours-vllm --ours-vllm 'ngram K=4,default' "
+     "--prompt-set open --concurrency 1 --repeats 4 "
+     "--out bench/results/serving_vllm_engine_open1.json"),
     ("speculation_tables.md",
      "Outcome tables (DraftTable, with copy_unlisted) taken and left untaken, and the ngram "
      "drafter run in the verifier's process, as bench.ablation runs them, AMD EPYC "

@@ -592,8 +592,18 @@ def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
     if (why := vllm_unavailable(python)) is not None:
         return {}, {}, {f"vllm {m}": why for m in modes}
     cells, startup, unavailable = {}, {}, {}
-    for mode, spec in modes.items():
+    # Its modes in turns too (ABBA...), a fresh server each per repeat, unless the
+    # caller already turns the systems (one repeat at a time) or asked for none.
+    order = list(modes)
+    if args.alternate and args.repeats > 1 and len(modes) > 1:
+        order = [m for rep in range(args.repeats) for m in
+                 (order if rep % 2 == 0 else order[::-1])]
+        args = argparse.Namespace(**{**vars(args), "repeats": 1})
+    for mode in order:
+        spec = modes[mode]
         name = f"vllm {mode}"
+        if name in unavailable:
+            continue
         log = log_dir / f"vllm-{mode.replace(' ', '').replace('=', '')}.log"
         drafter, drafters = None, None
         if mode in VLLM_REMOTE:
@@ -607,10 +617,11 @@ def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
             with vllm_server(python, model_dir, log, spec, args.vllm_timeout_s,
                              args.vllm_binding, drafters,
                              REMOTE_SETTINGS.get(mode)) as (base, proc, took):
-                startup[name] = took
+                startup.setdefault(name, took)
                 probe = Probe({"vllm": proc.pid}, vllm_log=log)
                 got = asyncio.run(drive(base, {mode: None}, prompts, args, "vllm", probe))
-                cells[name] = got[mode]
+                for c, runs in got[mode].items():
+                    cells.setdefault(name, {}).setdefault(c, []).extend(runs)
         except (RuntimeError, TimeoutError) as e:
             unavailable[name] = f"`vllm serve` {e}"
             print(f"{name}: {e}", flush=True)
@@ -1020,7 +1031,8 @@ def notes(result: dict) -> list[str]:
         + " ".join(VLLM_ARGS) + "` (what `vllm serve` runs), its ngram mode with "
         f"`--speculative-config '{json.dumps(VLLM['ngram K=4'])}'`; thread binding: "
         + fair.describe(result.get("vllm_binding") or {}) + fair.binding_note(result) + ".",
-        ("Systems alternated: a fresh server of each per repeat, in turns (ABBA...)."
+        ("Systems alternated (and vLLM's modes): a fresh server of each per repeat, in "
+         "turns (ABBA...)."
          if result.get("alternated") else "Each system's repeats ran back to back."),
         *([f"Not a clean run: {result['busy']}"] if result.get("busy") else []),
         "Seconds from start to serving: " + ", ".join(f"{k} {v:.0f}" for k, v in st.items()) + ".",
@@ -1228,7 +1240,9 @@ def main(argv: list[str] | None = None) -> None:
         "verifier_binding": {} if verifier_env is None else
         {k: verifier_env[k] for k in fair.BINDING_VARS},
         "vllm_binding": args.vllm_binding, "vllm_binding_search": binding,
-        "alternated": bool(len(turns) > 1), "busy": busy,
+        "alternated": bool(len(turns) > 1 or (
+            args.alternate and args.repeats > 1 and len(args.configs["vllm"] or VLLM) > 1
+            and "vllm" in args.systems.split(","))), "busy": busy,
     }
     result["notes"] = notes(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -64,12 +64,14 @@ class _Stream:
     # Bets placed (DraftBet): seq_id -> (round of the Advance they answer, outcome -> drafts).
     bets: dict[int, tuple[int, dict[tuple[int, ...], list[int]]]] = field(default_factory=dict)
     tables: dict[int, drafter_pb2.DraftTable] = field(default_factory=dict)  # placed (DraftTable)
+    max_k: dict[int, int] = field(default_factory=dict)  # seq_id -> its Start's largest K
 
     def forget(self, seq_id: int) -> None:
         self.guesses.pop(seq_id, None)
         self.ready.pop(seq_id, None)
         self.bets.pop(seq_id, None)
         self.tables.pop(seq_id, None)
+        self.max_k.pop(seq_id, None)
 
 
 def info_to_proto(info: DrafterInfo) -> drafter_pb2.InfoResponse:
@@ -228,8 +230,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             if (p is not None and not _chain(p)) or not self._method.has(key):
                 continue
             drafts = list(p.token_ids) if p is not None else []
-            outcomes = self._method.outcome_table(key, drafts,
-                                                  self._info.max_num_speculative_tokens)
+            # Drafts for the largest K the sequence may ask for, no more: a table is
+            # built for every sequence every step.
+            outcomes = self._method.outcome_table(
+                key, drafts, stream.max_k.get(seq_id, self._info.max_num_speculative_tokens))
             if outcomes is None:
                 self.tables = False  # the method declines for its configuration
                 return tabled
@@ -306,6 +310,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         stream.rounds[entry.seq_id] = entry.round
         cap = self._info.max_num_speculative_tokens
         max_num_speculative_tokens = min(start.max_num_speculative_tokens or cap, cap)
+        stream.max_k[entry.seq_id] = max_num_speculative_tokens
         try:
             self._method.start(key, list(start.prompt_token_ids), list(start.output_token_ids),
                                sampling, max_num_speculative_tokens)

@@ -14,7 +14,11 @@ sent each step: its outcomes are held, merged into one Advance, and go out with
 the next step that asks it for drafts, or once HOLD_HOST_ROWS rows of hidden
 states are held in host memory; before it is freed, its tokens alone go to a
 drafter without hidden states (a suffix drafter learns from whole replies), and
-nothing to one with. A drafter
+nothing to one with. A drafter that places tables (DraftTable: ngram, suffix, which take
+no hidden states) is sent every step's outcomes instead: a table answers the outcome of
+one step, so a sequence held plain for two steps found none when it drafted again, and
+the speculation controller, pricing the wait for its answer, kept it plain (a batch of
+4 on suffix drafted as little as plain decoding). A drafter
 needs a sequence's context only to draft for it, and a message a step for every
 sequence not drafting made a batch of 16 whose speculation dynamic K had turned
 off 13 % slower than plain decoding on two cores (the EAGLE-3 drafter woke each
@@ -244,6 +248,7 @@ class DrafterClient:
         # bet on right gets the bet's drafts at once, without waiting for its answer.
         self.use_bets = use_bets
         self._betting = False  # the drafter has placed a bet on this client
+        self._tabling = False  # ... or a table: it is sent every step's outcomes
         self.bet_lookups = 0  # sequences asked for drafts with an outcome a bet could name
         self.bet_hits = 0  # of those, answered by a bet or table
         # This step's, from send() to collect(): a bet or table's drafts, or an empty
@@ -426,7 +431,8 @@ class DrafterClient:
                     self.misses.pop(seq_id, None)
                 seq.bets, seq.table = {}, None
                 k = min(asked.get(seq_id, 0), seq.max_num_speculative_tokens)
-                goes = seq.pending is not None or k or seq.host_rows >= HOLD_HOST_ROWS
+                goes = (seq.pending is not None or k or seq.host_rows >= HOLD_HOST_ROWS
+                        or self._tabling)
                 entry = None
                 if seq.generation == self._generation and goes and seq.held():
                     entry = self._held_entry(seq_id, seq)
@@ -521,6 +527,7 @@ class DrafterClient:
             if seq.bet_round != bet.round:
                 seq.bets, seq.table, seq.bet_round = {}, None, bet.round
             seq.bets[tuple(bet.new_token_ids)] = list(bet.token_ids)
+        self._tabling = self._tabling or bool(resp.tables)
         for table in resp.tables:
             seq = self._seqs.get(table.seq_id)
             if seq is None or table.round != seq.round + 1:

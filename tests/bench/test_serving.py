@@ -241,3 +241,43 @@ def test_vllms_best_is_of_its_own_methods():
                "vllm remote suffix K=4": {"4": {"tok_s": 120.0}}}
     assert serving.best(summary, "vllm ", "4") == ("vllm ngram K=4", 80.0)
     assert serving.best(summary, "ours ", "4") == ("ours plain", 90.0)
+
+
+def test_vllms_modes_take_turns_a_fresh_server_each_repeat(monkeypatch, tmp_path):
+    """vLLM's modes alternate ABBA..., one repeat per fresh server, and each mode's
+    repeats are gathered under its name; without alternation each mode's repeats run
+    on one server."""
+    import argparse
+    import contextlib
+
+    started: list = []
+
+    @contextlib.contextmanager
+    def fake_server(python, model_dir, log, spec, timeout_s, binding, drafters=None,
+                    settings=None):
+        started.append(spec)
+        yield "http://x", type("Proc", (), {"pid": 1})(), 0.5
+
+    async def fake_drive(base, configs, prompts, args, label, probe, after=None):
+        (mode,) = configs
+        return {mode: {"1": [{"mode": mode, "repeat": r} for r in range(args.repeats)]}}
+
+    monkeypatch.setattr(serving, "vllm_unavailable", lambda python: None)
+    monkeypatch.setattr(serving, "vllm_server", fake_server)
+    monkeypatch.setattr(serving, "drive", fake_drive)
+    monkeypatch.setattr(serving, "Probe", lambda *a, **k: None)
+    args = argparse.Namespace(peers_python="python", vllm_timeout_s=1, vllm_binding={},
+                              configs={"vllm": ["plain", "ngram K=4"]}, repeats=3,
+                              alternate=True)
+    cells, startup, unavailable = serving.run_vllm(args, tmp_path, [], tmp_path)
+    ngram = serving.VLLM["ngram K=4"]
+    assert started == [None, ngram, ngram, None, None, ngram]
+    assert {n: len(by_c["1"]) for n, by_c in cells.items()} == {"vllm plain": 3,
+                                                               "vllm ngram K=4": 3}
+    assert set(startup) == {"vllm plain", "vllm ngram K=4"} and not unavailable
+    started.clear()
+    cells, _, _ = serving.run_vllm(argparse.Namespace(**{**vars(args), "alternate": False}),
+                                   tmp_path, [], tmp_path)
+    assert started == [None, ngram]
+    assert {n: len(by_c["1"]) for n, by_c in cells.items()} == {"vllm plain": 3,
+                                                               "vllm ngram K=4": 3}

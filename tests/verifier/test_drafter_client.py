@@ -439,6 +439,51 @@ def test_a_table_answers_every_outcome_without_waiting_for_the_drafter():
         servicer.release.set()
 
 
+class RecordsTabling(RecordsTokens):
+    """RecordsTokens that follows every answer with a table for each sequence it was
+    sent: no token listed, so every outcome's drafts are none."""
+
+    def Draft(self, request_iterator, context):
+        for req in request_iterator:
+            with self.arrived:
+                self.requests.append(req)
+                self.arrived.notify_all()
+            yield drafter_pb2.DraftResponse(step=req.step, bets_follow=True)
+            yield drafter_pb2.DraftResponse(step=req.step, followup=True, tables=[
+                drafter_pb2.DraftTable(seq_id=e.seq_id, round=e.round + 1, group_sizes=[0])
+                for e in req.entries if e.WhichOneof("kind") != "free"])
+
+
+def test_a_drafter_that_places_tables_gets_every_steps_outcome():
+    """A table answers one step's outcome. A sequence run plain is sent to a drafter that
+    places tables each step, K = 0, so the table it drafts from next is on its context
+    (held for two steps, its outcome would be one no table names, and waited for)."""
+    for servicer, sent in ((RecordsTokens(), [[10, 11, 12]]),
+                           (RecordsTabling(), [[10], [11], [12]])):
+        with connected(servicer) as client:
+            client.track(1, [1, 2, 3], SamplingParams(), 4)
+            client.send(1, {1: 0})
+            servicer.wait_for(1)
+            for step, token in zip((2, 3), (10, 11), strict=True):
+                t0 = time.monotonic()  # the table follows the answer
+                while (isinstance(servicer, RecordsTabling) and not client._tabling
+                       and time.monotonic() - t0 < 10):
+                    time.sleep(0.01)
+                client.record(1, Outcome(0, 0, [token], None, step))
+                assert not client.send(step, {1: 0})
+            client.record(1, Outcome(0, 0, [12], None, 4))
+            # The next drafting step: the tabling drafter's table names its outcome.
+            t0 = time.monotonic()
+            while (len(sent) > 1 and not client.bet_ready(1)
+                   and time.monotonic() - t0 < 10):
+                time.sleep(0.01)
+            client.send(4, {1: 2}, time.monotonic() + 10)
+            assert client.bet_hits == (len(sent) > 1)
+            requests = servicer.wait_for(1 + len(sent))
+            advances = [list(e.advance.new_token_ids) for r in requests[1:] for e in r.entries]
+            assert advances == sent
+
+
 def test_table_drafts_reads_each_group_and_refuses_other_outcomes():
     table = drafter_pb2.DraftTable(proposal=[5, 6], group_sizes=[1, 1, 2], bonus=[9, 7, 7, 8],
                                    lengths=[2, 1, 3, 1], token_ids=[1, 2, 3, 8, 9, 10, 4])
