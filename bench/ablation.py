@@ -362,6 +362,12 @@ def main(argv: list[str] | None = None) -> None:
         # configuration pays a prompt's prefill that the next one finds cached.
         for pset in args.prompt_sets:
             bench.cell("plain", prompts_by_name(PROMPT_SETS[pset]), 4, 8)
+            if args.method == "suffix":
+                # Suffix drafts from the replies of finished requests, and every cell
+                # repeats the same prompts: whichever configuration ran a prompt first
+                # would draft from a colder tree than the rest. Each reply once first.
+                for first in ["K=2"] + [f"K=2 {v}" for v in sorted(variants)]:
+                    bench.cell(first, prompts_by_name(PROMPT_SETS[pset]), 4, args.max_tokens)
         warm = prompts_by_name(PROMPT_SETS[args.prompt_sets[0]])[:1]
         for name in args.configs:
             bench.cell(name, warm, 1, 8)

@@ -476,14 +476,17 @@ class DrafterClient:
             outq.put(drafter_pb2.DraftRequest(step=step, entries=entries))
             return due
 
-    def bet_ready(self, seq_id: int) -> bool:
-        """Whether the next send will find a bet for the sequence's outcome (one that
-        arrives before then may make it so after all)."""
+    def ready_drafts(self, seq_id: int) -> int | None:
+        """How many drafts the next send will find for the sequence's outcome in a bet or
+        table (0: a table says none), or None where it must wait for the drafter (a bet
+        or table that arrives before then may answer after all)."""
         with self._lock:
             seq = self._seqs.get(seq_id)
-            return (seq is not None and self.use_bets and self._outq is not None
-                    and seq.generation == self._generation
-                    and self._bet_for(seq, seq.unsent()) is not None)
+            if (seq is None or not self.use_bets or self._outq is None
+                    or seq.generation != self._generation):
+                return None
+            drafts = self._bet_for(seq, seq.unsent())
+            return None if drafts is None else len(drafts)
 
     def _bet_for(self, seq: _Seq, new: list[int] | None) -> list[int] | None:
         """The drafts a bet or table placed for the outcome `new` the sequence's next

@@ -97,9 +97,9 @@ class DrafterPool(Proposer):
     def drafter_ms(self) -> float:
         return self._drafter_ms
 
-    def bet_ready(self, seq_id: int) -> bool:
+    def ready_drafts(self, seq_id: int) -> int | None:
         owner = self._owner.get(seq_id)
-        return owner is not None and owner.bet_ready(seq_id)
+        return None if owner is None else owner.ready_drafts(seq_id)
 
     def flush(self) -> None:
         self.propose({}, {})

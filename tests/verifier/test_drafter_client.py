@@ -417,9 +417,9 @@ def test_a_table_answers_every_outcome_without_waiting_for_the_drafter():
         # nothing to wait for.
         client.record(1, Outcome(num_drafted=2, num_accepted=1, new_token_ids=[5, 3]))
         t0 = time.monotonic()  # the table follows the answer: ready once it is here
-        while not client.bet_ready(1) and time.monotonic() - t0 < 10:
+        while client.ready_drafts(1) is None and time.monotonic() - t0 < 10:
             time.sleep(0.01)
-        assert client.bet_ready(1)
+        assert client.ready_drafts(1) == 0  # the table says none
         assert not client.send(2, {1: 4}, time.monotonic() + 10)
         assert client.collect(2, time.monotonic() + 10, {1: 4}, due=False) == {}
         assert (client.bet_lookups, client.bet_hits, client.misses) == (1, 1, {})
@@ -474,7 +474,7 @@ def test_a_drafter_that_places_tables_gets_every_steps_outcome():
             client.record(1, Outcome(0, 0, [12], None, 4))
             # The next drafting step: the tabling drafter's table names its outcome.
             t0 = time.monotonic()
-            while (len(sent) > 1 and not client.bet_ready(1)
+            while (len(sent) > 1 and client.ready_drafts(1) is None
                    and time.monotonic() - t0 < 10):
                 time.sleep(0.01)
             client.send(4, {1: 2}, time.monotonic() + 10)

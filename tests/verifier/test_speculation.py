@@ -15,6 +15,7 @@ from verifier.engine.speculation import (
     Row,
     SpeculationController,
     StepCost,
+    ready_row,
 )
 
 
@@ -158,6 +159,30 @@ def test_drafts_a_bet_holds_draft_while_those_that_would_wait_do_not():
     assert c.choose([_row(0, 4), _row(1, 4)]) == {0: 0, 1: 0}
     both = c.choose([Row(0, 4, "ngram", bet=True), bet])
     assert both[0] > 0 and both[1] > 0
+
+
+class Holds:
+    """A proposer holding, per sequence, how many drafts a bet or table gave."""
+
+    def __init__(self, ready: dict[int, int]):
+        self.ready = ready
+
+    def ready_drafts(self, seq_id: int) -> int | None:
+        return self.ready.get(seq_id)
+
+
+def test_drafts_at_hand_bound_the_row_and_a_tables_none_drafts_nothing():
+    """A row whose table says "no drafts" asks nobody this step and is not priced or
+    counted as a drafter that failed to answer; one holding 2 drafts gets at most 2; a
+    row with nothing at hand, a fixed-K row and a prefill keep their bound."""
+    holds = Holds({0: 0, 1: 2, 3: 0, 4: 3})
+    rows = [ready_row(0, 4, "ngram", holds), ready_row(1, 4, "ngram", holds),
+            ready_row(2, 4, "ngram", holds), ready_row(3, 4, None, holds),
+            ready_row(4, 0, "ngram", holds, prefill=True)]
+    assert [(r.bound, r.bet) for r in rows] == [(0, True), (2, True), (4, False),
+                                                (4, False), (0, False)]
+    c = _trained(lambda rows: 20.0 + 0.05 * rows, {0: 1.0, 1: 1.0, 2: 1.0})
+    assert c.choose(rows) == {1: 2, 2: 4}  # row 0 is no dynamic row this step
 
 
 def test_a_step_whose_drafts_bets_held_is_not_the_drafters_wait():

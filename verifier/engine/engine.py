@@ -43,7 +43,7 @@ from verifier.engine.sequence import (
     Sequence,
     Status,
 )
-from verifier.engine.speculation import Row, SpeculationController
+from verifier.engine.speculation import Row, SpeculationController, ready_row
 from verifier.sampling.rejection import greedy_chains
 from verifier.sampling.sampler import rejection_sample
 from verifier.sampling.tree_acceptance import Chains, chain_blocks
@@ -325,16 +325,15 @@ class Engine:
                     item.num_tokens, item.plain_reason = 1, "queue_size"
         if self.controller is None:
             return []
-        proposer = self.proposer
-        rows = [Row(item.seq.seq_id, item.num_speculative_tokens,
-                    item.seq.request.drafter if item.seq.request.auto_k else None,
-                    item.is_prefill,
-                    bet=(item.seq.request.auto_k and proposer is not None
-                         and proposer.bet_ready(item.seq.seq_id)))
+        rows = [ready_row(item.seq.seq_id, item.num_speculative_tokens,
+                          item.seq.request.drafter if item.seq.request.auto_k else None,
+                          self.proposer, item.is_prefill)
                 for item in batch]
         chosen = self.controller.choose(rows)
-        for item in batch:
-            k = chosen.get(item.seq.seq_id)
+        for item, row in zip(batch, rows, strict=True):
+            k = chosen.get(row.key)
+            if k is None and row.bet and item.num_speculative_tokens:
+                k = 0  # a table said "none": nothing to ask for this step
             if k is not None:
                 item.num_tokens = 1 + k
                 item.plain_reason = None if k else "dynamic_k"

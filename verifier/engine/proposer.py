@@ -89,10 +89,11 @@ class Proposer(ABC):
         16 about 1 ms a step (3 %) more than plain requests."""
         return False
 
-    def bet_ready(self, seq_id: int) -> bool:
-        """Whether drafts for the sequence's next step are at hand already, without
-        waiting for its drafter (a bet on the outcome it just had, DraftBet)."""
-        return False
+    def ready_drafts(self, seq_id: int) -> int | None:
+        """How many drafts for the sequence's next step are at hand already, without
+        waiting for its drafter (a bet or table on the outcome it just had: DraftBet,
+        DraftTable; 0 where a table says none), or None where they are not."""
+        return None
 
     def drafter_ms(self) -> float:
         """ms the drafters say they spent on the last `propose` (the slowest one where

@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,24 @@ class Row:
     @property
     def dynamic(self) -> bool:
         return self.drafter is not None and self.bound > 0 and not self.prefill
+
+
+class HoldsDrafts(Protocol):
+    """A proposer that may hold a sequence's next drafts already (Proposer, DrafterPool)."""
+
+    def ready_drafts(self, seq_id: int) -> int | None: ...
+
+
+def ready_row(key: int, bound: int, drafter: str | None, proposer: HoldsDrafts | None,
+              prefill: bool = False) -> Row:
+    """A step's row, for a dynamic-K sequence with what its proposer already holds:
+    drafts a bet or table gave (proposer.ready_drafts) cost no wait, and bound what it
+    can draft, so the controller neither prices positions nobody drafted nor counts a
+    known "none" (a table's) as a drafter that failed to answer."""
+    ready = (proposer.ready_drafts(key)
+             if drafter is not None and proposer is not None and not prefill else None)
+    return Row(key, bound if ready is None else min(bound, ready), drafter, prefill,
+               bet=ready is not None)
 
 
 @dataclass(slots=True)

@@ -53,7 +53,7 @@ from verifier.drafter_client import LIVENESS_S, DrafterClient, TargetInfo
 from verifier.drafting import DrafterPool
 from verifier.engine.proposer import Outcome
 from verifier.engine.sequence import Request
-from verifier.engine.speculation import Row, SpeculationController
+from verifier.engine.speculation import Row, SpeculationController, ready_row
 from verifier.vllm.policy import RequestPolicy
 
 log = logging.getLogger(__name__)
@@ -288,12 +288,14 @@ class RemoteProposer:
             ended = self._rows + ([Row(-1, 0, prefill=True)] if prefill else [])
             self.controller.observe(ended, outcomes, (started - self._handed_at) * 1e3,
                                     self._wait_ms, fed)
-        self._rows = plain + [
-            Row(seq_id, k, rows[seq_id][1].drafter if rows[seq_id][1].auto_k else None,
-                bet=self.pool.bet_ready(seq_id))
-            for seq_id, k in bounds.items()]
+        drafting = [ready_row(seq_id, k, rows[seq_id][1].drafter if rows[seq_id][1].auto_k
+                              else None, self.pool)
+                    for seq_id, k in bounds.items()]
+        self._rows = plain + drafting
         chosen = self.controller.choose(self._rows)
-        return {seq_id: k for seq_id, k in (bounds | chosen).items() if k > 0}
+        # A row not chosen for keeps its bound: a fixed K, or none (0, a table said so).
+        ks = {row.key: chosen.get(row.key, row.bound) for row in drafting}
+        return {seq_id: k for seq_id, k in ks.items() if k > 0}
 
     def _track(self, req_id: str, sampling_params: Any) -> _Tracked:
         try:
