@@ -564,6 +564,28 @@ SECTIONS = [
      "priced: K = 2 1.03 / 1.03 (chat / open), controller 0.96 / 1.00",
      "python -m bench.ablation --configs 'plain,K=2,K=2 no bets,controller,controller no "
      "bets,K=2 in process,controller in process' --out bench/results/speculation_tables.json"),
+    ("speculation_tables_suffix.md",
+     "Outcome tables from the suffix drafter service (SuffixMethod.outcome_table) taken "
+     "and left untaken, and suffix run in the verifier's process, as bench.ablation runs "
+     "them, chat prompts, each reply learned once first, AMD EPYC (2026-12-07), two "
+     "repeats alternating. Tables answered every lookup; the median draft wait was "
+     "0.10-0.18 ms at C = 1 and 4 and 0.26 ms at C = 16 (1.8-6.7 ms untaken); priced, "
+     "K = 2 with tables made 1.08 / 1.08 / 1.09 of K = 2 without and 1.07 / 1.08 / 1.08 "
+     "of suffix in process",
+     "python -m bench.ablation --method suffix --prompt-sets chat --configs 'plain,K=2,"
+     "K=2 no bets,controller,controller no bets,K=2 in process,controller in process' "
+     "--out bench/results/speculation_tables_suffix.json"),
+    ("speculation_tables_ngram.md",
+     "Outcome tables from the ngram drafter service re-measured after plain rows' "
+     "outcomes went to a tabling drafter every step and the controller learned the drafts "
+     "held (ready_drafts), AMD EPYC (2026-12-07), two repeats alternating: tables answered "
+     "every lookup, under the controller too (75-93 % before); median draft wait 0.10-0.20 "
+     "ms under the controller, 0.12-0.18 ms at K = 2 and C = 1 / 4, 0.29-0.31 ms at C = 16 "
+     "(1.3-3.0 ms untaken); remote against in process at C = 1, priced: K = 2 1.04 / 1.03 "
+     "(chat / open), controller 1.00 / 1.00",
+     "python -m bench.ablation --configs 'plain,K=2,K=2 no bets,controller,controller no "
+     "bets,K=2 in process,controller in process' "
+     "--out bench/results/speculation_tables_ngram.json"),
     ("speculation_tables_min2.md",
      "Outcome tables (DraftTable) against single bets: the ngram drafter service with "
      "matches of two tokens or more (`min2`, which lists every outcome in a table) beside "
@@ -584,6 +606,15 @@ SECTIONS = [
      "python -m bench.serving --systems vllm --vllm 'plain,ngram K=4,remote ngram K=4' "
      "--vllm-binding 'cores 0-1, none reserved' --repeats 2 "
      "--out bench/results/serving_vllm_tables.json"),
+    ("serving_vllm_tables_alt.md",
+     "The same two ngram modes of `vllm serve` with its modes alternating (a fresh server "
+     "each per repeat, ABBA), after plain rows' outcomes went to tabling drafters every "
+     "step, AMD EPYC (2026-12-07): remote / its own ngram K = 4 per repeat 1.37, 1.41 at "
+     "C = 1, 1.27, 1.31 at C = 4, 1.35, 1.30 at C = 16; under the 1.4x target at C = 4 "
+     "and 16",
+     "python -m bench.serving --systems vllm --vllm 'ngram K=4,remote ngram K=4' "
+     "--repeats 2 --vllm-binding 'cores 0-1, none reserved' "
+     "--out bench/results/serving_vllm_tables_alt.json"),
     ("serving_vllm_tables_ab.md",
      "The same proposer taking tables and taking none (`no bets`: every step waits for "
      "the answer), AMD EPYC (2026-12-07): 51.7 against 48.8 tok/s at C = 1 and 176.2 "
