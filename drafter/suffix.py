@@ -311,7 +311,8 @@ class SuffixMethod(DraftMethod):
         groups = []
         for a in range(len(drafts) + 1):
             if a:
-                nodes = [tree.extended(n, drafts[a - 1]) for tree, n in zip(trees, nodes, strict=True)]
+                nodes = [tree.extended(n, drafts[a - 1])
+                         for tree, n in zip(trees, nodes, strict=True)]
             found = [tree.matches_after(n) for tree, n in zip(trees, nodes, strict=True)]
             bonus: list[int] = []
             lengths: list[int] = []

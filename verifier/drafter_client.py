@@ -16,9 +16,9 @@ states are held in host memory; before it is freed, its tokens alone go to a
 drafter without hidden states (a suffix drafter learns from whole replies), and
 nothing to one with. A drafter that places tables (DraftTable: ngram, suffix, which take
 no hidden states) is sent every step's outcomes instead: a table answers the outcome of
-one step, so a sequence held plain for two steps found none when it drafted again, and
-the speculation controller, pricing the wait for its answer, kept it plain (a batch of
-4 on suffix drafted as little as plain decoding). A drafter
+one step, so a sequence held plain for two steps found none when it drafted again and
+waited for the answer (under the speculation controller ngram's tables answered 75-93 %
+of lookups so, and all of them sent every step). A drafter
 needs a sequence's context only to draft for it, and a message a step for every
 sequence not drafting made a batch of 16 whose speculation dynamic K had turned
 off 13 % slower than plain decoding on two cores (the EAGLE-3 drafter woke each
