@@ -583,11 +583,16 @@ def vllm_server(python: Path, model_dir: Path, log: Path, spec: dict | None,
         _stop(proc)
 
 
+def vllm_modes(args) -> list[str]:
+    """vLLM's modes the run measures: those asked for, or all but the ablations'."""
+    return args.configs["vllm"] or [m for m in VLLM if m not in REMOTE_SETTINGS]
+
+
 def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
              ) -> tuple[dict, dict, dict[str, str]]:
     """(cells, startup seconds per mode, why a mode is unavailable)."""
     python = Path(args.peers_python)
-    wanted = args.configs["vllm"] or [m for m in VLLM if m not in REMOTE_SETTINGS]
+    wanted = vllm_modes(args)
     modes = {m: spec for m, spec in VLLM.items() if m in wanted}
     if (why := vllm_unavailable(python)) is not None:
         return {}, {}, {f"vllm {m}": why for m in modes}
@@ -1241,7 +1246,7 @@ def main(argv: list[str] | None = None) -> None:
         {k: verifier_env[k] for k in fair.BINDING_VARS},
         "vllm_binding": args.vllm_binding, "vllm_binding_search": binding,
         "alternated": bool(len(turns) > 1 or (
-            args.alternate and args.repeats > 1 and len(args.configs["vllm"] or VLLM) > 1
+            args.alternate and args.repeats > 1 and len(vllm_modes(args)) > 1
             and "vllm" in args.systems.split(","))), "busy": busy,
     }
     result["notes"] = notes(result)

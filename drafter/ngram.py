@@ -58,9 +58,10 @@ def continuation_table(tokens: np.ndarray, min_n: int, max_n: int,
     drafts [sum(lengths)]): for b == bonus[i], find_continuation(tokens + [b], min_n,
     max_n, k) is the i-th run of `lengths[i]` drafts. For any other b it is empty if
     min_n >= 2, and otherwise copies what followed b's latest occurrence (a one-token
-    match, which the verifier copies itself: DraftTable.copy_unlisted). A match of at least two tokens ends in the context's last
-    token followed by b, so the only candidates are the positions j right after an
-    earlier occurrence of the last token, with b = tokens[j].
+    match, which the verifier copies itself: DraftTable.copy_unlisted). A match of at
+    least two tokens ends in the context's last token followed by b, so the only
+    candidates are the positions j right after an earlier occurrence of the last token,
+    with b = tokens[j].
     """
     n = tokens.shape[0]
     if n < 2 or k < 1 or max_n < 2:

@@ -314,11 +314,12 @@ class SuffixMethod(DraftMethod):
                 nodes = [tree.extended(n, drafts[a - 1])
                          for tree, n in zip(trees, nodes, strict=True)]
             found = [tree.matches_after(n) for tree, n in zip(trees, nodes, strict=True)]
+            prefix = context[:base + a]
             bonus: list[int] = []
             lengths: list[int] = []
             tokens: list[int] = []
             for b in sorted(set().union(*found)):
-                after = [*context[:base + a], b]
+                after = [*prefix, b]
                 best, best_score = [], 0.0
                 for tree, matches in zip(trees, found, strict=True):
                     node, length = matches.get(b) or tree.match(after[-1:])

@@ -499,8 +499,8 @@ class DrafterClient:
         return seq.bets.get(tuple(new)) or None
 
     def _bet(self, seq: _Seq, k: int) -> list[int] | None:
-        """The drafts a bet placed for the outcome the sequence's next Advance carries,
-        or None. Under the lock."""
+        """The drafts a bet or table placed for the outcome the sequence's next Advance
+        carries, counted as a lookup, or None. Under the lock."""
         new = seq.unsent() if k and seq.generation == self._generation else None
         if new is None:
             return None
