@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from specdec.launch import VLLM_BINDING_VARS, vllm_cpu_binding
 
@@ -102,6 +102,20 @@ def best_binding(measure: Callable[[dict[str, str]], float],
         raise RuntimeError(f"vLLM started with no binding: {tried}")
     name = max(ok, key=ok.__getitem__)
     return name, candidates[name], tried
+
+
+def numba_caveat(run: dict, vllm_modes: Iterable[str]) -> str | None:
+    """A warning for a run whose vLLM ngram modes (of `vllm_modes`, its own, not ours as
+    its proposer) ran before vLLM's processes got numba's own thread pool
+    (launch.vllm_environ), or None."""
+    if run.get("vllm_numba_layer", "omp") != "omp":
+        return None
+    crippled = sorted(m for m in vllm_modes if "ngram" in m and "remote" not in m)
+    if not crippled:
+        return None
+    return (f"vLLM's {', '.join(crippled)} in this run had numba's OpenMP layer, which left "
+            "vLLM's forward on one thread after each ngram lookup (its worker at one core): "
+            "ratios to them may overstate ours (serving_vllm_numba.md prices it)")
 
 
 def describe(env: Mapping[str, str]) -> str:

@@ -597,6 +597,32 @@ SECTIONS = [
      "(copy_unlisted)",
      "python -m bench.ablation --configs 'plain,K=2,K=4,controller,K=2 min2,K=4 min2,"
      "controller min2' --out bench/results/speculation_tables_min2.json"),
+    ("serving_vllm_numba.md",
+     "vLLM's own ngram with numba on its own thread pool (`NUMBA_THREADING_LAYER=workqueue`, "
+     "what `launch.vllm_environ` now gives vLLM's processes) and with numba's OpenMP layer "
+     "(`numba omp`, as every earlier run against its ngram modes had it), beside our ngram "
+     "service as its proposer, modes alternating, AMD EPYC (2026-12-07): its ngram K = 4 "
+     "44.3, 46.4 / 126.3, 120.1 / 206.4, 197.4 tok/s at C = 1 / 4 / 16 against 38.4, 35.1 / "
+     "95.1, 89.3 / 134.5, 128.7 with the OpenMP layer (its worker at 1.0 core, its engine "
+     "loop spinning on the other); our remote ngram K = 4 52.7, 46.5 / 120.4, 120.8 / "
+     "168.1, 176.9: 1.1x its fixed ngram at C = 1, 0.95x at C = 4, 0.85x at C = 16",
+     "python -m bench.serving --systems vllm --vllm 'ngram K=4,ngram K=4 numba omp,"
+     "remote ngram K=4' --repeats 2 --vllm-binding 'cores 0-1, none reserved' "
+     "--out bench/results/serving_vllm_numba.json"),
+    ("serving_vllm_remote_dynamic.md",
+     "`vllm serve` with numba's own pool: its ngram K = 4 against our ngram service as its "
+     "proposer at K = 4, with our speculation controller choosing each request's K "
+     "(`dynamic`), and drafting by vLLM's n-gram sizes (`n=2-4`, so only the hop differs), "
+     "modes alternating, AMD EPYC (2026-12-07). Per repeat, remote n=2-4 / its ngram 0.85, "
+     "1.06 at C = 1, 0.85, 1.08 at C = 4, 0.94, 1.05 at C = 16 (the same steps, 781 / 223 "
+     "/ 185 against 776 / 224 / 182, and iterations within the noise): the hop costs "
+     "nothing measurable. Our propose call's median 0.14 / 0.21 / 0.41 ms a step, of it the "
+     "draft wait 0.10 / 0.13 / 0.23 ms; with the controller 0.27 / 0.41 / 0.88 ms (wait "
+     "0.08 / 0.10 / 0.19). Dynamic 47.4, 48.2 / 118.1, 113.3 / 189.7, 196.7 tok/s against "
+     "its ngram's 51.5, 45.0 / 130.6, 123.0 / 189.0, 187.2",
+     "python -m bench.serving --systems vllm --vllm 'ngram K=4,remote ngram dynamic,"
+     "remote ngram K=4 n=2-4,remote ngram K=4' --repeats 2 --vllm-binding 'cores 0-1, "
+     "none reserved' --out bench/results/serving_vllm_remote_dynamic.json"),
     ("serving_vllm_tables.md",
      "`vllm serve` at its best CPU binding with our ngram drafter service as its proposer, "
      "now answering from tables, beside its own ngram and plain, AMD EPYC (2026-12-07), "
@@ -871,6 +897,27 @@ noise of 10-20 % between runs). How the system works is in
 _RELATIVE_LINK = re.compile(r"\]\((?![a-z]+:|/|#)([^)]+)\)")
 
 
+def _vllm_modes(run: dict) -> list[str]:
+    """The vLLM modes a serving or vllm_bench run measured."""
+    if run.get("bench") == "vllm_bench":
+        return list(run["config"]["configs"].get("vllm", []))
+    return [k.removeprefix("vllm ") for k in run.get("summary", {}) if k.startswith("vllm ")]
+
+
+def _numba_caveat(path: Path) -> str | None:
+    """fair.numba_caveat for the run a results table came from, where its JSON is beside
+    it and is a run against `vllm serve`."""
+    if not path.is_file():
+        return None
+    try:
+        run = json.loads(path.read_text())
+    except ValueError:
+        return None
+    if not isinstance(run, dict) or not isinstance(run.get("summary"), dict):
+        return None
+    return fair.numba_caveat(run, _vllm_modes(run))
+
+
 def _summary_line(text: str) -> str | None:
     for line in text.splitlines():
         if line.startswith("**") and "cells" in line:
@@ -888,8 +935,10 @@ def render(results: Path = RESULTS) -> str:
         # Links in the results files are relative to bench/results/; docs/ is a sibling.
         text = _RELATIVE_LINK.sub(r"](../bench/results/\1)", path.read_text().strip())
         parts += [f"## {heading}", "",
-                  f"`{command}` wrote [bench/results/{name}](../bench/results/{name}):", "",
-                  text, ""]
+                  f"`{command}` wrote [bench/results/{name}](../bench/results/{name}):", ""]
+        if (caveat := _numba_caveat(path.with_suffix(".json"))) is not None:
+            parts += [f"**{caveat}.**", ""]
+        parts += [text, ""]
     matrix = results / MATRIX
     if matrix.is_file():
         summary = _summary_line(matrix.read_text()) or "see the file"
@@ -939,7 +988,9 @@ def render_headline(results: Path = RESULTS) -> str:
         parts += ["", f"`vllm serve`'s CPU thread binding: "
                   f"{fair.describe(run.get('vllm_binding') or {})}{fair.binding_note(run)}; "
                   + ("servers alternated repeat by repeat." if run.get("alternated")
-                     else "each server's repeats back to back."), ""]
+                     else "each server's repeats back to back.")
+                  + (f" **{caveat}.**" if (caveat := fair.numba_caveat(run, _vllm_modes(run)))
+                     else ""), ""]
         for name, what in HEADLINE_LINES:
             if (results / name).is_file():
                 parts += [_ratios_line(results / name, what), ""]
@@ -961,9 +1012,11 @@ def _ratios_line(path: Path, what: Callable[[dict], str]) -> str:
     plain = " / ".join(_ratio(a, b) for a, b in zip(at("ours plain"), at("vllm plain"),
                                                      strict=True))
     table = f"bench/results/{path.with_suffix('.md').name}"
+    caveat = fair.numba_caveat(run, _vllm_modes(run))
     return (f"{what(run)}, vLLM bound as {fair.describe(run.get('vllm_binding') or {})}: ours "
             f"best / vLLM best {best}, ours plain / vLLM plain {plain} at "
-            f"C = {' / '.join(cs)} ([{table}]({table})).")
+            f"C = {' / '.join(cs)} ([{table}]({table}))"
+            + (f"; {caveat}." if caveat else "."))
 
 
 def _vllm_bench_line(path: Path) -> str:
@@ -987,7 +1040,8 @@ def _vllm_bench_line(path: Path) -> str:
             f"{run['timestamp'][:10]}, C = {' / '.join(map(str, cs))}, servers alternating, "
             f"vLLM bound as {fair.describe(run.get('vllm_binding') or {})}): "
             f"{failed} requests failed of {total + failed}; " + "; ".join(pairs)
-            + f" ([{table}]({table})).")
+            + f" ([{table}]({table}))"
+            + (f"; {caveat}." if (caveat := fair.numba_caveat(run, _vllm_modes(run))) else "."))
 
 
 def _best(summary: dict, prefix: str, c: str) -> float | None:

@@ -108,23 +108,43 @@ DYNAMIC = {"ngram": ("ngram auto", ("ngram K=2", "ngram K=4")),
 # as vLLM's proposer (verifier.vllm.RemoteProposer), beside vLLM's own ngram.
 REMOTE_PROPOSER = {"method": "custom_class", "model": "verifier.vllm.RemoteProposer",
                    "num_speculative_tokens": 4}
+VLLM_NGRAM4 = {"method": "ngram", "num_speculative_tokens": 4,
+               "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 VLLM = {"plain": None,
-        "ngram K=4": {"method": "ngram", "num_speculative_tokens": 4,
-                      "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+        "ngram K=4": VLLM_NGRAM4,
         # vLLM's dynamic SD: K by the batch's size, (first, last, K) inclusive.
         "ngram dynamic": {"method": "ngram", "num_speculative_tokens": 4,
                           "prompt_lookup_min": 2, "prompt_lookup_max": 4,
                           "num_speculative_tokens_per_batch_size":
                               [[1, 1, 4], [2, 4, 3], [5, 8, 2], [9, 1024, 1]]},
+        "ngram K=4 numba omp": VLLM_NGRAM4,
         "remote ngram K=4": REMOTE_PROPOSER,
+        "remote ngram dynamic": REMOTE_PROPOSER,
         "remote ngram K=4 no bets": REMOTE_PROPOSER,
-        "remote suffix K=4": REMOTE_PROPOSER}
+        "remote ngram K=4 n=2-4": REMOTE_PROPOSER,
+        "remote suffix K=4": REMOTE_PROPOSER,
+        "remote suffix dynamic": REMOTE_PROPOSER}
 # Modes whose proposer drafts through one of our drafter services: mode -> its method.
-VLLM_REMOTE = {"remote ngram K=4": "ngram", "remote ngram K=4 no bets": "ngram",
-               "remote suffix K=4": "suffix"}
+VLLM_REMOTE = {"remote ngram K=4": "ngram", "remote ngram dynamic": "ngram",
+               "remote ngram K=4 no bets": "ngram", "remote ngram K=4 n=2-4": "ngram",
+               "remote suffix K=4": "suffix", "remote suffix dynamic": "suffix"}
+# Drafter flags beside --method: our ngram drafting by vLLM's ngram mode's n-gram sizes
+# (its 1-token matches off), so that against `vllm ngram K=4` only the hop differs.
+DRAFTER_ARGS = {"remote ngram K=4 n=2-4": (
+    "--ngram-min", str(VLLM_NGRAM4["prompt_lookup_min"]),
+    "--ngram-max", str(VLLM_NGRAM4["prompt_lookup_max"]))}
 # RemoteProposer settings beside the drafters (verifier.vllm.proposer.ProposerConfig):
-# the ablation of the drafters' bets and tables, every step waiting for the answer.
-REMOTE_SETTINGS = {"remote ngram K=4 no bets": {"draft_bets": False}}
+# dynamic K, each request's chosen each step by our speculation controller within the
+# speculative config's K; the ablation of the drafters' bets and tables, every step
+# waiting for the answer.
+REMOTE_SETTINGS = {"remote ngram dynamic": {"speculation_controller": True},
+                   "remote suffix dynamic": {"speculation_controller": True},
+                   "remote ngram K=4 no bets": {"draft_bets": False}}
+# vLLM's ngram as it runs without specdec.launch.vllm_environ's numba thread pool (the
+# ablation of it): numba's OpenMP layer, whose thread count vLLM's ngram sets to 1.
+VLLM_ENV = {"ngram K=4 numba omp": {"NUMBA_THREADING_LAYER": "omp"}}
+# Modes a run measures only when asked for by name.
+VLLM_ABLATIONS = ("remote ngram K=4 no bets", "ngram K=4 numba omp", "remote ngram K=4 n=2-4")
 # The memory fraction is vLLM's CPU memory reservation; its default (0.92) refuses to
 # start beside our services' memory on a 24 GiB machine.
 VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
@@ -412,6 +432,11 @@ _ITERATION = re.compile(r"Iteration\(\d+\): (\d+) context requests, (\d+) contex
                         r"iteration elapsed time: ([\d.]+) ms")
 
 
+# RemoteProposer's line a step (verifier.vllm.proposer.STEP_LOG_FORMAT, log_steps).
+_PROPOSE = re.compile(r"specdec propose: (\d+) rows, (\d+) drafts, ([\d.]+) ms, "
+                      r"draft wait ([\d.]+) ms")
+
+
 def _vllm_iterations(log: Path, start: int, end: int, wall_s: float) -> dict:
     with log.open("rb") as f:
         f.seek(start)
@@ -420,11 +445,16 @@ def _vllm_iterations(log: Path, start: int, end: int, wall_s: float) -> dict:
     if not its:
         return {}
     elapsed = [it[4] for it in its]
-    return {"steps": len(its),
-            "step_ms": {"iteration": statistics.mean(elapsed)},
-            "engine_busy": sum(elapsed) / 1e3 / wall_s,
-            "batch_mean": statistics.mean(it[0] + it[2] for it in its),
-            "rows_per_step": statistics.mean(it[1] + it[3] for it in its)}
+    out = {"steps": len(its),
+           "step_ms": {"iteration": statistics.mean(elapsed)},
+           "engine_busy": sum(elapsed) / 1e3 / wall_s,
+           "batch_mean": statistics.mean(it[0] + it[2] for it in its),
+           "rows_per_step": statistics.mean(it[1] + it[3] for it in its)}
+    proposes = [(float(m[3]), float(m[4])) for m in _PROPOSE.finditer(text)]
+    if proposes:  # our proposer's steps: the medians of its time and its wait
+        out["propose_ms"] = statistics.median(p for p, _ in proposes)
+        out["propose_wait_ms"] = statistics.median(w for _, w in proposes)
+    return out
 
 
 # -- servers -----------------------------------------------------------------------
@@ -533,12 +563,14 @@ def vllm_argv(python: Path, model_dir: Path, port: int, spec: dict | None,
     return argv
 
 
-def start_drafter(method: str, model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """One of our drafter services on a free port, healthy; (process, HOST:PORT)."""
+def start_drafter(method: str, model_dir: Path, log: Path, args: tuple[str, ...] = ()
+                  ) -> tuple[subprocess.Popen, str]:
+    """One of our drafter services on a free port with its flags `args`, healthy;
+    (process, HOST:PORT)."""
     port = free_port()
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "drafter", "--method", method,
-                                 "--target", str(model_dir), "--port", str(port)],
+                                 "--target", str(model_dir), "--port", str(port), *args],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     address = f"127.0.0.1:{port}"
@@ -564,15 +596,17 @@ def specdec_unavailable_beside_vllm(python: Path) -> str | None:
 @contextlib.contextmanager
 def vllm_server(python: Path, model_dir: Path, log: Path, spec: dict | None,
                 timeout_s: float, binding: dict[str, str],
-                drafters: dict[str, str] | None = None, settings: dict | None = None):
-    """`vllm serve` on a free port with --speculative-config `spec` and the CPU thread
-    binding's variables, serving: (base URL, its process, seconds to serving)."""
+                drafters: dict[str, str] | None = None, settings: dict | None = None,
+                environ: dict[str, str] | None = None):
+    """`vllm serve` on a free port with --speculative-config `spec`, the CPU thread
+    binding's variables and `environ`'s, serving: (base URL, its process, seconds to
+    serving)."""
     port = free_port()
     print(f"starting `vllm serve` (log {log}) ...", flush=True)
     t0 = time.perf_counter()
     with log.open("w") as out:
         proc = subprocess.Popen(vllm_argv(python, model_dir, port, spec, drafters, settings),
-                                stdout=out, env=vllm_environ(python, {**os.environ, **binding}),
+                                stdout=out, env=vllm_environ(python, {**os.environ, **binding, **(environ or {})}),
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
@@ -585,7 +619,7 @@ def vllm_server(python: Path, model_dir: Path, log: Path, spec: dict | None,
 
 def vllm_modes(args) -> list[str]:
     """vLLM's modes the run measures: those asked for, or all but the ablations'."""
-    return args.configs["vllm"] or [m for m in VLLM if m not in REMOTE_SETTINGS]
+    return args.configs["vllm"] or [m for m in VLLM if m not in VLLM_ABLATIONS]
 
 
 def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
@@ -616,12 +650,15 @@ def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
                 unavailable[name] = why
                 continue
             method = VLLM_REMOTE[mode]
-            drafter, address = start_drafter(method, model_dir, log.with_suffix(".drafter.log"))
+            drafter, address = start_drafter(method, model_dir, log.with_suffix(".drafter.log"),
+                                             DRAFTER_ARGS.get(mode, ()))
             drafters = {method: address}
         try:
             with vllm_server(python, model_dir, log, spec, args.vllm_timeout_s,
                              args.vllm_binding, drafters,
-                             REMOTE_SETTINGS.get(mode)) as (base, proc, took):
+                             {**REMOTE_SETTINGS.get(mode, {}), "log_steps": True},
+                             VLLM_ENV.get(mode)
+                             ) as (base, proc, took):
                 startup.setdefault(name, took)
                 probe = Probe({"vllm": proc.pid}, vllm_log=log)
                 got = asyncio.run(drive(base, {mode: None}, prompts, args, "vllm", probe))
@@ -889,7 +926,9 @@ def render(result: dict) -> str:
     lines += ["", "Where the time goes: per engine step, the mean milliseconds of each phase "
               "(ours: schedule / draft wait [of it, the drafters' own time as they report it; "
               "the rest is the round trip] / forward / sample / postprocess / deliver to the "
-              "streams; vLLM: its iteration time), the mean batch (sequences per step; vLLM's "
+              "streams; vLLM: its iteration time, and where our proposer drafts the median "
+              "milliseconds of its propose call, all on the step's critical path, and of them "
+              "the wait on the drafters), the mean batch (sequences per step; vLLM's "
               "counts context and generation requests), the query rows its forward fed (prefill "
               "chunks, and 1 + drafts per verified sequence; vLLM's context and generation "
               "tokens), tokens emitted per step, the share of the "
@@ -912,6 +951,9 @@ def render(result: dict) -> str:
                                                else "") for k, v in ms.items()) if ms else "-"
             if len(ms) > 1:
                 phases += f" (= {sum(v for k, v in ms.items() if k != 'deliver'):.1f})"
+            if "propose_ms" in b:
+                phases += (f" (propose {b['propose_ms']:.2f}, draft wait "
+                           f"{b['propose_wait_ms']:.2f}; medians)")
             tps = b.get("tokens_per_step")
             cpu = ", ".join(f"{k} {v:.2f}" for k, v in sorted(b["cpu_share"].items(),
                                                               key=lambda kv: -kv[1]) if v >= 0.01)
@@ -1035,7 +1077,11 @@ def notes(result: dict) -> list[str]:
         "vLLM = `python -m vllm.entrypoints.openai.api_server --model DIR "
         + " ".join(VLLM_ARGS) + "` (what `vllm serve` runs), its ngram mode with "
         f"`--speculative-config '{json.dumps(VLLM['ngram K=4'])}'`; thread binding: "
-        + fair.describe(result.get("vllm_binding") or {}) + fair.binding_note(result) + ".",
+        + fair.describe(result.get("vllm_binding") or {}) + fair.binding_note(result)
+        + f"; numba's threads NUMBA_THREADING_LAYER={result.get('vllm_numba_layer')} (its "
+        "OpenMP layer leaves vLLM's forward on one thread after each ngram lookup"
+        + ("; `vllm ngram K=4 numba omp` runs so" if "vllm ngram K=4 numba omp"
+           in result["summary"] else "") + ").",
         ("Systems alternated (and vLLM's modes): a fresh server of each per repeat, in "
          "turns (ABBA...)."
          if result.get("alternated") else "Each system's repeats ran back to back."),
@@ -1066,8 +1112,13 @@ def notes(result: dict) -> list[str]:
         out.append(
             ", ".join(f"`vllm {m}`" for m in remote) + " = `--speculative-config '"
             + json.dumps(REMOTE_PROPOSER) + "' --additional-config '{\"specdec\": "
-            "{\"drafters\": {\"METHOD\": \"127.0.0.1:PORT\"}}}'`, with our drafter service "
-            "(`specdec-drafter --method METHOD --target DIR`) on a free port.")
+            "{\"drafters\": {\"METHOD\": \"127.0.0.1:PORT\"}, \"log_steps\": true}}'`, with our "
+            "drafter service "
+            "(`specdec-drafter --method METHOD --target DIR`) on a free port"
+            + "".join(f"; `vllm {m}` adds {json.dumps(REMOTE_SETTINGS[m])} to the specdec "
+                      "section" for m in remote if m in REMOTE_SETTINGS)
+            + "".join(f"; `vllm {m}`'s drafter runs with `{' '.join(DRAFTER_ARGS[m])}`"
+                      for m in remote if m in DRAFTER_ARGS) + ".")
     if any(" suffix " in name for name in ran):
         out.append(
             "Suffix decoding keeps up to 100 past replies in a global tree (its default), and "
@@ -1245,6 +1296,7 @@ def main(argv: list[str] | None = None) -> None:
         "verifier_binding": {} if verifier_env is None else
         {k: verifier_env[k] for k in fair.BINDING_VARS},
         "vllm_binding": args.vllm_binding, "vllm_binding_search": binding,
+        "vllm_numba_layer": vllm_environ(Path(args.peers_python))["NUMBA_THREADING_LAYER"],
         "alternated": bool(len(turns) > 1 or (
             args.alternate and args.repeats > 1 and len(vllm_modes(args)) > 1
             and "vllm" in args.systems.split(","))), "busy": busy,

@@ -231,7 +231,8 @@ def render(result: dict) -> str:
         f"{result['load_average_1min'][0]} -> {result['load_average_1min'][1]}; "
         f"{result['wall_s'] / 60:.1f} min.", "",
         "vLLM's thread binding: " + fair.describe(result["vllm_binding"])
-        + fair.binding_note(result) + ".", "",
+        + fair.binding_note(result) + "; numba's threads NUMBA_THREADING_LAYER="
+        + str(result.get("vllm_numba_layer")) + ".", "",
         "tok/s = its output throughput; TTFT, TPOT (time per output token after the first) "
         "and ITL (between streamed chunks) in ms; AL = acceptance length from the server's "
         "`vllm:spec_decode_*` metrics; failed = requests `vllm bench serve` counted failed, "
@@ -368,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
                    "vllm_args": list(serving.VLLM_ARGS),
                    "vllm_speculative_config": {n: VLLM[n] for n in args.configs["vllm"]}},
         "vllm_binding": args.vllm_binding, "vllm_binding_search": binding,
+        "vllm_numba_layer": vllm_environ(args.python)["NUMBA_THREADING_LAYER"],
         "summary": summary, "runs": _strip(runs, model_dir),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

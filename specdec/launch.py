@@ -224,8 +224,16 @@ def vllm_environ(python: Path, environ: Mapping[str, str] | None = None) -> dict
     """The environment for a process on vLLM's interpreter `python`, as vLLM's CPU guide
     asks: its environment's Intel OpenMP preloaded (without it vLLM warns, and
     speculative decoding on CPU loses much of its speed), tokenizers' own threads off.
-    Harmless where the library is absent (a GPU build)."""
+    Harmless where the library is absent (a GPU build).
+
+    numba gets its own thread pool (workqueue) unless the caller names one: its default
+    OpenMP layer then shares the preloaded runtime with torch, and vLLM's ngram
+    proposer, which sets numba's thread count to 1 around each lookup, leaves every
+    forward after it on one thread (measured in vLLM's worker on 2 cores: one busy
+    thread instead of two, its engine loop spinning on the other core;
+    bench/results/serving_vllm_numba.md prices it)."""
     env = dict(os.environ if environ is None else environ, TOKENIZERS_PARALLELISM="false")
+    env.setdefault("NUMBA_THREADING_LAYER", "workqueue")
     iomp = python.parent.parent / "lib" / "libiomp5.so"
     preload = env.get("LD_PRELOAD", "")
     if iomp.exists() and str(iomp) not in preload.split(":"):

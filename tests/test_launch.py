@@ -102,6 +102,12 @@ def test_the_verifier_on_vllm_runs_on_vllms_interpreter(tmp_path: Path, monkeypa
     (tmp_path / "venv" / "lib" / "libiomp5.so").touch()
     assert command_environ(verifier)["LD_PRELOAD"] == str(tmp_path / "venv" / "lib" /
                                                           "libiomp5.so")
+    # numba on its own thread pool, which vLLM's ngram cannot shrink torch's through,
+    # unless the environment names one.
+    monkeypatch.delenv("NUMBA_THREADING_LAYER", raising=False)
+    assert command_environ(verifier)["NUMBA_THREADING_LAYER"] == "workqueue"
+    monkeypatch.setenv("NUMBA_THREADING_LAYER", "tbb")
+    assert command_environ(verifier)["NUMBA_THREADING_LAYER"] == "tbb"
     # vLLM's CPU threads: bound by the operator for a tensor-parallel group (TP 2 here);
     # for one engine, on every core this process may use, none reserved, unless the
     # environment binds them.

@@ -55,3 +55,13 @@ def test_a_recording_run_exits_on_a_busy_machine_or_marks_its_record(monkeypatch
     assert fair.refuse_if_busy(allow_busy=True) == "the machine is busy"
     monkeypatch.setattr(fair, "wait_until_idle", lambda: 0.1)
     assert fair.refuse_if_busy(allow_busy=False) is None
+
+
+def test_runs_of_vllms_own_ngram_before_numbas_own_pool_carry_a_caveat():
+    modes = ["plain", "ngram K=4", "remote ngram K=4"]
+    caveat = fair.numba_caveat({}, modes)
+    assert caveat is not None and "ngram K=4" in caveat and "remote" not in caveat
+    assert fair.numba_caveat({"vllm_numba_layer": "workqueue"}, modes) is None
+    assert fair.numba_caveat({"vllm_numba_layer": "omp"}, modes) is not None
+    # Ours as vLLM's proposer, and vLLM without ngram, ran no numba lookups of vLLM's.
+    assert fair.numba_caveat({}, ["plain", "remote ngram K=4"]) is None

@@ -254,7 +254,7 @@ def test_vllms_modes_take_turns_a_fresh_server_each_repeat(monkeypatch, tmp_path
 
     @contextlib.contextmanager
     def fake_server(python, model_dir, log, spec, timeout_s, binding, drafters=None,
-                    settings=None):
+                    settings=None, environ=None):
         started.append(spec)
         yield "http://x", type("Proc", (), {"pid": 1})(), 0.5
 

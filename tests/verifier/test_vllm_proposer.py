@@ -373,3 +373,20 @@ def test_vllms_steps_take_the_drafters_bets(tp_rank):
     finally:
         engine.close()
         drafter.server.stop(0)
+
+
+def test_log_steps_writes_a_line_a_step_that_the_benchmark_reads(tp_rank, drafters, capfd):
+    from bench.serving import _PROPOSE
+
+    engine = Engine({"ngram": drafters["ngram"].address}, log_steps=True)
+    try:
+        engine.add("a", [1, 2], specdec_num_speculative_tokens=2)
+        engine.add("b", [3, 4], specdec_num_speculative_tokens=3)
+        engine.step({"a": [10], "b": [20]})
+        engine.step({"a": [11], "b": [21]})
+    finally:
+        engine.close()
+    lines = [m.groups() for m in _PROPOSE.finditer(capfd.readouterr().err)]
+    assert [(rows, drafts) for rows, drafts, _, _ in lines] == [("2", "5"), ("2", "5")]
+    # The wait on the drafters is part of the propose call's time.
+    assert all(0 < float(wait) <= float(took) for _, _, took, wait in lines)

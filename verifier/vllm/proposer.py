@@ -59,6 +59,11 @@ from verifier.vllm.policy import RequestPolicy
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = "specdec"  # this proposer's section of vLLM's --additional-config
+# With log_steps, a line a step: the rows it drafted for, the drafts handed to vLLM, the
+# milliseconds propose took (all of it on the step's critical path: vLLM schedules the
+# next step once it returns) and of them the wait on the drafters (sending the step's
+# outcomes, taking tables and bets, collecting the answers of those asked).
+STEP_LOG_FORMAT = "specdec propose: %d rows, %d drafts, %.3f ms, draft wait %.3f ms"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,9 @@ class ProposerConfig:
     speculation_controller: bool = False
     # Steps after which the runner holds more requests than this draft nothing.
     disable_queue_size: int | None = None
+    # One log line a step with the time propose took and its wait for the drafters
+    # (STEP_LOG_FORMAT), for the per-step breakdown bench.serving prints.
+    log_steps: bool = False
 
     def __post_init__(self) -> None:
         for name, address in self.drafters.items():
@@ -108,7 +116,8 @@ class ProposerConfig:
                              "drafter_liveness_s": self.drafter_liveness_s,
                              "draft_bets": self.draft_bets,
                              "speculation_controller": self.speculation_controller,
-                             "disable_queue_size": self.disable_queue_size}}
+                             "disable_queue_size": self.disable_queue_size,
+                             "log_steps": self.log_steps}}
 
 
 @dataclass(slots=True)
@@ -126,6 +135,19 @@ class _Tracked:
     @property
     def key(self) -> str | None:
         return self.policy.request_id
+
+
+def _step_logger() -> logging.Logger:
+    """The logger of the step lines: INFO to stderr whatever the process's logging
+    configuration (vLLM's configures its own loggers only)."""
+    step_log = logging.getLogger(f"{__name__}.steps")
+    if not step_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        step_log.addHandler(handler)
+    step_log.setLevel(logging.INFO)
+    step_log.propagate = False
+    return step_log
 
 
 def _building_runner() -> Any:
@@ -179,6 +201,7 @@ class RemoteProposer:
         self._rows: list[Row] = []
         self._handed_at: float | None = None
         self._wait_ms = 0.0
+        self._step_log = _step_logger() if self.config.log_steps else None
 
     def load_model(self, model: Any) -> None:
         """vLLM's hook once the target is loaded: connect to the drafters."""
@@ -260,7 +283,10 @@ class RemoteProposer:
         for seq_id, k in wanted.items():
             rows[seq_id][1].num_wanted = k
         # Sent even when nothing is wanted: the step's outcomes and frees go out with it.
-        for seq_id, proposal in self.pool.propose(wanted, {}).items():
+        asking = time.perf_counter()
+        proposals = self.pool.propose(wanted, {})
+        answered = time.perf_counter()
+        for seq_id, proposal in proposals.items():
             row, seq = rows[seq_id]
             ids = proposal.token_ids
             if proposal.parents is not None and not is_chain(proposal.parents):
@@ -269,6 +295,9 @@ class RemoteProposer:
             seq.num_drafted = len(drafts[row])
         self._handed_at = time.perf_counter()
         self._wait_ms = (self._handed_at - started) * 1e3
+        if self._step_log is not None:
+            self._step_log.info(STEP_LOG_FORMAT, len(rows), sum(map(len, drafts)),
+                                self._wait_ms, (answered - asking) * 1e3)
 
     def _choose(self, bounds: dict[int, int], rows: dict[int, tuple[int, _Tracked]],
                 plain: list[Row], outcomes: dict[int, tuple[int, int]], fed: int,
