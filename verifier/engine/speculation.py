@@ -248,9 +248,10 @@ class SpeculationController:
             return {row.key: 0 for row in dynamic}  # the first step: plain, to price it
         decoding = [row for row in rows if not row.prefill]
         base_rows = len(decoding) + sum(row.bound for row in decoding if row.drafter is None)
+        priors: dict[str, tuple[list[float] | None, float]] = {}
         positions = sorted(
             (_Position(reach, i, row.drafter)
-             for i, row in enumerate(dynamic) for reach in self._reach(row)),
+             for i, row in enumerate(dynamic) for reach in self._reach(row, priors)),
             key=lambda p: -p.reach)
         tokens = float(len(decoding))  # each decoding sequence's own token
         # The drafters whose wait the step is priced with: not those not asked for a
@@ -281,28 +282,38 @@ class SpeculationController:
         for none: each drafter's wait counts once a position needs its answer."""
         best_n = 0
         methods: set[str] = set()
+        wait = 0.0  # draft_ms of the methods met so far: it changes only with them
         cost = self.cost
         for n, p in enumerate(positions, start=1):
             tokens += p.reach
-            if not dynamic[p.index].bet:
+            if p.method not in methods and not dynamic[p.index].bet:
                 methods.add(p.method)
+                wait = self.cost.draft_ms(methods & fresh)
             if p.method in self._tree_drafters and self.config.tree_prices \
                     and self.tree_cost.ms:
                 cost = self.tree_cost  # from here on the step verifies a tree
-            worth = tokens / (cost.price(base_rows + n) + self.cost.draft_ms(methods & fresh))
+            worth = tokens / (cost.price(base_rows + n) + wait)
             if worth > best:
                 best_n, best = n, worth
         return positions[:best_n], best
 
-    def _reach(self, row: Row) -> list[float]:
-        """[K] the chance that each of the sequence's next K drafts is accepted."""
+    def _reach(self, row: Row, priors: dict[str, tuple[list[float] | None, float]]
+               ) -> list[float]:
+        """[K] the chance that each of the sequence's next K drafts is accepted. priors:
+        method -> its rates and answer rate, filled as met (the same for every row of a
+        step)."""
         k, cfg, method = row.bound, self.config, row.drafter
-        method_counts = self._method_counts.get(method)
-        if method_counts is None:
-            prior, answer_prior = [cfg.default_rate] * k, 1.0
-        else:  # the method's rates over all its requests, around the default
-            prior = method_counts.rates([cfg.default_rate] * len(method_counts.tried), 1.0)
-            answer_prior = method_counts.answer_rate(1.0, 1.0)
+        if method not in priors:
+            method_counts = self._method_counts.get(method)
+            if method_counts is None:
+                priors[method] = None, 1.0
+            else:  # the method's rates over all its requests, around the default
+                priors[method] = (
+                    method_counts.rates([cfg.default_rate] * len(method_counts.tried), 1.0),
+                    method_counts.answer_rate(1.0, 1.0))
+        prior, answer_prior = priors[method]
+        if prior is None:  # nothing measured for the method
+            prior = [cfg.default_rate] * k
         counts = self._counts.get(row.key) if cfg.request_rates else None
         if counts is None:
             rates, answered = _widen(prior, k), answer_prior
