@@ -144,7 +144,8 @@ REMOTE_SETTINGS = {"remote ngram dynamic": {"speculation_controller": True},
 # ablation of it): numba's OpenMP layer, whose thread count vLLM's ngram sets to 1.
 VLLM_ENV = {"ngram K=4 numba omp": {"NUMBA_THREADING_LAYER": "omp"}}
 # Modes a run measures only when asked for by name.
-VLLM_ABLATIONS = ("remote ngram K=4 no bets", "ngram K=4 numba omp", "remote ngram K=4 n=2-4")
+VLLM_ABLATIONS = ("remote ngram K=4 no bets", "ngram K=4 numba omp",
+                  "remote ngram K=4 n=2-4")
 # The memory fraction is vLLM's CPU memory reservation; its default (0.92) refuses to
 # start beside our services' memory on a 24 GiB machine.
 VLLM_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "16",
@@ -606,7 +607,8 @@ def vllm_server(python: Path, model_dir: Path, log: Path, spec: dict | None,
     t0 = time.perf_counter()
     with log.open("w") as out:
         proc = subprocess.Popen(vllm_argv(python, model_dir, port, spec, drafters, settings),
-                                stdout=out, env=vllm_environ(python, {**os.environ, **binding, **(environ or {})}),
+                                stdout=out, env=vllm_environ(
+                                    python, {**os.environ, **binding, **(environ or {})}),
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
