@@ -908,16 +908,18 @@ noise of 10-20 % between runs). How the system works is in
 _RELATIVE_LINK = re.compile(r"\]\((?![a-z]+:|/|#)([^)]+)\)")
 
 
-def _vllm_modes(run: dict) -> list[str]:
-    """The vLLM modes a serving or vllm_bench run measured."""
+def _caveat(run: dict) -> str | None:
+    """fair.numba_caveat for a serving or vllm_bench run, over the vLLM modes it measured."""
     if run.get("bench") == "vllm_bench":
-        return list(run["config"]["configs"].get("vllm", []))
-    return [k.removeprefix("vllm ") for k in run.get("summary", {}) if k.startswith("vllm ")]
+        modes = list(run["config"]["configs"].get("vllm", []))
+    else:
+        modes = [k.removeprefix("vllm ") for k in run["summary"] if k.startswith("vllm ")]
+    return fair.numba_caveat(run, modes)
 
 
 def _numba_caveat(path: Path) -> str | None:
-    """fair.numba_caveat for the run a results table came from, where its JSON is beside
-    it and is a run against `vllm serve`."""
+    """_caveat for the run a results table came from, where its JSON is beside it and is
+    a run against `vllm serve`."""
     if not path.is_file():
         return None
     try:
@@ -926,7 +928,7 @@ def _numba_caveat(path: Path) -> str | None:
         return None
     if not isinstance(run, dict) or not isinstance(run.get("summary"), dict):
         return None
-    return fair.numba_caveat(run, _vllm_modes(run))
+    return _caveat(run)
 
 
 def _summary_line(text: str) -> str | None:
@@ -1000,7 +1002,7 @@ def render_headline(results: Path = RESULTS) -> str:
                   f"{fair.describe(run.get('vllm_binding') or {})}{fair.binding_note(run)}; "
                   + ("servers alternated repeat by repeat." if run.get("alternated")
                      else "each server's repeats back to back.")
-                  + (f" **{caveat}.**" if (caveat := fair.numba_caveat(run, _vllm_modes(run)))
+                  + (f" **{caveat}.**" if (caveat := _caveat(run))
                      else ""), ""]
         for name, what in HEADLINE_LINES:
             if (results / name).is_file():
@@ -1023,7 +1025,7 @@ def _ratios_line(path: Path, what: Callable[[dict], str]) -> str:
     plain = " / ".join(_ratio(a, b) for a, b in zip(at("ours plain"), at("vllm plain"),
                                                      strict=True))
     table = f"bench/results/{path.with_suffix('.md').name}"
-    caveat = fair.numba_caveat(run, _vllm_modes(run))
+    caveat = _caveat(run)
     return (f"{what(run)}, vLLM bound as {fair.describe(run.get('vllm_binding') or {})}: ours "
             f"best / vLLM best {best}, ours plain / vLLM plain {plain} at "
             f"C = {' / '.join(cs)} ([{table}]({table}))"
@@ -1052,7 +1054,7 @@ def _vllm_bench_line(path: Path) -> str:
             f"vLLM bound as {fair.describe(run.get('vllm_binding') or {})}): "
             f"{failed} requests failed of {total + failed}; " + "; ".join(pairs)
             + f" ([{table}]({table}))"
-            + (f"; {caveat}." if (caveat := fair.numba_caveat(run, _vllm_modes(run))) else "."))
+            + (f"; {caveat}." if (caveat := _caveat(run)) else "."))
 
 
 def _best(summary: dict, prefix: str, c: str) -> float | None:
