@@ -56,7 +56,7 @@ import torch
 from opentelemetry import trace
 
 from specdec import tree as token_tree
-from specdec.draft_table import table_drafts
+from specdec.draft_table import TableIndex
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
 from specdec.server import GRPC_OPTIONS, token_metadata
@@ -127,6 +127,7 @@ class _Seq:
     round: int = 0
     generation: int = -1  # stream generation its Start went out on; -1 = not yet
     pending: drafter_pb2.DraftEntry | None = None  # outcome waiting for the next send
+    pending_tokens: list[int] = field(default_factory=list)  # its new tokens
     # Outcomes of K = 0 steps not sent yet (see the module's docstring): their new
     # tokens, and their hidden states, of positions held_start.. in a row, where the
     # drafter wants them: each piece [P_i, layers, hidden], or (start, P_i), rows in
@@ -141,7 +142,7 @@ class _Seq:
     bets: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
     bet_round: int = -1
     # Or every outcome's drafts at once (DraftTable), for the same round.
-    table: drafter_pb2.DraftTable | None = None
+    table: TableIndex | None = None
     # Each token's latest position among the context's first `indexed` (copy_after's).
     latest: dict[int, int] = field(default_factory=dict)
     indexed: int = 0
@@ -149,23 +150,33 @@ class _Seq:
     def copy_after(self, token: int, k: int) -> list[int]:
         """The (at most k) tokens that followed `token`'s latest occurrence before the
         context's last token, through that last token: what a one-token n-gram match
-        drafts (DraftTable.copy_unlisted). Indexes the context as it grows."""
-        p, n = len(self.prompt), len(self.prompt) + len(self.output)
-        for pos in range(self.indexed, n - 1):
-            self.latest[self.prompt[pos] if pos < p else self.output[pos - p]] = pos
-        self.indexed = max(self.indexed, n - 1)
+        drafts (DraftTable.copy_unlisted). Indexes the context as it grows, a slice at
+        a time."""
+        prompt, output = self.prompt, self.output
+        p = len(prompt)
+        end = p + len(output) - 1  # positions before the last token are indexed
+        stop = min(p, end)
+        if self.indexed < stop:
+            self.latest.update(zip(prompt[self.indexed:stop], range(self.indexed, stop),
+                                   strict=True))
+            self.indexed = stop
+        if self.indexed < end:  # past the prompt
+            self.latest.update(zip(output[self.indexed - p:end - p], range(self.indexed, end),
+                                   strict=True))
+            self.indexed = end
         j = self.latest.get(token)
         if j is None:
             return []
-        return [self.prompt[x] if x < p else self.output[x - p]
-                for x in range(j + 1, min(j + 1 + k, n))]
+        lo, hi = j + 1, min(j + 1 + k, end + 1)
+        if lo >= p:
+            return output[lo - p:hi - p]
+        return prompt[lo:hi] + output[:max(0, hi - p)]
 
     def unsent(self) -> list[int] | None:
         """The tokens the next Advance appends, if it is one a bet can name: a pending
         outcome without rollback, or held outcomes without hidden states."""
         if self.pending is not None:
-            adv = self.pending.advance
-            return None if adv.num_rollback_tokens else list(adv.new_token_ids)
+            return self.pending_tokens  # (the verifier rolls nothing back)
         if self.held_tokens and not self.held_rows:
             return self.held_tokens
         return None
@@ -330,6 +341,7 @@ class DrafterClient:
             seq.pending = drafter_pb2.DraftEntry(seq_id=seq_id, advance=self._advance(
                 outcome.num_drafted, outcome.num_accepted, outcome.new_token_ids,
                 outcome.hidden_states, outcome.hidden_start))
+            seq.pending_tokens = list(outcome.new_token_ids)
 
     def _advance(self, num_drafted: int, num_accepted: int, new_token_ids: list[int],
                  hidden_states: torch.Tensor | None,
@@ -495,7 +507,7 @@ class DrafterClient:
         if new is None or seq.bet_round != seq.round + 1:
             return None
         if seq.table is not None:
-            return table_drafts(seq.table, new, seq.copy_after)
+            return seq.table.lookup(new, seq.copy_after)
         return seq.bets.get(tuple(new)) or None
 
     def _bet(self, seq: _Seq, k: int) -> list[int] | None:
@@ -520,8 +532,9 @@ class DrafterClient:
                 return
             self._lock.wait(timeout=left)
 
-    def _take_bets(self, resp: drafter_pb2.DraftResponse) -> None:
-        """Keep a followup's bets on the sequences' next outcomes. Under the lock."""
+    def _take_bets(self, resp: drafter_pb2.DraftResponse, tables: list[TableIndex]) -> None:
+        """Keep a followup's bets on the sequences' next outcomes, and its tables
+        (`tables`: resp.tables indexed). Under the lock."""
         self._betting = True
         for bet in resp.bets:
             seq = self._seqs.get(bet.seq_id)
@@ -531,11 +544,11 @@ class DrafterClient:
                 seq.bets, seq.table, seq.bet_round = {}, None, bet.round
             seq.bets[tuple(bet.new_token_ids)] = list(bet.token_ids)
         self._tabling = self._tabling or bool(resp.tables)
-        for table in resp.tables:
+        for table, index in zip(resp.tables, tables, strict=True):
             seq = self._seqs.get(table.seq_id)
             if seq is None or table.round != seq.round + 1:
                 continue
-            seq.bets, seq.table, seq.bet_round = {}, table, table.round
+            seq.bets, seq.table, seq.bet_round = {}, index, table.round
 
     def _hung(self, outq: queue.SimpleQueue) -> str | None:
         """Why the live stream's drafter counts as hung, or None. Under the lock."""
@@ -663,9 +676,11 @@ class DrafterClient:
                         log.info("drafter %s connected at %s", self.name, self.address)
                         delay = self.backoff_s[0]
                         for resp in responses:
+                            # Indexed here, before the lock: in the shadow of the step.
+                            tables = [TableIndex(t) for t in resp.tables]
                             with self._lock:
                                 if resp.followup:
-                                    self._take_bets(resp)
+                                    self._take_bets(resp, tables)
                                     if self._bets_due is not None and resp.step >= self._bets_due:
                                         self._bets_due = None
                                     self._lock.notify_all()

@@ -15,6 +15,8 @@ from concurrent import futures
 import grpc
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdec.draft_table import table_drafts
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -513,3 +515,20 @@ def test_a_table_copies_after_an_unlisted_tokens_latest_occurrence():
     seq.output = [5, 2, 6, 6, 0]
     assert table_drafts(table, [0], seq.copy_after) == []
     assert table_drafts(table, [5, 2]) is None  # a copy needs the context
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=st.lists(st.integers(0, 5), min_size=1, max_size=12),
+       growth=st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=3), st.integers(0, 6),
+                                 st.integers(1, 4)), max_size=6))
+def test_copy_after_matches_a_scan_of_the_context_as_it_grows(prompt, growth):
+    """copy_after indexes the context incrementally; whatever the pieces it grows by, it
+    answers as a scan of the whole context for the token's latest occurrence before the
+    last token does."""
+    seq = _Seq(list(prompt), SamplingParams(), 4)
+    for new, token, k in growth:
+        seq.output.extend(new)
+        context = seq.prompt + seq.output
+        latest = max((i for i, t in enumerate(context[:-1]) if t == token), default=None)
+        expected = [] if latest is None else context[latest + 1:latest + 1 + k]
+        assert seq.copy_after(token, k) == expected
