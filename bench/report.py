@@ -575,6 +575,15 @@ SECTIONS = [
      "python -m bench.ablation --method suffix --prompt-sets chat --configs 'plain,K=2,"
      "K=2 no bets,controller,controller no bets,K=2 in process,controller in process' "
      "--out bench/results/speculation_tables_suffix.json"),
+    ("speculation_tables_indexed.md",
+     "Outcome tables read as dicts built as they arrive (specdec.draft_table.TableIndex), "
+     "the verifier's ngram lookups against the same drafter in the engine's process, AMD "
+     "EPYC (2026-12-07; the machine ran plain decoding 35-40 % slower than in the run "
+     "above), two repeats alternating, chat prompts: median draft wait at C = 16 0.32 ms "
+     "at K = 2 and 0.33 at K = 4 against 0.33 and 0.38 drafting in process, 0.22 under "
+     "the controller; 0.11-0.17 ms at C = 1 and 4 for all; tables answered every lookup",
+     "python -m bench.ablation --prompt-sets chat --configs 'plain,K=2,K=4,controller,"
+     "K=2 in process,K=4 in process' --out bench/results/speculation_tables_indexed.json"),
     ("speculation_tables_ngram.md",
      "Outcome tables from the ngram drafter service re-measured after plain rows' "
      "outcomes went to a tabling drafter every step and the controller learned the drafts "
@@ -609,6 +618,18 @@ SECTIONS = [
      "python -m bench.serving --systems vllm --vllm 'ngram K=4,ngram K=4 numba omp,"
      "remote ngram K=4' --repeats 2 --vllm-binding 'cores 0-1, none reserved' "
      "--out bench/results/serving_vllm_numba.json"),
+    ("serving_vllm_indexed.md",
+     "`vllm serve` with our ngram and suffix services as its proposer after tables were "
+     "read as dicts built as they arrive (specdec.draft_table.TableIndex), beside its own "
+     "ngram K = 4, modes alternating, AMD EPYC (2026-12-07, a slow day: its ngram K = 4 "
+     "made 127-133 tok/s at C = 16 against 187-189 in the run below). Draft wait medians at C = 1 / 4 / 16: "
+     "ngram K = 4 0.10 / 0.19 / 0.25 ms, suffix K = 4 0.09 / 0.10 / 0.17, ngram with our "
+     "controller 0.08 / 0.12 / 0.20. Per repeat, remote ngram K = 4 / its ngram 1.01, "
+     "1.04 / 0.90, 0.94 / 0.88, 0.87 (its default one-token matches); remote suffix 1.21, "
+     "1.67 / 1.21, 1.63 / 1.29, 1.41",
+     "python -m bench.serving --systems vllm --vllm 'ngram K=4,remote ngram K=4,remote "
+     "suffix K=4,remote ngram dynamic' --repeats 2 --vllm-binding 'cores 0-1, none "
+     "reserved' --out bench/results/serving_vllm_indexed.json"),
     ("serving_vllm_remote_dynamic.md",
      "`vllm serve` with numba's own pool: its ngram K = 4 against our ngram service as its "
      "proposer at K = 4, with our speculation controller choosing each request's K "

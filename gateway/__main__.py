@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", type=float, default=600.0,
                    help="a request's time from admission to its last token, unless it asks "
                    "for less (REST `timeout`, gRPC deadline); 0 = none")
-    p.add_argument("--resume-wait-s", type=float, default=30.0,
+    p.add_argument("--resume-wait-s", type=float, default=120.0,
                    help="a request whose verifier replicas all failed waits this long for one "
                    "to serve again, then resumes from its tokens so far, and a new request "
                    "arriving while none serves waits as long (0 = fail at once)")
