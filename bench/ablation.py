@@ -152,6 +152,10 @@ class Bench:
         variant = VARIANT_OF.get(config)
         drafter = self.method if variant is None or variant in self.engines else \
             f"{self.method}-{variant}"
+        if variant is not None and variant not in self.engines and \
+                drafter not in self.pool.clients:
+            # Run anyway, its requests would name no drafter and decode plain.
+            raise ValueError(f"{config}: this bench was built without the {variant!r} variant")
         engine = self.engines.get(variant, self.engine)
         engine.controller = self.controllers.get(config)
         clients = list(self.pool.clients.values())
