@@ -154,7 +154,8 @@ class Bench:
             f"{self.method}-{variant}"
         if variant is not None and variant not in self.engines and \
                 drafter not in self.pool.clients:
-            # Run anyway, its requests would name no drafter and decode plain.
+            # Run on the remote engine, its requests would name a drafter the pool
+            # lacks and decode plain.
             raise ValueError(f"{config}: this bench was built without the {variant!r} variant")
         engine = self.engines.get(variant, self.engine)
         engine.controller = self.controllers.get(config)
