@@ -622,8 +622,8 @@ SECTIONS = [
      "`vllm serve` with our ngram and suffix services as its proposer after tables were "
      "read as dicts built as they arrive (specdec.draft_table.TableIndex), beside its own "
      "ngram K = 4, modes alternating, AMD EPYC (2026-12-07, a slow day: its ngram K = 4 "
-     "made 127-133 tok/s at C = 16 against 187-189 in the run below). Draft wait medians at C = 1 / 4 / 16: "
-     "ngram K = 4 0.10 / 0.19 / 0.25 ms, suffix K = 4 0.09 / 0.10 / 0.17, ngram with our "
+     "made 127-133 tok/s at C = 16 against 187-189 in the run below). Draft wait medians "
+     "at C = 1 / 4 / 16: ngram K = 4 0.10 / 0.19 / 0.25 ms, suffix K = 4 0.09 / 0.10 / 0.17, ngram with our "
      "controller 0.08 / 0.12 / 0.20. Per repeat, remote ngram K = 4 / its ngram 1.01, "
      "1.04 / 0.90, 0.94 / 0.88, 0.87 (its default one-token matches); remote suffix 1.21, "
      "1.67 / 1.21, 1.63 / 1.29, 1.41",

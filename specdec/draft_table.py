@@ -44,13 +44,14 @@ class TableIndex:
 
     def lookup(self, new: list[int],
                copy_after: Callable[[int, int], list[int]] | None = None) -> list[int] | None:
-        """The drafts for the Advance appending `new` ([] for none), or None for an
-        outcome the table cannot answer (not its proposal's prefix and a token).
-        copy_after(b, k): the k tokens after b's latest earlier occurrence in the
-        context, for the tokens a table with copy_unlisted does not list."""
+        """The drafts for the Advance appending `new` ([] for none; the index's own
+        list, not to be changed), or None for an outcome the table cannot answer (not
+        its proposal's prefix and a token). copy_after(b, k): the k tokens after b's
+        latest earlier occurrence in the context, for the tokens a table with
+        copy_unlisted does not list."""
         drafts = self.drafts.get(tuple(new))
         if drafts is not None:
-            return list(drafts)
+            return drafts
         a = len(new) - 1
         if not 0 <= a < self.groups or tuple(new[:a]) != self.proposal[:a]:
             return None

@@ -127,7 +127,8 @@ class _Seq:
     round: int = 0
     generation: int = -1  # stream generation its Start went out on; -1 = not yet
     pending: drafter_pb2.DraftEntry | None = None  # outcome waiting for the next send
-    pending_tokens: list[int] = field(default_factory=list)  # its new tokens
+    # Its new tokens, as a list: every step's lookup reads them (not from the message).
+    pending_tokens: list[int] = field(default_factory=list)
     # Outcomes of K = 0 steps not sent yet (see the module's docstring): their new
     # tokens, and their hidden states, of positions held_start.. in a row, where the
     # drafter wants them: each piece [P_i, layers, hidden], or (start, P_i), rows in
