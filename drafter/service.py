@@ -28,10 +28,11 @@ from opentelemetry import trace
 
 from drafter.method import Draft, DrafterInfo, DraftMethod
 from drafter.pipeline import Guess, PipelineStats, predraft, resolve
+from specdec.draft_parts import response_parts
 from specdec.draft_table import table_drafts
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server import GrpcService, start_server
+from specdec.server import DRAFT_PART_BYTES, GrpcService, draft_request_bytes, start_server
 from specdec.telemetry import incoming_context
 from specdec.tensor_codec import decode_tensor, dtype_to_proto, encode_tensor
 from specdec.tls import TlsConfig
@@ -74,7 +75,7 @@ class _Stream:
         self.max_k.pop(seq_id, None)
 
 
-def info_to_proto(info: DrafterInfo) -> drafter_pb2.InfoResponse:
+def info_to_proto(info: DrafterInfo, max_request_bytes: int) -> drafter_pb2.InfoResponse:
     return drafter_pb2.InfoResponse(
         method=info.method,
         model_name=info.model_name,
@@ -89,6 +90,7 @@ def info_to_proto(info: DrafterInfo) -> drafter_pb2.InfoResponse:
         returns_probs=info.returns_probs,
         supports_pipelining=info.supports_pipelining,
         max_model_len=info.max_model_len,
+        max_request_bytes=max_request_bytes,
     )
 
 
@@ -99,10 +101,17 @@ def _chain(p: drafter_pb2.DraftProposal) -> bool:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, method: DraftMethod):
+    def __init__(self, method: DraftMethod, *, max_request_bytes: int | None = None,
+                 part_bytes: int = DRAFT_PART_BYTES):
+        """max_request_bytes: the largest request message it takes (None: a Start's
+        largest for its context, draft_request_bytes); part_bytes: the largest message
+        an answer is packed into (DraftResponse.continued), but a proposal larger."""
         self._method = method
         self._info = method.info()
-        self._info_response = info_to_proto(self._info)
+        self.max_request_bytes = max_request_bytes or draft_request_bytes(
+            self._info.max_model_len, self._info.vocab_size)
+        self.part_bytes = part_bytes
+        self._info_response = info_to_proto(self._info, self.max_request_bytes)
         self._lock = threading.Lock()
         self.pipelining = self._info.supports_pipelining
         self.pipeline_stats = PipelineStats()
@@ -131,23 +140,34 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                                   attributes={"specdec.method": self._method.name,
                                               "specdec.stream": stream.number})
         try:
+            parts: list[drafter_pb2.DraftRequest] = []  # of a step (DraftRequest.continued)
             async for request in request_iterator:
                 received = time.perf_counter()
+                if parts and request.step != parts[0].step:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"step: {request.step} continues step {parts[0].step}")
+                parts.append(request)
+                if request.continued:
+                    continue
+                step_parts, parts = parts, []
                 if stream.predraft is not None:
                     await stream.predraft  # its bets must be placed before they are settled
                     stream.predraft = None
                 try:
-                    response = (self._handle(stream, request) if self._method.light
-                                else await asyncio.to_thread(self._handle, stream, request))
+                    response = (self._handle(stream, step_parts) if self._method.light
+                                else await asyncio.to_thread(self._handle, stream, step_parts))
                 except InvalidRequest as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 response.bets_follow = (self.tables and bool(stream.advanced)) or (
                     self.betting and any(map(_chain, response.proposals)))
                 response.draft_time_ms = (time.perf_counter() - received) * 1e3
-                yield response
+                for part in response_parts(response, self.part_bytes):
+                    yield part
                 if response.bets_follow:
-                    yield (self._place_bets(stream, response) if self._method.light
-                           else await asyncio.to_thread(self._place_bets, stream, response))
+                    followup = (self._place_bets(stream, response) if self._method.light
+                                else await asyncio.to_thread(self._place_bets, stream, response))
+                    for part in response_parts(followup, self.part_bytes):
+                        yield part
                 if self.pipelining and self.pipeline_stats.worth_it():
                     bets = {(stream.number, p.seq_id): (p.round, list(p.token_ids),
                                                         stream.wanted[p.seq_id])
@@ -257,20 +277,22 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             stream.rounds.clear()
 
     def _handle(self, stream: _Stream,
-                request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
-        if stream.last_step is not None and request.step <= stream.last_step:
-            raise InvalidRequest(f"step: {request.step} is not greater than the stream's "
+                parts: list[drafter_pb2.DraftRequest]) -> drafter_pb2.DraftResponse:
+        """Apply a step's request, the entries of `parts` (its messages) in order."""
+        step = parts[0].step
+        if stream.last_step is not None and step <= stream.last_step:
+            raise InvalidRequest(f"step: {step} is not greater than the stream's "
                                  f"previous step {stream.last_step}")
-        stream.last_step = request.step
-        response = drafter_pb2.DraftResponse(step=request.step)
-        # key -> K. The proto allows one entry per sequence; should a request carry more
-        # (say Free then Start), they apply in order and the last one decides the K.
+        stream.last_step = step
+        response = drafter_pb2.DraftResponse(step=step)
+        # key -> K. Several entries of a sequence (a split Advance; or Free then Start)
+        # apply in order, and the last one decides the K.
         wanted: dict[Key, int] = {}
         advanced: dict[int, None] = {}  # in order, once each
         with self._lock:
             if stream.closed:  # the client left while this request waited for the lock
                 return response
-            for i, entry in enumerate(request.entries):
+            for i, entry in enumerate(e for part in parts for e in part.entries):
                 where = f"entries[{i}]"
                 kind = entry.WhichOneof("kind")
                 if kind is None:
@@ -432,15 +454,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 
 async def serve(method: DraftMethod, address: str, token: str | None = None,
-                tls: TlsConfig | None = None) -> GrpcService:
+                tls: TlsConfig | None = None, **limits: int) -> GrpcService:
     """Start a Drafter service for `method` on `address` ("host:port", port 0 = any free
     port) with health reporting SERVING; stop it with the returned service's `stop`.
     token: required of every call but health's (specdec.server.TokenAuth); tls: serve
-    over TLS."""
-    servicer = DrafterServicer(method)
+    over TLS; limits: DrafterServicer's max_request_bytes and part_bytes."""
+    servicer = DrafterServicer(method, **limits)
 
     def register(server: grpc.aio.Server) -> None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
 
     return await start_server(address, register, [SERVICE_NAME], servicer, token=token,
-                              tls=tls)
+                              tls=tls, max_receive_bytes=servicer.max_request_bytes)

@@ -27,12 +27,22 @@ from specdec.tls import TlsConfig, open_channel
 
 log = logging.getLogger(__name__)
 
-# Hidden states of a long prefill chunk, or dense q over a 128k vocabulary at
-# K = 8, exceed gRPC's 4 MiB default: the drafter streams, which carry them.
+# What a client takes from a server it chose (a gateway from its verifiers, the SDK from
+# its gateway): a Generate reply with a long prompt's logprobs exceeds gRPC's 4 MiB
+# default. Servers take less: each says what (start_server's max_receive_bytes).
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# What a gRPC server takes unless told otherwise.
+GRPC_DEFAULT_BYTES = 4 * 1024 * 1024
 # A Generate request's text (grammars, stop strings, a tool list's schemas), which a
 # gateway takes within its body limit (4 MiB by default).
 GENERATE_TEXT_BYTES = 16 * 1024 * 1024
+# The drafter streams' messages (docs/design.md section 3, "Message sizes"): each end
+# packs a step's request or answer into messages of at most this many bytes. Only what
+# cannot be split is larger, alone in its message: a Start, a tokens-only Advance, or
+# one proposal with dense q ([K, vocab] float32).
+DRAFT_PART_BYTES = 4 * 1024 * 1024
+# The longest context a drafter that states none (ngram, suffix) takes Starts for.
+UNBOUNDED_CONTEXT = 1 << 20
 
 
 def generate_message_bytes(max_model_len: int, vocab_size: int) -> int:
@@ -43,14 +53,32 @@ def generate_message_bytes(max_model_len: int, vocab_size: int) -> int:
     return GENERATE_TEXT_BYTES + 16 * (max_model_len + vocab_size)
 
 
-GRPC_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Find dead peers on long-lived streams (drafter streams idle between requests).
+def draft_request_bytes(max_model_len: int, vocab_size: int) -> int:
+    """The largest DraftRequest message a drafter takes: a part, or a Start for a context
+    of max_model_len tokens (0: UNBOUNDED_CONTEXT). A Start carries the prompt and
+    sampling of one Generate request and the tokens generated since, no more than
+    that request's bound for its context."""
+    return max(DRAFT_PART_BYTES,
+               generate_message_bytes(max_model_len or UNBOUNDED_CONTEXT, vocab_size))
+
+
+def draft_response_bytes(max_num_speculative_tokens: int, vocab_size: int) -> int:
+    """The largest DraftResponse message a verifier takes: a part, or one proposal of
+    max_num_speculative_tokens drafts with dense q (float32) beside a part's worth."""
+    return DRAFT_PART_BYTES + 4 * max_num_speculative_tokens * vocab_size
+
+
+# Find dead peers on long-lived streams (drafter streams idle between requests).
+KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+]
+GRPC_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *KEEPALIVE_OPTIONS,
 ]
 
 # The trailing metadata of an INTERNAL status that a request failed for a reason of
@@ -73,7 +101,7 @@ def is_request_failed(error: grpc.RpcError) -> bool:
 
 
 # Servers must accept the clients' keepalive pings.
-SERVER_OPTIONS: list[tuple[str, int]] = GRPC_OPTIONS + [
+SERVER_OPTIONS: list[tuple[str, int]] = KEEPALIVE_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 ]
 
@@ -264,12 +292,10 @@ async def start_server(address: str, register: Callable[[grpc.aio.Server], None]
                        token: str | None = None, tls: TlsConfig | None = None) -> GrpcService:
     """Bind `address` ("host:port", port 0 = any free port), register the service's
     servicers and health, start, and report SERVING. max_receive_bytes: the largest
-    message a client may send (default MAX_MESSAGE_BYTES, which hidden states need;
-    a public API takes less); token: required of every call but health's (TokenAuth);
+    message a client may send (None: GRPC_DEFAULT_BYTES); token: required of every call but health's (TokenAuth);
     tls: serve over TLS (health too: a plaintext probe cannot reach a TLS port)."""
     options = list(SERVER_OPTIONS)
     if max_receive_bytes is not None:
-        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
     server = grpc.aio.server(options=options,
                              interceptors=[*([TokenAuth(token)] if token else []),

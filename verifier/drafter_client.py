@@ -56,10 +56,17 @@ import torch
 from opentelemetry import trace
 
 from specdec import tree as token_tree
+from specdec.draft_parts import request_parts
 from specdec.draft_table import TableIndex
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server import GRPC_OPTIONS, token_metadata
+from specdec.server import (
+    DRAFT_PART_BYTES,
+    GRPC_DEFAULT_BYTES,
+    KEEPALIVE_OPTIONS,
+    draft_response_bytes,
+    token_metadata,
+)
 from specdec.telemetry import outgoing_metadata
 from specdec.tensor_codec import decode_tensor, dtype_from_proto, encode_tensor
 from specdec.tls import TlsConfig, open_channel
@@ -225,7 +232,10 @@ class DrafterClient:
                  backoff_s: tuple[float, float] = (0.1, 5.0), rpc_timeout_s: float = 5.0,
                  liveness_s: float = LIVENESS_S, max_queued: int = MAX_QUEUED,
                  token: str | None = None, tls: TlsConfig | None = None,
-                 use_bets: bool = True):
+                 use_bets: bool = True, part_bytes: int = DRAFT_PART_BYTES):
+        """part_bytes: the largest message a step's request is packed into
+        (DraftRequest.continued; less where the drafter takes less), but an entry that
+        cannot be split."""
         self.name = name
         self.address = address
         self.target = target
@@ -241,13 +251,15 @@ class DrafterClient:
         self._last: list[drafter_pb2.DraftEntry] = []
         self._outq: queue.SimpleQueue | None = None  # requests of the live stream; None = down
         self._generation = 0
-        self._responses: dict[int, drafter_pb2.DraftResponse] = {}
+        # step -> its answer, whole: the messages it came in (DraftResponse.continued).
+        self._responses: dict[int, list[drafter_pb2.DraftResponse]] = {}
         self._outstanding: int | None = None  # step whose proposals have not arrived
         self._outstanding_since = 0.0  # time.monotonic() it was asked
         self._auth = token_metadata(token)  # the drafter's internal token, if it has one
         self._tls = tls
         self.liveness_s = liveness_s
         self.max_queued = max_queued
+        self.part_bytes = part_bytes
         self._call = None  # the live Draft stream, to cancel a hung drafter's
         self._cut_reason: str | None = None
         self._closed = threading.Event()
@@ -356,8 +368,9 @@ class DrafterClient:
             adv.hidden_states.start_position = hidden_start
         return adv
 
-    def _held_entry(self, seq_id: int, seq: _Seq) -> drafter_pb2.DraftEntry | None:
-        """The sequence's held outcomes as one Advance (nothing held after); None, with
+    def _held_entries(self, seq_id: int, seq: _Seq) -> list[drafter_pb2.DraftEntry] | None:
+        """The sequence's held outcomes as one Advance, or as Advances of consecutive
+        rows where its hidden states exceed a message (nothing held after); None, with
         everything still held, where rows held in the feature store are gone."""
         pieces = []
         for piece in seq.held_hidden:
@@ -368,10 +381,28 @@ class DrafterClient:
                     return None
                 piece = rows.view(num, len(self.hidden_layers()), -1).to("cpu")
             pieces.append(piece)
-        hidden = torch.cat(pieces) if pieces else None
+        hidden = torch.cat(pieces) if pieces else None  # [R, layers, hidden]
         start = seq.held_start
-        return drafter_pb2.DraftEntry(seq_id=seq_id, advance=self._advance(
-            0, 0, seq.release(), hidden, start))
+        # The context's length before the held tokens: token i is at position before + i.
+        before = len(seq.prompt) + len(seq.output) - len(seq.held_tokens)
+        tokens = seq.release()
+        if hidden is None:
+            return [drafter_pb2.DraftEntry(seq_id=seq_id,
+                                           advance=self._advance(0, 0, tokens, None, 0))]
+        itemsize = dtype_from_proto(self.info.hidden_state_dtype).itemsize
+        # Rows a message takes, each with its token (at most 5 bytes) and some room to spare.
+        per_part = max(1, (self._budget() - 256) // (hidden[0].numel() * itemsize + 5))
+        entries, sent = [], 0
+        for a in range(0, hidden.shape[0], per_part):
+            b = min(a + per_part, hidden.shape[0])
+            # The drafter takes a row only with its position's token in the context: a
+            # part carries the tokens through its last row's position (all, the last).
+            upto = len(tokens) if b == hidden.shape[0] else min(len(tokens),
+                                                                max(sent, start + b - before))
+            entries.append(drafter_pb2.DraftEntry(seq_id=seq_id, advance=self._advance(
+                0, 0, tokens[sent:upto], hidden[a:b], start + a)))
+            sent = upto
+        return entries
 
     def forget(self, seq_id: int) -> None:
         with self._lock:
@@ -446,10 +477,10 @@ class DrafterClient:
                 k = min(asked.get(seq_id, 0), seq.max_num_speculative_tokens)
                 goes = (seq.pending is not None or k or seq.host_rows >= HOLD_HOST_ROWS
                         or self._tabling)
-                entry = None
+                advances = None
                 if seq.generation == self._generation and goes and seq.held():
-                    entry = self._held_entry(seq_id, seq)
-                    if entry is None:  # its held states are gone: re-started below
+                    advances = self._held_entries(seq_id, seq)
+                    if advances is None:  # its held states are gone: re-started below
                         seq.generation, seq.pending = -1, None
                 if seq.generation != self._generation:
                     entries.append(
@@ -469,13 +500,14 @@ class DrafterClient:
                     seq.generation = self._generation
                     seq.release()  # the Start carries the tokens
                 elif goes:
-                    if entry is None:
-                        entry = seq.pending or drafter_pb2.DraftEntry(
-                            seq_id=seq_id, advance=drafter_pb2.DraftEntry.Advance())
-                    seq.round += 1
-                    entry.round = seq.round
-                    entry.advance.num_speculative_tokens = k
-                    entries.append(entry)
+                    if advances is None:
+                        advances = [seq.pending or drafter_pb2.DraftEntry(
+                            seq_id=seq_id, advance=drafter_pb2.DraftEntry.Advance())]
+                    for entry in advances:  # a round each
+                        seq.round += 1
+                        entry.round = seq.round
+                    advances[-1].advance.num_speculative_tokens = k
+                    entries.extend(advances)
                 seq.pending = None
             if not entries:
                 return False
@@ -486,8 +518,37 @@ class DrafterClient:
                 self._outstanding_since = time.monotonic()
             due = any(k for seq_id, k in asked.items() if seq_id not in self._hits)
             self._unwaited = None if due or self._outstanding != step else step
-            outq.put(drafter_pb2.DraftRequest(step=step, entries=entries))
+            request = drafter_pb2.DraftRequest(step=step, entries=entries)
+            if request.ByteSize() > self._budget():
+                self._drop_oversize(request)
+            for part in request_parts(request, self._budget()):
+                outq.put(part)
             return due
+
+    def _max_request_bytes(self) -> int:
+        """The largest message the drafter takes (InfoResponse.max_request_bytes)."""
+        return (self.info.max_request_bytes if self.info is not None else 0) or GRPC_DEFAULT_BYTES
+
+    def _budget(self) -> int:
+        """The largest message a step's request is packed into."""
+        return min(self.part_bytes, self._max_request_bytes())
+
+    def _drop_oversize(self, request: drafter_pb2.DraftRequest) -> None:
+        """Replace each entry larger than the drafter takes (a Start of a context past
+        what it drafts for, in practice) with a Free: that sequence runs without this
+        drafter from now on. Under the lock."""
+        limit = self._max_request_bytes()
+        for entry in request.entries:
+            size = entry.ByteSize()
+            if size + 32 <= limit:  # with the message around it
+                continue
+            log.warning("drafter %s takes messages of at most %d bytes; sequence %d's %s "
+                        "is %d: it runs without this drafter", self.name, limit,
+                        entry.seq_id, entry.WhichOneof("kind"), size)
+            self._seqs.pop(entry.seq_id, None)
+            self._hits.pop(entry.seq_id, None)
+            entry.CopyFrom(drafter_pb2.DraftEntry(seq_id=entry.seq_id,
+                                                  free=drafter_pb2.DraftEntry.Free()))
 
     def ready_drafts(self, seq_id: int) -> int | None:
         """How many drafts the next send will find for the sequence's outcome in a bet or
@@ -583,18 +644,19 @@ class DrafterClient:
             generation = self._generation
             self._wait(lambda: (step in self._responses or self._generation != generation
                                 or self._outq is None), deadline)
-            resp = self._responses.pop(step, None)
-            self.draft_time_ms = 0.0 if resp is None else resp.draft_time_ms
-            if resp is None:
+            parts = self._responses.pop(step, None)
+            if parts is None:
+                self.draft_time_ms = 0.0
                 reason = "deadline" if self._outq is not None else "drafter_unavailable"
                 self.misses.update({s: reason for s in wanted if s not in answered})
                 return hits
-            for seq_id in resp.unknown_seq_ids:
+            self.draft_time_ms = parts[-1].draft_time_ms
+            for seq_id in parts[-1].unknown_seq_ids:
                 if seq_id in self._seqs:
                     self._seqs[seq_id].generation = -1  # re-start it next step
             rounds = {s: seq.round for s, seq in self._seqs.items()}
         out: dict[int, Proposal] = dict(hits)
-        for prop in resp.proposals:
+        for prop in (p for part in parts for p in part.proposals):
             if prop.seq_id not in wanted or prop.seq_id in answered:
                 continue
             if rounds.get(prop.seq_id) != prop.round:
@@ -644,12 +706,11 @@ class DrafterClient:
     def _run(self) -> None:
         delay = self.backoff_s[0]
         while not self._closed.is_set():
-            channel = open_channel(self.address, self._tls, GRPC_OPTIONS)
+            channel = open_channel(self.address, self._tls, KEEPALIVE_OPTIONS)
             outq: queue.SimpleQueue = queue.SimpleQueue()
             try:
-                stub = drafter_pb2_grpc.DrafterStub(channel)
-                info = stub.Info(drafter_pb2.InfoRequest(), timeout=self.rpc_timeout_s,
-                                 metadata=self._auth)
+                info = drafter_pb2_grpc.DrafterStub(channel).Info(
+                    drafter_pb2.InfoRequest(), timeout=self.rpc_timeout_s, metadata=self._auth)
                 problem = check_info(info, self.target)
                 if problem is not None:
                     self.error = problem
@@ -657,6 +718,14 @@ class DrafterClient:
                     self.info = None
                 else:
                     self.info = info
+                    # The stream's own channel takes answers of the size this drafter's
+                    # proposals can have (a part, or one with dense q at its largest K).
+                    channel.close()
+                    channel = open_channel(self.address, self._tls, [
+                        *KEEPALIVE_OPTIONS,
+                        ("grpc.max_receive_message_length", draft_response_bytes(
+                            info.max_num_speculative_tokens, self.target.vocab_size))])
+                    stub = drafter_pb2_grpc.DrafterStub(channel)
                     # The stream's span parents the drafter's; it lasts as long as the stream.
                     span = _tracer.start_span("verifier.draft_stream",
                                               attributes={"specdec.drafter": self.name,
@@ -676,17 +745,22 @@ class DrafterClient:
                         self.error = ""
                         log.info("drafter %s connected at %s", self.name, self.address)
                         delay = self.backoff_s[0]
+                        parts: list[drafter_pb2.DraftResponse] = []  # of an answer
                         for resp in responses:
                             # Indexed here, before the lock: in the shadow of the step.
                             tables = [TableIndex(t) for t in resp.tables]
                             with self._lock:
                                 if resp.followup:
                                     self._take_bets(resp, tables)
-                                    if self._bets_due is not None and resp.step >= self._bets_due:
+                                    if (self._bets_due is not None and not resp.continued
+                                            and resp.step >= self._bets_due):
                                         self._bets_due = None
                                     self._lock.notify_all()
                                     continue
-                                self._responses[resp.step] = resp
+                                parts.append(resp)
+                                if resp.continued:
+                                    continue
+                                self._responses[resp.step], parts = parts, []
                                 if resp.bets_follow:
                                     self._bets_due = resp.step
                                 if self._outstanding is not None and resp.step >= self._outstanding:

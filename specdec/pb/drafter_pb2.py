@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.pb import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"E\n\x0c\x44raftRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\'\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x16.specdec.v1.DraftEntry\"\xc6\x04\n\nDraftEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12-\n\x05start\x18\n \x01(\x0b\x32\x1c.specdec.v1.DraftEntry.StartH\x00\x12\x31\n\x07\x61\x64vance\x18\x0b \x01(\x0b\x32\x1e.specdec.v1.DraftEntry.AdvanceH\x00\x12+\n\x04\x66ree\x18\x0c \x01(\x0b\x32\x1b.specdec.v1.DraftEntry.FreeH\x00\x1a\xbd\x01\n\x05Start\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\"\n\x1amax_num_speculative_tokens\x18\x03 \x01(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x1a\xb9\x01\n\x07\x41\x64vance\x12\x13\n\x0bnum_drafted\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x1b\n\x13num_rollback_tokens\x18\x04 \x01(\r\x12/\n\rhidden_states\x18\x05 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\x1a\x06\n\x04\x46reeB\x06\n\x04kind\"Z\n\x0cHiddenStates\x12\"\n\x06tensor\x18\x01 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\x04\"\xee\x01\n\rDraftResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12,\n\tproposals\x18\x02 \x03(\x0b\x32\x19.specdec.v1.DraftProposal\x12\x15\n\rdraft_time_ms\x18\x03 \x01(\x02\x12\x17\n\x0funknown_seq_ids\x18\x04 \x03(\x04\x12\"\n\x04\x62\x65ts\x18\x05 \x03(\x0b\x32\x14.specdec.v1.DraftBet\x12\x10\n\x08\x66ollowup\x18\x06 \x01(\x08\x12\x13\n\x0b\x62\x65ts_follow\x18\x07 \x01(\x08\x12&\n\x06tables\x18\x08 \x03(\x0b\x32\x16.specdec.v1.DraftTable\"\xa7\x01\n\nDraftTable\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08proposal\x18\x03 \x03(\x05\x12\x13\n\x0bgroup_sizes\x18\x04 \x03(\r\x12\r\n\x05\x62onus\x18\x05 \x03(\x05\x12\x0f\n\x07lengths\x18\x06 \x03(\r\x12\x11\n\ttoken_ids\x18\x07 \x03(\x05\x12\t\n\x01k\x18\x08 \x01(\r\x12\x15\n\rcopy_unlisted\x18\t \x01(\x08\"S\n\x08\x44raftBet\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"y\n\rDraftProposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12%\n\x05probs\x18\x04 \x01(\x0b\x32\x16.specdec.v1.DraftProbs\x12\x0f\n\x07parents\x18\x05 \x03(\x05\"f\n\nDraftProbs\x12#\n\x05\x64\x65nse\x18\x01 \x01(\x0b\x32\x12.specdec.v1.TensorH\x00\x12)\n\x06sparse\x18\x02 \x01(\x0b\x32\x17.specdec.v1.SparseProbsH\x00\x42\x08\n\x06layout\"D\n\x0bSparseProbs\x12\x13\n\x0brow_lengths\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\"\r\n\x0bInfoRequest\"\x87\x03\n\x0cInfoResponse\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x33\n\ttokenizer\x18\x03 \x01(\x0b\x32 .specdec.v1.TokenizerFingerprint\x12\"\n\x1amax_num_speculative_tokens\x18\x04 \x01(\r\x12\x1b\n\x13needs_hidden_states\x18\x05 \x01(\x08\x12\x1b\n\x13hidden_state_layers\x18\x06 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12-\n\x12hidden_state_dtype\x18\x08 \x01(\x0e\x32\x11.specdec.v1.DType\x12\x19\n\x11target_model_name\x18\t \x01(\t\x12\x15\n\rreturns_probs\x18\n \x01(\x08\x12\x1b\n\x13supports_pipelining\x18\x0b \x01(\x08\x12\x15\n\rmax_model_len\x18\x0c \x01(\r2\x86\x01\n\x07\x44rafter\x12@\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/drafter.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"X\n\x0c\x44raftRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\'\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x16.specdec.v1.DraftEntry\x12\x11\n\tcontinued\x18\x03 \x01(\x08\"\xc6\x04\n\nDraftEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12-\n\x05start\x18\n \x01(\x0b\x32\x1c.specdec.v1.DraftEntry.StartH\x00\x12\x31\n\x07\x61\x64vance\x18\x0b \x01(\x0b\x32\x1e.specdec.v1.DraftEntry.AdvanceH\x00\x12+\n\x04\x66ree\x18\x0c \x01(\x0b\x32\x1b.specdec.v1.DraftEntry.FreeH\x00\x1a\xbd\x01\n\x05Start\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\"\n\x1amax_num_speculative_tokens\x18\x03 \x01(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x05 \x01(\r\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x1a\xb9\x01\n\x07\x41\x64vance\x12\x13\n\x0bnum_drafted\x18\x01 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x1b\n\x13num_rollback_tokens\x18\x04 \x01(\r\x12/\n\rhidden_states\x18\x05 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\x1a\x06\n\x04\x46reeB\x06\n\x04kind\"Z\n\x0cHiddenStates\x12\"\n\x06tensor\x18\x01 \x01(\x0b\x32\x12.specdec.v1.Tensor\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\x04\"\x81\x02\n\rDraftResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12,\n\tproposals\x18\x02 \x03(\x0b\x32\x19.specdec.v1.DraftProposal\x12\x15\n\rdraft_time_ms\x18\x03 \x01(\x02\x12\x17\n\x0funknown_seq_ids\x18\x04 \x03(\x04\x12\"\n\x04\x62\x65ts\x18\x05 \x03(\x0b\x32\x14.specdec.v1.DraftBet\x12\x10\n\x08\x66ollowup\x18\x06 \x01(\x08\x12\x13\n\x0b\x62\x65ts_follow\x18\x07 \x01(\x08\x12&\n\x06tables\x18\x08 \x03(\x0b\x32\x16.specdec.v1.DraftTable\x12\x11\n\tcontinued\x18\t \x01(\x08\"\xa7\x01\n\nDraftTable\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08proposal\x18\x03 \x03(\x05\x12\x13\n\x0bgroup_sizes\x18\x04 \x03(\r\x12\r\n\x05\x62onus\x18\x05 \x03(\x05\x12\x0f\n\x07lengths\x18\x06 \x03(\r\x12\x11\n\ttoken_ids\x18\x07 \x03(\x05\x12\t\n\x01k\x18\x08 \x01(\r\x12\x15\n\rcopy_unlisted\x18\t \x01(\x08\"S\n\x08\x44raftBet\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"y\n\rDraftProposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12%\n\x05probs\x18\x04 \x01(\x0b\x32\x16.specdec.v1.DraftProbs\x12\x0f\n\x07parents\x18\x05 \x03(\x05\"f\n\nDraftProbs\x12#\n\x05\x64\x65nse\x18\x01 \x01(\x0b\x32\x12.specdec.v1.TensorH\x00\x12)\n\x06sparse\x18\x02 \x01(\x0b\x32\x17.specdec.v1.SparseProbsH\x00\x42\x08\n\x06layout\"D\n\x0bSparseProbs\x12\x13\n\x0brow_lengths\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\"\r\n\x0bInfoRequest\"\xa2\x03\n\x0cInfoResponse\x12&\n\x06method\x18\x01 \x01(\x0e\x32\x16.specdec.v1.SpecMethod\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x33\n\ttokenizer\x18\x03 \x01(\x0b\x32 .specdec.v1.TokenizerFingerprint\x12\"\n\x1amax_num_speculative_tokens\x18\x04 \x01(\r\x12\x1b\n\x13needs_hidden_states\x18\x05 \x01(\x08\x12\x1b\n\x13hidden_state_layers\x18\x06 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x07 \x01(\r\x12-\n\x12hidden_state_dtype\x18\x08 \x01(\x0e\x32\x11.specdec.v1.DType\x12\x19\n\x11target_model_name\x18\t \x01(\t\x12\x15\n\rreturns_probs\x18\n \x01(\x08\x12\x1b\n\x13supports_pipelining\x18\x0b \x01(\x08\x12\x15\n\rmax_model_len\x18\x0c \x01(\r\x12\x19\n\x11max_request_bytes\x18\r \x01(\x04\x32\x86\x01\n\x07\x44rafter\x12@\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x12\x39\n\x04Info\x12\x17.specdec.v1.InfoRequest\x1a\x18.specdec.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.drafter_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTREQUEST']._serialized_start=65
-  _globals['_DRAFTREQUEST']._serialized_end=134
-  _globals['_DRAFTENTRY']._serialized_start=137
-  _globals['_DRAFTENTRY']._serialized_end=719
-  _globals['_DRAFTENTRY_START']._serialized_start=326
-  _globals['_DRAFTENTRY_START']._serialized_end=515
-  _globals['_DRAFTENTRY_ADVANCE']._serialized_start=518
-  _globals['_DRAFTENTRY_ADVANCE']._serialized_end=703
-  _globals['_DRAFTENTRY_FREE']._serialized_start=705
-  _globals['_DRAFTENTRY_FREE']._serialized_end=711
-  _globals['_HIDDENSTATES']._serialized_start=721
-  _globals['_HIDDENSTATES']._serialized_end=811
-  _globals['_DRAFTRESPONSE']._serialized_start=814
-  _globals['_DRAFTRESPONSE']._serialized_end=1052
-  _globals['_DRAFTTABLE']._serialized_start=1055
-  _globals['_DRAFTTABLE']._serialized_end=1222
-  _globals['_DRAFTBET']._serialized_start=1224
-  _globals['_DRAFTBET']._serialized_end=1307
-  _globals['_DRAFTPROPOSAL']._serialized_start=1309
-  _globals['_DRAFTPROPOSAL']._serialized_end=1430
-  _globals['_DRAFTPROBS']._serialized_start=1432
-  _globals['_DRAFTPROBS']._serialized_end=1534
-  _globals['_SPARSEPROBS']._serialized_start=1536
-  _globals['_SPARSEPROBS']._serialized_end=1604
-  _globals['_INFOREQUEST']._serialized_start=1606
-  _globals['_INFOREQUEST']._serialized_end=1619
-  _globals['_INFORESPONSE']._serialized_start=1622
-  _globals['_INFORESPONSE']._serialized_end=2013
-  _globals['_DRAFTER']._serialized_start=2016
-  _globals['_DRAFTER']._serialized_end=2150
+  _globals['_DRAFTREQUEST']._serialized_end=153
+  _globals['_DRAFTENTRY']._serialized_start=156
+  _globals['_DRAFTENTRY']._serialized_end=738
+  _globals['_DRAFTENTRY_START']._serialized_start=345
+  _globals['_DRAFTENTRY_START']._serialized_end=534
+  _globals['_DRAFTENTRY_ADVANCE']._serialized_start=537
+  _globals['_DRAFTENTRY_ADVANCE']._serialized_end=722
+  _globals['_DRAFTENTRY_FREE']._serialized_start=724
+  _globals['_DRAFTENTRY_FREE']._serialized_end=730
+  _globals['_HIDDENSTATES']._serialized_start=740
+  _globals['_HIDDENSTATES']._serialized_end=830
+  _globals['_DRAFTRESPONSE']._serialized_start=833
+  _globals['_DRAFTRESPONSE']._serialized_end=1090
+  _globals['_DRAFTTABLE']._serialized_start=1093
+  _globals['_DRAFTTABLE']._serialized_end=1260
+  _globals['_DRAFTBET']._serialized_start=1262
+  _globals['_DRAFTBET']._serialized_end=1345
+  _globals['_DRAFTPROPOSAL']._serialized_start=1347
+  _globals['_DRAFTPROPOSAL']._serialized_end=1468
+  _globals['_DRAFTPROBS']._serialized_start=1470
+  _globals['_DRAFTPROBS']._serialized_end=1572
+  _globals['_SPARSEPROBS']._serialized_start=1574
+  _globals['_SPARSEPROBS']._serialized_end=1642
+  _globals['_INFOREQUEST']._serialized_start=1644
+  _globals['_INFOREQUEST']._serialized_end=1657
+  _globals['_INFORESPONSE']._serialized_start=1660
+  _globals['_INFORESPONSE']._serialized_end=2078
+  _globals['_DRAFTER']._serialized_start=2081
+  _globals['_DRAFTER']._serialized_end=2215
 # @@protoc_insertion_point(module_scope)

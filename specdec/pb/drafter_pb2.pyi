@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRequest(_message.Message):
-    __slots__ = ("step", "entries")
+    __slots__ = ("step", "entries", "continued")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_FIELD_NUMBER: _ClassVar[int]
     step: int
     entries: _containers.RepeatedCompositeFieldContainer[DraftEntry]
-    def __init__(self, step: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[DraftEntry, _Mapping]]] = ...) -> None: ...
+    continued: bool
+    def __init__(self, step: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[DraftEntry, _Mapping]]] = ..., continued: _Optional[bool] = ...) -> None: ...
 
 class DraftEntry(_message.Message):
     __slots__ = ("seq_id", "round", "start", "advance", "free")
@@ -73,7 +75,7 @@ class HiddenStates(_message.Message):
     def __init__(self, tensor: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., layers: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("step", "proposals", "draft_time_ms", "unknown_seq_ids", "bets", "followup", "bets_follow", "tables")
+    __slots__ = ("step", "proposals", "draft_time_ms", "unknown_seq_ids", "bets", "followup", "bets_follow", "tables", "continued")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TIME_MS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +84,7 @@ class DraftResponse(_message.Message):
     FOLLOWUP_FIELD_NUMBER: _ClassVar[int]
     BETS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_FIELD_NUMBER: _ClassVar[int]
     step: int
     proposals: _containers.RepeatedCompositeFieldContainer[DraftProposal]
     draft_time_ms: float
@@ -90,7 +93,8 @@ class DraftResponse(_message.Message):
     followup: bool
     bets_follow: bool
     tables: _containers.RepeatedCompositeFieldContainer[DraftTable]
-    def __init__(self, step: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[DraftProposal, _Mapping]]] = ..., draft_time_ms: _Optional[float] = ..., unknown_seq_ids: _Optional[_Iterable[int]] = ..., bets: _Optional[_Iterable[_Union[DraftBet, _Mapping]]] = ..., followup: _Optional[bool] = ..., bets_follow: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[DraftTable, _Mapping]]] = ...) -> None: ...
+    continued: bool
+    def __init__(self, step: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[DraftProposal, _Mapping]]] = ..., draft_time_ms: _Optional[float] = ..., unknown_seq_ids: _Optional[_Iterable[int]] = ..., bets: _Optional[_Iterable[_Union[DraftBet, _Mapping]]] = ..., followup: _Optional[bool] = ..., bets_follow: _Optional[bool] = ..., tables: _Optional[_Iterable[_Union[DraftTable, _Mapping]]] = ..., continued: _Optional[bool] = ...) -> None: ...
 
 class DraftTable(_message.Message):
     __slots__ = ("seq_id", "round", "proposal", "group_sizes", "bonus", "lengths", "token_ids", "k", "copy_unlisted")
@@ -163,7 +167,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("method", "model_name", "tokenizer", "max_num_speculative_tokens", "needs_hidden_states", "hidden_state_layers", "hidden_size", "hidden_state_dtype", "target_model_name", "returns_probs", "supports_pipelining", "max_model_len")
+    __slots__ = ("method", "model_name", "tokenizer", "max_num_speculative_tokens", "needs_hidden_states", "hidden_state_layers", "hidden_size", "hidden_state_dtype", "target_model_name", "returns_probs", "supports_pipelining", "max_model_len", "max_request_bytes")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +180,7 @@ class InfoResponse(_message.Message):
     RETURNS_PROBS_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_PIPELINING_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     method: _common_pb2.SpecMethod
     model_name: str
     tokenizer: _common_pb2.TokenizerFingerprint
@@ -188,4 +193,5 @@ class InfoResponse(_message.Message):
     returns_probs: bool
     supports_pipelining: bool
     max_model_len: int
-    def __init__(self, method: _Optional[_Union[_common_pb2.SpecMethod, str]] = ..., model_name: _Optional[str] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerFingerprint, _Mapping]] = ..., max_num_speculative_tokens: _Optional[int] = ..., needs_hidden_states: _Optional[bool] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., hidden_state_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., target_model_name: _Optional[str] = ..., returns_probs: _Optional[bool] = ..., supports_pipelining: _Optional[bool] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    max_request_bytes: int
+    def __init__(self, method: _Optional[_Union[_common_pb2.SpecMethod, str]] = ..., model_name: _Optional[str] = ..., tokenizer: _Optional[_Union[_common_pb2.TokenizerFingerprint, _Mapping]] = ..., max_num_speculative_tokens: _Optional[int] = ..., needs_hidden_states: _Optional[bool] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., hidden_state_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., target_model_name: _Optional[str] = ..., returns_probs: _Optional[bool] = ..., supports_pipelining: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...

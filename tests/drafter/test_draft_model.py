@@ -320,7 +320,7 @@ def test_mismatches_are_refused_naming_both_sides(tmp_path, smollm2_dir, capsys)
 def _info_proto(info) -> drafter_pb2.InfoResponse:
     from drafter.service import info_to_proto
 
-    return info_to_proto(info)
+    return info_to_proto(info, 0)
 
 
 # -- behind a real verifier ------------------------------------------------------

@@ -626,6 +626,7 @@ class RecordingMixin:
         super().__init__(*args, **kwargs)
         self.ctx: dict = {}
         self.proposals: list = []
+        self.rows: list[int] = []  # hidden-state rows of each Advance
 
     def start(self, key, prompt_ids, output_ids, sampling, max_num_speculative_tokens):
         super().start(key, prompt_ids, output_ids, sampling, max_num_speculative_tokens)
@@ -635,6 +636,7 @@ class RecordingMixin:
                 hidden_states, hidden_start_position):
         super().advance(key, num_drafted, num_accepted, new_token_ids, num_rollback_tokens,
                         hidden_states, hidden_start_position)
+        self.rows.append(0 if hidden_states is None else hidden_states.shape[0])
         ctx = self.ctx[key]
         del ctx[len(ctx) - num_rollback_tokens:]
         ctx.extend(new_token_ids)
@@ -664,14 +666,23 @@ def target_states(model: LlamaForCausalLM, tokens: list[int], layers) -> torch.T
     return out.hidden_states.transpose(0, 1)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-@pytest.mark.parametrize("batch", [1, 8])
-def test_output_equals_plain_greedy(kind, batch, loop, target, target_dir, tmp_path):
+@pytest.mark.parametrize(("kind", "batch", "rows_a_message"), [
+    ("eagle", 1, None), ("eagle", 8, None), ("eagle3", 1, None), ("eagle3", 8, None),
+    ("eagle3", 8, 2)])
+def test_output_equals_plain_greedy(kind, batch, rows_a_message, loop, target, target_dir,
+                                    tmp_path):
+    """rows_a_message: drafter stream messages that hold this many hidden-state rows,
+    so that every step's request and answer are split (DraftRequest.continued)."""
     tensors = head_tensors(kind, seed=7)
     save_head(tmp_path / "head", kind, tensors)
     cls = RecordingEagle if kind == "eagle" else RecordingEagle3
     method = cls(tmp_path / "head", target_dir, dtype="float64")
-    stack = Stack(loop, target, {kind: method})
+    limits = {}
+    if rows_a_message is not None:
+        info = method.info()
+        row = len(info.hidden_state_layers) * info.hidden_size * info.hidden_state_dtype.itemsize
+        limits["part_bytes"] = 256 + rows_a_message * (row + 5)
+    stack = Stack(loop, target, {kind: method}, **limits)
     try:
         ps = prompts(batch, seed=10 + batch)
         expected = greedy_generate(target, ps, 40)
@@ -683,6 +694,8 @@ def test_output_equals_plain_greedy(kind, batch, loop, target, target_dir, tmp_p
             assert spec.num_draft_tokens > 0
     finally:
         stack.close()
+    if rows_a_message is not None:  # prefills split into Advances of rows_a_message rows
+        assert max(method.rows) == rows_a_message
     # Every proposal is what the reference drafts from the target's own hidden states.
     ref = Reference(kind, tensors, target)
     layers = method.info().hidden_state_layers

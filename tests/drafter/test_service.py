@@ -17,7 +17,7 @@ from drafter.suffix import SuffixMethod
 from specdec.draft_table import table_drafts
 from specdec.pb import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specdec.sampling import SamplingParams
-from specdec.server import GRPC_OPTIONS
+from specdec.server import GRPC_OPTIONS, draft_request_bytes
 from specdec.tensor_codec import decode_tensor, encode_tensor
 
 Start = drafter_pb2.DraftEntry.Start
@@ -77,8 +77,8 @@ class RecordingMethod(DraftMethod):
 
 
 @contextlib.asynccontextmanager
-async def drafter(method: DraftMethod) -> AsyncIterator[drafter_pb2_grpc.DrafterStub]:
-    service = await serve(method, "127.0.0.1:0")
+async def drafter(method: DraftMethod, **limits: int) -> AsyncIterator[drafter_pb2_grpc.DrafterStub]:
+    service = await serve(method, "127.0.0.1:0", **limits)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}", options=GRPC_OPTIONS)
     try:
         yield drafter_pb2_grpc.DrafterStub(channel)
@@ -325,6 +325,62 @@ def test_hidden_states_and_probs_travel():
     run(main())
 
 
+def test_a_step_in_several_messages_is_answered_once_in_several():
+    """A request split over continued messages is applied whole and answered once; an
+    answer larger than a message comes in parts, the last with the rest of its fields."""
+    method = RecordingMethod()
+
+    async def main():
+        async with drafter(method, part_bytes=1000) as stub:
+            call = stub.Draft()
+            starts = [drafter_pb2.DraftEntry(seq_id=i, start=Start(
+                prompt_token_ids=[i], num_speculative_tokens=3)) for i in range(3)]
+            await call.write(drafter_pb2.DraftRequest(step=1, entries=starts[:2], continued=True))
+            await call.write(drafter_pb2.DraftRequest(step=1, entries=[starts[2]]))
+            parts = [await call.read()]
+            while parts[-1].continued:
+                parts.append(await call.read())
+            # One proposal's dense q ([3, 50] float32) is 600 bytes: one a message.
+            assert len(parts) == 3 and {p.step for p in parts} == {1}
+            assert [[list(q.token_ids) for q in p.proposals] for p in parts] == \
+                [[[1, 2, 3]], [[2, 3, 4]], [[3, 4, 5]]]
+            assert parts[-1].draft_time_ms > 0 and not parts[0].draft_time_ms
+            # The next step is the next answer: nothing else was sent.
+            r = await exchange(call, 2, drafter_pb2.DraftEntry(seq_id=0, free=Free()))
+            assert r.step == 2 and not r.continued
+            await call.done_writing()
+            assert await ended(call)
+
+    run(main())
+
+
+def test_a_request_past_max_request_bytes_is_refused_by_grpc():
+    """Info's max_request_bytes is what the server takes: a larger message ends its
+    stream with RESOURCE_EXHAUSTED before it is read; the next stream is served."""
+    method = RecordingMethod()
+
+    async def main():
+        async with drafter(method, max_request_bytes=5000) as stub:
+            assert (await stub.Info(drafter_pb2.InfoRequest())).max_request_bytes == 5000
+            call = stub.Draft()
+            await call.write(drafter_pb2.DraftRequest(step=1, entries=[drafter_pb2.DraftEntry(
+                seq_id=1, start=Start(prompt_token_ids=[1] * 5000))]))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            call = stub.Draft()
+            r = await exchange(call, 1, drafter_pb2.DraftEntry(seq_id=1, start=Start(
+                prompt_token_ids=[1] * 2000, num_speculative_tokens=1)))
+            assert [list(p.token_ids) for p in r.proposals] == [[2]]
+            await call.done_writing()
+        # Unset, it is what a Start for the method's context can need.
+        async with drafter(method) as stub:
+            info = await stub.Info(drafter_pb2.InfoRequest())
+        assert info.max_request_bytes == draft_request_bytes(4096, VOCAB)
+
+    run(main())
+
+
 async def _expect_invalid(stub, method, *requests: drafter_pb2.DraftRequest) -> str:
     """Send requests until the stream is aborted; the details of its status."""
     call = stub.Draft()
@@ -363,6 +419,8 @@ def _advance(step: int, **advance) -> drafter_pb2.DraftRequest:
     ([_started(), drafter_pb2.DraftRequest(step=2, entries=[drafter_pb2.DraftEntry(seq_id=1)])],
      "entries[0]", "no kind set"),
     ([_started(), _started(2)], "step", "1 is not greater than the stream's previous step 1"),
+    ([_started(), drafter_pb2.DraftRequest(step=2, continued=True), _advance(3)],
+     "step", "3 continues step 2"),
     ([drafter_pb2.DraftRequest(step=1, entries=[drafter_pb2.DraftEntry(seq_id=1, start=Start(
         prompt_token_ids=[1, VOCAB]))])],
      "entries[0].start.prompt_token_ids", f"must be in [0, {VOCAB}), got {VOCAB}"),

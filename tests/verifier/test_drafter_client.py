@@ -326,6 +326,76 @@ def test_two_outcomes_of_one_step_reach_the_drafter_as_one():
         assert torch.equal(decode_tensor(adv.hidden_states.tensor), states(0, 6))
 
 
+def test_held_rows_past_a_message_go_out_as_advances_of_consecutive_rows():
+    """Held hidden states larger than a message go out as several Advances, a round each,
+    each with the tokens through its last row's position and the K on the last; the
+    step's request is packed into messages of at most part_bytes."""
+    servicer = Records()
+    row = TARGET.hidden_size * 4 + 5  # a float32 row of one layer, and its token
+    server, address = serve(servicer)
+    client = DrafterClient("d", address, TARGET, part_bytes=256 + 4 * row).start()
+    try:
+        assert client.wait_available(10), client.error
+        client.track(1, [1, 2, 3], SamplingParams(), 4)
+        client.track(2, [4, 5], SamplingParams(), 4)
+        client.send(1, {})
+        servicer.wait_for(1)
+        # Sequence 1: its prompt's rows (positions 0..2) with its first token, then seven
+        # plain steps; sequence 2: one plain step.
+        client.record(1, Outcome(0, 0, [10], states(0, 3), 0))
+        for i in range(7):
+            client.record(1, Outcome(0, 0, [11 + i], states(3 + i, 1), 3 + i))
+        client.record(2, Outcome(0, 0, [20], states(1, 1), 1))
+        assert client.send(2, {1: 2, 2: 3})
+        requests = servicer.wait_for(4)[1:]
+        assert [r.continued for r in requests] == [True, True, False]
+        assert all(r.step == 2 and r.ByteSize() <= client.part_bytes for r in requests)
+        entries = [e for r in requests for e in r.entries]
+        assert [(e.seq_id, e.round) for e in entries] == [(1, 1), (1, 2), (1, 3), (2, 1)]
+        advs = [e.advance for e in entries[:3]]
+        assert [list(a.new_token_ids) for a in advs] == [[10], [11, 12, 13, 14], [15, 16, 17]]
+        assert [a.hidden_states.start_position for a in advs] == [0, 4, 8]
+        assert [a.num_speculative_tokens for a in advs] == [0, 0, 2]
+        assert torch.equal(torch.cat([decode_tensor(a.hidden_states.tensor) for a in advs]),
+                           states(0, 10))
+        assert entries[3].advance.num_speculative_tokens == 3
+    finally:
+        client.close()
+        server.stop(0)
+
+
+class TakesLittle(RecordsTokens):
+    """RecordsTokens, for a drafter that takes messages of at most 2000 bytes."""
+
+    def Info(self, request, context):
+        info = super().Info(request, context)
+        info.max_request_bytes = 2000
+        return info
+
+
+def test_a_sequence_whose_start_exceeds_what_the_drafter_takes_runs_without_it():
+    servicer = TakesLittle()
+    server, address = serve(servicer)
+    client = DrafterClient("d", address, TARGET, part_bytes=1000).start()
+    try:
+        assert client.wait_available(10), client.error
+        client.track(1, [1, 2, 3], SamplingParams(), 4)
+        client.track(2, [7] * 2500, SamplingParams(), 4)  # a Start of over 2500 bytes
+        client.send(1, {1: 2, 2: 2})
+        (request,) = servicer.wait_for(1)
+        assert [(e.seq_id, e.WhichOneof("kind")) for e in request.entries] == \
+            [(1, "start"), (2, "free")]
+        # Not tracked any more: its outcomes and asks send nothing.
+        client.record(2, Outcome(0, 0, [8], None, 2500))
+        client.record(1, Outcome(2, 1, [4, 5], None, 3))
+        client.send(2, {1: 2, 2: 2})
+        entries = servicer.wait_for(2)[1].entries
+        assert [(e.seq_id, e.WhichOneof("kind")) for e in entries] == [(1, "advance")]
+    finally:
+        client.close()
+        server.stop(0)
+
+
 class BetsThenHolds(NgramInfo):
     """Answers step 1 with drafts [5, 6] and bets that the outcome 5 6 7 is followed by
     8 9 10; answers later steps (drafts [8, 9, 10], no bets) only once `release` is set."""

@@ -25,7 +25,7 @@ from drafter.service import serve as serve_drafter
 from specdec.generate import greedy_generate
 from specdec.models import LlamaForCausalLM
 from specdec.pb import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specdec.server import MAX_MESSAGE_BYTES, generate_message_bytes
+from specdec.server import DRAFT_PART_BYTES, MAX_MESSAGE_BYTES, generate_message_bytes
 from tests.loop_thread import LoopThread
 from tests.ports import free_port
 from tests.tiny import tiny_llama
@@ -134,17 +134,21 @@ class Stack:
     """A verifier and its drafters, in-process on loopback."""
 
     def __init__(self, loop: LoopThread, model: LlamaForCausalLM, drafters: dict[str, DraftMethod],
-                 down: tuple[str, ...] = (), deadline_ms: float = 2000.0):
+                 down: tuple[str, ...] = (), deadline_ms: float = 2000.0,
+                 part_bytes: int = DRAFT_PART_BYTES):
+        """part_bytes: the drafter streams' largest message, both ways."""
         self.loop = loop
         self.model = model
         self.methods = drafters
-        self.drafter_services = {name: loop.run(serve_drafter(m, "127.0.0.1:0"))
+        self.drafter_services = {name: loop.run(serve_drafter(m, "127.0.0.1:0",
+                                                              part_bytes=part_bytes))
                                  for name, m in drafters.items()}
         ports = {name: s.port for name, s in self.drafter_services.items()}
         ports.update({name: free_port() for name in down})
         cfg = model.config
         self.target = TargetInfo(VOCAB, "", cfg.hidden_size, cfg.num_layers)
-        clients = [DrafterClient(name, f"127.0.0.1:{port}", self.target, backoff_s=(0.05, 0.2))
+        clients = [DrafterClient(name, f"127.0.0.1:{port}", self.target, backoff_s=(0.05, 0.2),
+                                 part_bytes=part_bytes)
                    for name, port in ports.items()]
         self.pool = DrafterPool(clients, K_MAX, deadline_ms)
         engine = Engine(model, EngineConfig(max_num_seqs=16, max_model_len=MAX_LEN, block_size=16,
@@ -629,8 +633,8 @@ def test_speculation_off_and_on_mid_request_keeps_the_drafter_in_sync(loop, mode
 
 def test_a_generate_request_past_the_message_limit_is_refused_before_it_is_read(loop, model):
     """The verifier takes Generate messages of what a request can need (a prompt of
-    max_model_len ids, vocabulary-long lists, 16 MiB of text), not the drafter streams'
-    256 MiB: a larger one ends its own call with RESOURCE_EXHAUSTED, and the next
+    max_model_len ids, vocabulary-long lists, 16 MiB of text), not what its clients
+    take from it: a larger one ends its own call with RESOURCE_EXHAUSTED, and the next
     request is served."""
     stack = Stack(loop, model, {})
     try:
