@@ -678,8 +678,9 @@ def run_vllm(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
 def search_vllm_binding(args, model_dir: Path, prompts: list[Prompt], log_dir: Path
                         ) -> dict:
     """vLLM's CPU thread binding for this run: the caller's (fair.given_binding), the
-    one --vllm-binding names, or the fastest of fair.vllm_bindings() on `vllm serve`
-    without speculation, one request in flight, one request per prompt."""
+    one --vllm-binding names, or the fastest of fair.vllm_bindings() on `vllm serve` in
+    --vllm-binding-mode (of its own modes; plain by default), one request in flight, one
+    request per prompt."""
     given = fair.given_binding()
     if given is not None:
         return {"chosen": "given by the environment", "env": given}
@@ -687,10 +688,11 @@ def search_vllm_binding(args, model_dir: Path, prompts: list[Prompt], log_dir: P
     if args.vllm_binding_name != "search":
         return {"chosen": args.vllm_binding_name, "env": candidates[args.vllm_binding_name]}
     python = Path(args.peers_python)
+    mode = args.vllm_binding_mode
 
     def measure(env: dict[str, str]) -> float:
-        with vllm_server(python, model_dir, log_dir / "vllm-binding.log", None,
-                         args.vllm_timeout_s, env) as (base, _, _):
+        with vllm_server(python, model_dir, log_dir / "vllm-binding.log", VLLM[mode],
+                         args.vllm_timeout_s, env, environ=VLLM_ENV.get(mode)) as (base, _, _):
             async def cell() -> float:
                 async with openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0,
                                               timeout=900) as client:
@@ -701,7 +703,7 @@ def search_vllm_binding(args, model_dir: Path, prompts: list[Prompt], log_dir: P
 
     name, env, tried = fair.best_binding(measure, candidates)
     return {"chosen": name, "env": env, "searched": tried,
-            "search": f"`vllm serve` plain, C=1, {len(prompts)} requests"}
+            "search": f"`vllm serve` {mode}, C=1, {len(prompts)} requests"}
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
@@ -1176,6 +1178,9 @@ def main(argv: list[str] | None = None) -> None:
                     choices=["search", *fair.vllm_bindings()],
                     help="vLLM's CPU thread binding (default: the fastest of these, measured "
                          "by this run; the environment's VLLM_CPU_OMP_THREADS_BIND wins)")
+    ap.add_argument("--vllm-binding-mode", default="plain",
+                    choices=[m for m in VLLM if m not in VLLM_REMOTE],
+                    help="the vLLM mode the binding search measures (default %(default)s)")
     ap.add_argument("--allow-busy", action="store_true",
                     help="record even when the machine was busy before the run (marked)")
     ap.add_argument("--out", type=Path, default=RESULTS / "serving.json")

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         binding = serving.search_vllm_binding(
             argparse.Namespace(peers_python=str(args.python), vllm_timeout_s=args.timeout_s,
                                vllm_binding_name=args.vllm_binding_name,
-                               max_tokens=args.max_tokens),
+                               vllm_binding_mode="plain", max_tokens=args.max_tokens),
             model_dir, serving.prompts_by_name(), log_dir)
         args.vllm_binding = binding["env"]
     runs: list[dict] = []

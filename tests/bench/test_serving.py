@@ -281,3 +281,39 @@ def test_vllms_modes_take_turns_a_fresh_server_each_repeat(monkeypatch, tmp_path
     assert started == [None, ngram]
     assert {n: len(by_c["1"]) for n, by_c in cells.items()} == {"vllm plain": 3,
                                                                "vllm ngram K=4": 3}
+
+
+def test_the_binding_search_measures_the_mode_asked_for(monkeypatch, tmp_path):
+    """--vllm-binding-mode: each candidate binding runs `vllm serve` in that mode (its
+    speculative config and environment), and the record names the mode searched."""
+    import argparse
+    import contextlib
+
+    started: list = []
+
+    @contextlib.contextmanager
+    def fake_server(python, model_dir, log, spec, timeout_s, binding, drafters=None,
+                    settings=None, environ=None):
+        started.append((spec, binding, environ))
+        yield "http://x", None, 0.5
+
+    async def fake_cell(client, requests, concurrency, max_tokens, temperature):
+        return {"tok_s": 10.0 + len(started)}  # the last binding tried is the fastest
+
+    async def fake_one(*a, **k):
+        return None
+
+    for var in serving.fair.BINDING_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(serving, "vllm_server", fake_server)
+    monkeypatch.setattr(serving, "run_cell", fake_cell)
+    monkeypatch.setattr(serving, "stream_one", fake_one)
+    prompts = serving.prompts_by_name()
+    args = argparse.Namespace(peers_python="python", vllm_timeout_s=1, max_tokens=8,
+                              vllm_binding_name="search", vllm_binding_mode="ngram K=4 numba omp")
+    got = serving.search_vllm_binding(args, tmp_path, prompts, tmp_path)
+    candidates = serving.fair.vllm_bindings()
+    assert started == [(serving.VLLM["ngram K=4 numba omp"], env,
+                        serving.VLLM_ENV["ngram K=4 numba omp"]) for env in candidates.values()]
+    assert got["chosen"] == list(candidates)[-1] and got["env"] == list(candidates.values())[-1]
+    assert got["search"] == f"`vllm serve` ngram K=4 numba omp, C=1, {len(prompts)} requests"
