@@ -618,6 +618,16 @@ SECTIONS = [
      "python -m bench.serving --systems vllm --vllm 'ngram K=4,ngram K=4 numba omp,"
      "remote ngram K=4' --repeats 2 --vllm-binding 'cores 0-1, none reserved' "
      "--out bench/results/serving_vllm_numba.json"),
+    ("serving_vllm_binding_ngram.md",
+     "vLLM's CPU thread binding searched on its ngram K = 4 rather than plain, C = 1, AMD "
+     "EPYC (2026-12-08, a slow day): vLLM's default 13.5 tok/s, unbound on 2 threads 18.4, "
+     "bound to cores 0-1 with none reserved 18.5, the binding the plain search chooses "
+     "(2026-12-07: 30.0 against 27.1 unbound and 19.4 at its default). Both bindings on "
+     "every core are within the noise of each other on ngram, so the search on plain picks "
+     "one as fast for its ngram modes; then its ngram K = 4 made 24.7 tok/s",
+     "python -m bench.serving --systems vllm --vllm 'ngram K=4' --vllm-binding-mode "
+     "'ngram K=4' --concurrency 1 --repeats 1 "
+     "--out bench/results/serving_vllm_binding_ngram.json"),
     ("serving_vllm_indexed.md",
      "`vllm serve` with our ngram and suffix services as its proposer after tables were "
      "read as dicts built as they arrive (specdec.draft_table.TableIndex), beside its own "
