@@ -292,8 +292,9 @@ async def start_server(address: str, register: Callable[[grpc.aio.Server], None]
                        token: str | None = None, tls: TlsConfig | None = None) -> GrpcService:
     """Bind `address` ("host:port", port 0 = any free port), register the service's
     servicers and health, start, and report SERVING. max_receive_bytes: the largest
-    message a client may send (None: GRPC_DEFAULT_BYTES); token: required of every call but health's (TokenAuth);
-    tls: serve over TLS (health too: a plaintext probe cannot reach a TLS port)."""
+    message a client may send (None: GRPC_DEFAULT_BYTES); token: required of every call
+    but health's (TokenAuth); tls: serve over TLS (health too: a plaintext probe cannot
+    reach a TLS port)."""
     options = list(SERVER_OPTIONS)
     if max_receive_bytes is not None:
         options.append(("grpc.max_receive_message_length", max_receive_bytes))
