@@ -519,9 +519,12 @@ class DrafterClient:
             due = any(k for seq_id, k in asked.items() if seq_id not in self._hits)
             self._unwaited = None if due or self._outstanding != step else step
             request = drafter_pb2.DraftRequest(step=step, entries=entries)
-            if request.ByteSize() > self._budget():
-                self._drop_oversize(request)
-            for part in request_parts(request, self._budget()):
+            budget = self._budget()
+            if request.ByteSize() <= budget:  # the usual step: one message, sized once
+                outq.put(request)
+                return due
+            self._drop_oversize(request)
+            for part in request_parts(request, budget):
                 outq.put(part)
             return due
 
